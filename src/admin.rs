@@ -1,0 +1,41 @@
+//! Admin HTTP: `/metrics` (Prometheus text), `/healthz` (the process is alive) and `/readyz`
+//! (send it traffic: false while draining, so Kubernetes and load balancers stop routing here
+//! before the gRPC listener goes away).
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use tokio::sync::watch;
+
+use crate::extproc::Lifecycle;
+use crate::observe::Metrics;
+
+#[derive(Clone)]
+struct AdminState {
+    metrics: Metrics,
+    lifecycle: watch::Receiver<Lifecycle>,
+}
+
+pub fn router(metrics: Metrics, lifecycle: watch::Receiver<Lifecycle>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics_text))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(AdminState { metrics, lifecycle })
+}
+
+async fn metrics_text(State(state): State<AdminState>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        state.metrics.render(),
+    )
+}
+
+async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
+    match *state.lifecycle.borrow() {
+        Lifecycle::Serving => (StatusCode::OK, "ready\n"),
+        Lifecycle::Draining | Lifecycle::Closing => (StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
+    }
+}

@@ -1,0 +1,280 @@
+//! The configuration file's shape, its defaults, and how it is loaded.
+//!
+//! Layers, later wins: built-in defaults < `--config FILE` (YAML) < environment variables
+//! `TOLLGATE__SECTION__KEY` < command-line flags. Unknown keys are errors, never ignored: a
+//! typo in a limit must not silently leave the default in force. Loading only checks shape and
+//! types; `Policy::from_config` checks meaning (ranges, references between fields).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::tokens::EncodingRule;
+
+/// The whole configuration. Every field has a documented default, so an empty file is valid.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub listen: ListenConfig,
+    pub identity: IdentityConfig,
+    pub routes: RoutesConfig,
+    pub tokens: TokensConfig,
+    /// The tier used when a request names none.
+    pub default_tier: String,
+    /// Tiers by name. Naming any tier (in the file or the environment) replaces the built-in
+    /// set as a whole, so no tier exists that the operator did not write down.
+    pub tiers: BTreeMap<String, TierConfig>,
+    pub response: ResponseConfig,
+    pub shutdown: ShutdownConfig,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ListenConfig {
+    /// ext_proc gRPC (and grpc.health.v1) address.
+    pub grpc_addr: String,
+    /// Admin HTTP address: /metrics, /healthz, /readyz.
+    pub admin_addr: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct IdentityConfig {
+    /// Header naming the tenant, set by a trusted layer in front (an auth filter, a gateway).
+    /// Empty disables header identity, leaving API keys as the only way in.
+    pub user_header: String,
+    /// Header naming the tier; absent means `default_tier`.
+    pub tier_header: String,
+    /// `Authorization: Bearer KEY` → tenant and tier. Only SHA-256 hashes of keys are stored, so
+    /// the config file is not a secret store. When the list is non-empty, an unknown bearer key
+    /// is refused (401) rather than falling back to the header.
+    pub api_keys: Vec<ApiKeyConfig>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKeyConfig {
+    /// Lowercase hex SHA-256 of the key, e.g. `printf %s "$KEY" | sha256sum`.
+    pub sha256: String,
+    pub tenant: String,
+    /// Absent means `default_tier`.
+    #[serde(default)]
+    pub tier: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoutesConfig {
+    /// Paths (query string ignored, exact match) whose POST bodies are OpenAI requests to admit.
+    /// Everything else passes through untouched.
+    pub inference_paths: Vec<String>,
+    /// Paths among `inference_paths` that take a completions `prompt` rather than chat
+    /// `messages`. Matched by suffix, so `/openai/v1/completions` works too.
+    pub completions_suffix: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TokensConfig {
+    /// Model-name globs → BPE, first match wins; unmatched models use the built-in family table.
+    pub encodings: Vec<EncodingRule>,
+    /// Chat framing per message (OpenAI's published counting recipe: 3).
+    pub per_message: u32,
+    /// Extra when a message carries `name` (1).
+    pub per_name: u32,
+    /// Priming of the assistant's reply (3).
+    pub reply_priming: u32,
+    /// Flat cost charged per image part, since the pixels are not in the body to count.
+    pub per_image: u32,
+    /// Largest request body tollgate will parse; Envoy's own buffer limit should be the same
+    /// or lower so clients get Envoy's 413 before any gRPC traffic.
+    pub max_body_bytes: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TierConfig {
+    /// Hard ceiling on a request's counted input tokens (400 above it).
+    pub max_input_tokens: u32,
+    /// Hard ceiling on `max_tokens` / `max_completion_tokens`.
+    pub max_output_tokens: u32,
+    /// What happens above `max_output_tokens`: `reject` (400) or `clamp` (rewrite the body).
+    pub output_limit: OutputLimitPolicy,
+    /// Output tokens assumed, and written into the body, when the request names none. Without
+    /// it the upstream would generate until the model's context runs out and the ceiling would
+    /// mean nothing. Absent means `max_output_tokens`.
+    pub default_output_tokens: Option<u32>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutputLimitPolicy {
+    #[default]
+    Reject,
+    Clamp,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ResponseConfig {
+    /// Ask streaming upstreams for a final usage chunk (`stream_options.include_usage`).
+    pub inject_stream_usage: bool,
+    /// Most bytes of a non-streamed JSON response kept to read its `usage`.
+    pub max_buffered_json_bytes: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShutdownConfig {
+    /// After SIGTERM, how long admitted streams may keep being observed before tollgate lets
+    /// Envoy carry on without it. Keep it under the pod's terminationGracePeriodSeconds.
+    pub drain_deadline_ms: u64,
+}
+
+impl Default for ListenConfig {
+    fn default() -> Self {
+        ListenConfig {
+            grpc_addr: "0.0.0.0:50051".to_owned(),
+            admin_addr: "0.0.0.0:9464".to_owned(),
+        }
+    }
+}
+
+impl Default for IdentityConfig {
+    fn default() -> Self {
+        IdentityConfig {
+            user_header: "x-user-id".to_owned(),
+            tier_header: "x-user-tier".to_owned(),
+            api_keys: Vec::new(),
+        }
+    }
+}
+
+impl Default for RoutesConfig {
+    fn default() -> Self {
+        RoutesConfig {
+            inference_paths: vec![
+                "/v1/chat/completions".to_owned(),
+                "/v1/completions".to_owned(),
+            ],
+            completions_suffix: "/completions".to_owned(),
+        }
+    }
+}
+
+impl Default for TokensConfig {
+    fn default() -> Self {
+        TokensConfig {
+            encodings: Vec::new(),
+            per_message: 3,
+            per_name: 1,
+            reply_priming: 3,
+            per_image: 765,
+            max_body_bytes: 8 * 1024 * 1024,
+        }
+    }
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        TierConfig {
+            max_input_tokens: 16_000,
+            max_output_tokens: 4_096,
+            output_limit: OutputLimitPolicy::Reject,
+            default_output_tokens: None,
+        }
+    }
+}
+
+impl Default for ResponseConfig {
+    fn default() -> Self {
+        ResponseConfig {
+            inject_stream_usage: true,
+            max_buffered_json_bytes: 1024 * 1024,
+        }
+    }
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        ShutdownConfig {
+            drain_deadline_ms: 20_000,
+        }
+    }
+}
+
+/// The built-in tiers, from seed 003: free, standard, premium; requests without a tier are free.
+pub fn default_tiers() -> BTreeMap<String, TierConfig> {
+    ["free", "standard", "premium"]
+        .into_iter()
+        .map(|name| (name.to_owned(), TierConfig::default()))
+        .collect()
+}
+
+/// Built-in defaults: what `tollgate` with no arguments runs.
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: ListenConfig::default(),
+            identity: IdentityConfig::default(),
+            routes: RoutesConfig::default(),
+            tokens: TokensConfig::default(),
+            default_tier: "free".to_owned(),
+            tiers: default_tiers(),
+            response: ResponseConfig::default(),
+            shutdown: ShutdownConfig::default(),
+        }
+    }
+}
+
+/// A configuration that cannot be used. The message names the field and the value.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+impl From<config::ConfigError> for ConfigError {
+    fn from(e: config::ConfigError) -> Self {
+        ConfigError(e.to_string())
+    }
+}
+
+/// Loads defaults, then `file` (if any), then `TOLLGATE__*` variables from `env`.
+///
+/// `env` is passed in (rather than read here) so tests can inject variables without touching
+/// the process environment.
+pub fn load(
+    file: Option<&Path>,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<Config, ConfigError> {
+    let mut builder = config::Config::builder();
+    if let Some(path) = file {
+        if !path.is_file() {
+            return Err(ConfigError(format!(
+                "config file {}: not found or not a file",
+                path.display()
+            )));
+        }
+        builder = builder.add_source(
+            config::File::from(path)
+                .format(config::FileFormat::Yaml)
+                .required(true),
+        );
+    }
+    let env: config::Map<String, String> = env
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("TOLLGATE__"))
+        .collect();
+    builder = builder.add_source(
+        config::Environment::with_prefix("TOLLGATE")
+            .separator("__")
+            .try_parsing(true)
+            .list_separator(",")
+            .with_list_parse_key("routes.inference_paths")
+            .source(Some(env)),
+    );
+    Ok(builder.build()?.try_deserialize()?)
+}
+
+#[cfg(test)]
+mod tests;

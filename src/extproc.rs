@@ -1,0 +1,455 @@
+//! The ext_proc gRPC adapter: one task per stream, an explicit phase state machine, and the
+//! translation to and from Envoy's messages (in `convert`, the only place protobuf lives).
+//!
+//! Envoy opens one bidirectional stream per HTTP request and expects exactly one answer per
+//! message, of the same kind. A stream's story: request headers (who, which route) → request
+//! body (the decision) → response headers and body (observation: first byte, usage, proper
+//! end). Whatever way the stream ends, `Exchange::finish` records the outcome once.
+
+mod convert;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    external_processor_server::ExternalProcessor, processing_request::Request as Message,
+};
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Status, Streaming};
+
+pub use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+
+use crate::admission::{self, Admission, BodyVerdict};
+use crate::observe::response::{ResponseEnd, ResponseObserver};
+use crate::observe::{Metrics, ProtocolError, RequestOutcome};
+use crate::policy::Policy;
+use crate::reply::LocalReply;
+use crate::request::{self, HeadVerdict, InferenceHead};
+use convert::Phase as Answer;
+
+/// Bodies above this size are parsed and counted on the blocking pool, so a multi-megabyte
+/// prompt never stalls the async workers that every other stream shares.
+const INLINE_BODY_BYTES: usize = 256 * 1024;
+
+/// Where the server is in its life; stream tasks watch it to end deliberately at shutdown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lifecycle {
+    Serving,
+    /// SIGTERM received: health says NOT_SERVING; streams already open carry on.
+    Draining,
+    /// The drain deadline passed: every stream still open ends now.
+    Closing,
+}
+
+/// State shared by every stream.
+pub struct Shared {
+    pub policy: Arc<Policy>,
+    pub metrics: Metrics,
+    pub lifecycle: watch::Receiver<Lifecycle>,
+    pub open_streams: OpenStreams,
+}
+
+/// Counts open streams so shutdown can wait for them to finish.
+#[derive(Default)]
+pub struct OpenStreams {
+    count: AtomicUsize,
+    changed: Notify,
+}
+
+impl OpenStreams {
+    pub fn count(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+
+    /// Resolves once no stream is open.
+    pub async fn all_closed(&self) {
+        loop {
+            let changed = self.changed.notified();
+            if self.count() == 0 {
+                return;
+            }
+            changed.await;
+        }
+    }
+}
+
+/// The tonic service.
+#[derive(Clone)]
+pub struct ExtProc {
+    shared: Arc<Shared>,
+}
+
+impl ExtProc {
+    pub fn new(shared: Arc<Shared>) -> ExtProc {
+        ExtProc { shared }
+    }
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for ExtProc {
+    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+
+    async fn process(
+        &self,
+        request: tonic::Request<Streaming<ProcessingRequest>>,
+    ) -> Result<tonic::Response<Self::ProcessStream>, Status> {
+        // One answer per message and Envoy waits for each, so two slots never block.
+        let (tx, rx) = mpsc::channel(2);
+        let shared = self.shared.clone();
+        // A task of its own, so a stream that Envoy resets is noticed and accounted for even
+        // while tonic is not polling the response stream.
+        tokio::spawn(serve_stream(shared, request.into_inner(), tx));
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// How a stream's conversation with Envoy stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StreamEnd {
+    /// Envoy half-closed or reset the stream, or stopped listening to answers.
+    Envoy,
+    /// tollgate ended it (shutdown, or a protocol error).
+    Tollgate,
+}
+
+async fn serve_stream(
+    shared: Arc<Shared>,
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+) {
+    let _held = StreamGuard::new(&shared);
+    let mut lifecycle = shared.lifecycle.clone();
+    let mut exchange = Exchange::default();
+    let end = loop {
+        let message = tokio::select! {
+            biased;
+            message = inbound.message() => message,
+            () = reached(&mut lifecycle, Lifecycle::Closing) => {
+                if !exchange.is_decided() {
+                    // Closing with OK would tell Envoy to continue without tollgate, admitting
+                    // a request nobody checked; an error makes Envoy answer status_on_error.
+                    let _ = tx.send(Err(Status::unavailable("tollgate is shutting down"))).await;
+                }
+                // A decided stream closes with OK: Envoy finishes the response without us.
+                break StreamEnd::Tollgate;
+            }
+        };
+        let message = match message {
+            Ok(Some(message)) => message,
+            Ok(None) | Err(_) => break StreamEnd::Envoy,
+        };
+        let answer = exchange.on_message(&shared, message).await;
+        let stop = answer.is_err();
+        if tx.send(answer).await.is_err() {
+            break StreamEnd::Envoy;
+        }
+        if stop {
+            break StreamEnd::Tollgate;
+        }
+    };
+    exchange.finish(&shared, end);
+}
+
+/// Resolves once the server's lifecycle is at `state`.
+pub async fn reached(lifecycle: &mut watch::Receiver<Lifecycle>, state: Lifecycle) {
+    // The borrow guard wait_for returns is not Send; drop it before anything else awaits.
+    let _ = lifecycle.wait_for(|s| *s == state).await.is_ok();
+}
+
+/// Counts the stream as open (metric and shutdown counter) until dropped.
+struct StreamGuard {
+    shared: Arc<Shared>,
+    _gauge: crate::observe::HeldStream,
+}
+
+impl StreamGuard {
+    fn new(shared: &Arc<Shared>) -> StreamGuard {
+        shared.open_streams.count.fetch_add(1, Ordering::AcqRel);
+        StreamGuard {
+            shared: shared.clone(),
+            _gauge: shared.metrics.hold_stream(),
+        }
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        let streams = &self.shared.open_streams;
+        streams.count.fetch_sub(1, Ordering::AcqRel);
+        streams.changed.notify_waiters();
+    }
+}
+
+/// One HTTP request's progress through the phases.
+#[derive(Default)]
+enum Exchange {
+    /// Nothing received yet; request headers must come first.
+    #[default]
+    Start,
+    /// An inference request whose body has not arrived yet.
+    AwaitingBody { head: InferenceHead, arrived: Instant },
+    /// A route tollgate does not govern.
+    PassedThrough,
+    /// Answered with a local reply; Envoy sends nothing more.
+    Rejected,
+    /// Let through; its response is being watched.
+    Admitted(Box<Watched>),
+}
+
+struct Watched {
+    admission: Admission,
+    arrived: Instant,
+    response: Option<ResponseObserver>,
+}
+
+impl Exchange {
+    fn is_decided(&self) -> bool {
+        !matches!(self, Exchange::Start | Exchange::AwaitingBody { .. })
+    }
+
+    async fn on_message(
+        &mut self,
+        shared: &Shared,
+        message: ProcessingRequest,
+    ) -> Result<ProcessingResponse, Status> {
+        let now = Instant::now();
+        let Some(message) = message.request else {
+            shared.metrics.protocol_error(ProtocolError::EmptyMessage);
+            return Err(Status::invalid_argument(
+                "ProcessingRequest carries no request_headers/request_body/... message",
+            ));
+        };
+        match (std::mem::take(self), message) {
+            (Exchange::Start, Message::RequestHeaders(headers)) => {
+                Ok(self.on_request_headers(shared, &headers, now))
+            }
+            (Exchange::AwaitingBody { head, arrived }, Message::RequestBody(body)) => {
+                Ok(self.on_request_body(shared, head, arrived, body).await)
+            }
+            (Exchange::Admitted(mut watched), Message::ResponseHeaders(headers)) => {
+                watched.on_response_headers(shared, &headers);
+                *self = Exchange::Admitted(watched);
+                Ok(convert::continue_unchanged(Answer::ResponseHeaders))
+            }
+            (Exchange::Admitted(mut watched), Message::ResponseBody(body)) => {
+                watched.on_response_body(shared, &body, now);
+                *self = Exchange::Admitted(watched);
+                Ok(convert::continue_unchanged(Answer::ResponseBody))
+            }
+            // Trailers carry nothing tollgate decides on; answer them wherever they come.
+            (state, Message::RequestTrailers(_)) if !matches!(state, Exchange::Start) => {
+                *self = state;
+                Ok(convert::continue_unchanged(Answer::RequestTrailers))
+            }
+            (state @ (Exchange::Admitted(_) | Exchange::PassedThrough), Message::ResponseTrailers(_)) => {
+                *self = state;
+                Ok(convert::continue_unchanged(Answer::ResponseTrailers))
+            }
+            // Envoy ignores mode_override unless the filter allows it; then the later phases
+            // of a passed-through request still arrive and are let through unchanged.
+            (Exchange::PassedThrough, later) => {
+                *self = Exchange::PassedThrough;
+                let phase = match later {
+                    Message::RequestBody(_) => Answer::RequestBody,
+                    Message::ResponseHeaders(_) => Answer::ResponseHeaders,
+                    Message::ResponseBody(_) => Answer::ResponseBody,
+                    other => return Err(out_of_order(shared, "passed through", &other)),
+                };
+                Ok(convert::continue_unchanged(phase))
+            }
+            (state, message) => {
+                let phase = state.name();
+                *self = state;
+                Err(out_of_order(shared, phase, &message))
+            }
+        }
+    }
+
+    fn on_request_headers(
+        &mut self,
+        shared: &Shared,
+        headers: &HttpHeaders,
+        now: Instant,
+    ) -> ProcessingResponse {
+        let list = convert::headers(headers.headers.as_ref());
+        match request::classify_head(&shared.policy, &list, headers.end_of_stream) {
+            HeadVerdict::Inference(mut head) => {
+                let remove = std::mem::take(&mut head.spoofed_headers);
+                *self = Exchange::AwaitingBody { head, arrived: now };
+                convert::request_headers_continue(remove)
+            }
+            HeadVerdict::PassThrough => {
+                shared.metrics.request(RequestOutcome::PassedThrough);
+                *self = Exchange::PassedThrough;
+                convert::request_headers_pass_through()
+            }
+            HeadVerdict::Reject(reply) => {
+                // The tier is known only if identity succeeded, which a head rejection means
+                // it did not, or did for a reason unrelated to tiers; count it tierless.
+                self.reject(shared, &reply, None, now)
+            }
+        }
+    }
+
+    async fn on_request_body(
+        &mut self,
+        shared: &Shared,
+        head: InferenceHead,
+        arrived: Instant,
+        body: HttpBody,
+    ) -> ProcessingResponse {
+        let started = Instant::now();
+        let tier = head.identity.tier;
+        if !body.end_of_stream {
+            let reply = LocalReply::new(
+                crate::reply::Reason::IncompleteBody,
+                format!(
+                    "tollgate received a partial request body ({} bytes): the body is over Envoy's \
+                     buffer limit, or the ext_proc filter is not in BUFFERED request body mode",
+                    body.body.len()
+                ),
+            );
+            return self.reject(shared, &reply, Some(tier), started);
+        }
+        let verdict = if body.body.len() <= INLINE_BODY_BYTES {
+            admission::decide_body(&shared.policy, &head, &body.body)
+        } else {
+            let policy = shared.policy.clone();
+            let head = head.clone();
+            let bytes = body.body;
+            match tokio::task::spawn_blocking(move || admission::decide_body(&policy, &head, &bytes))
+                .await
+            {
+                Ok(verdict) => verdict,
+                // Only a panic in counting gets here; refuse rather than pass unchecked.
+                Err(join_error) => BodyVerdict::Reject(LocalReply::new(
+                    crate::reply::Reason::InvalidRequest,
+                    format!("the request body could not be processed: {join_error}"),
+                )),
+            }
+        };
+        match verdict {
+            BodyVerdict::Admit(admission) => {
+                let answer = convert::request_body_admit(&admission);
+                shared.metrics.request(RequestOutcome::Admitted);
+                shared
+                    .metrics
+                    .estimated_input_tokens(tier, admission.input_tokens);
+                shared
+                    .metrics
+                    .decision_duration(started.elapsed().as_secs_f64());
+                *self = Exchange::Admitted(Box::new(Watched {
+                    admission,
+                    arrived,
+                    response: None,
+                }));
+                answer
+            }
+            BodyVerdict::Reject(reply) => self.reject(shared, &reply, Some(tier), started),
+        }
+    }
+
+    fn reject(
+        &mut self,
+        shared: &Shared,
+        reply: &LocalReply,
+        tier: Option<usize>,
+        started: Instant,
+    ) -> ProcessingResponse {
+        shared.metrics.request(RequestOutcome::Rejected);
+        shared.metrics.rejection(reply.reason, tier);
+        shared
+            .metrics
+            .decision_duration(started.elapsed().as_secs_f64());
+        *self = Exchange::Rejected;
+        convert::immediate(reply)
+    }
+
+    /// Records how the stream ended; runs exactly once per stream.
+    fn finish(self, shared: &Shared, end: StreamEnd) {
+        match self {
+            Exchange::AwaitingBody { .. } => shared.metrics.request(RequestOutcome::Abandoned),
+            Exchange::Admitted(watched) => watched.finish(shared, end),
+            Exchange::Start | Exchange::PassedThrough | Exchange::Rejected => {}
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Exchange::Start => "start (expecting request_headers)",
+            Exchange::AwaitingBody { .. } => "awaiting request_body",
+            Exchange::PassedThrough => "passed through",
+            Exchange::Rejected => "rejected (no further messages expected)",
+            Exchange::Admitted(_) => "admitted (expecting response messages)",
+        }
+    }
+}
+
+impl Watched {
+    fn on_response_headers(&mut self, shared: &Shared, headers: &HttpHeaders) {
+        let map = headers.headers.as_ref();
+        let status = convert::header(map, ":status")
+            .and_then(|s| std::str::from_utf8(s).ok())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let mut observer = ResponseObserver::new(
+            status,
+            convert::header(map, "content-type"),
+            shared.policy.max_buffered_json_bytes,
+        );
+        if headers.end_of_stream {
+            observer.on_end_of_stream();
+        }
+        self.response = Some(observer);
+    }
+
+    fn on_response_body(&mut self, shared: &Shared, body: &HttpBody, now: Instant) {
+        // Without response headers (header mode SKIP) the status is unknown: assume success and
+        // sniff nothing but usage from a JSON body.
+        let observer = self.response.get_or_insert_with(|| {
+            ResponseObserver::new(200, None, shared.policy.max_buffered_json_bytes)
+        });
+        if observer.on_chunk(&body.body, body.end_of_stream) {
+            let tier = self.admission.identity.tier;
+            let ttft = now.duration_since(self.arrived).as_secs_f64();
+            shared.metrics.time_to_first_token(tier, ttft);
+        }
+    }
+
+    fn finish(self, shared: &Shared, _end: StreamEnd) {
+        let tier = self.admission.identity.tier;
+        let Some(observer) = self.response else {
+            shared.metrics.stream_completion(ResponseEnd::NoResponse);
+            return;
+        };
+        let end = observer.end();
+        shared.metrics.stream_completion(end);
+        if end == ResponseEnd::Complete {
+            let seconds = self.arrived.elapsed().as_secs_f64();
+            shared.metrics.request_duration(tier, seconds);
+        }
+        if let Some(usage) = observer.usage() {
+            shared
+                .metrics
+                .usage(tier, usage.prompt_tokens, usage.completion_tokens);
+        }
+    }
+}
+
+fn out_of_order(shared: &Shared, phase: &str, message: &Message) -> Status {
+    shared.metrics.protocol_error(ProtocolError::OutOfOrder);
+    let got = match message {
+        Message::RequestHeaders(_) => "request_headers",
+        Message::RequestBody(_) => "request_body",
+        Message::RequestTrailers(_) => "request_trailers",
+        Message::ResponseHeaders(_) => "response_headers",
+        Message::ResponseBody(_) => "response_body",
+        Message::ResponseTrailers(_) => "response_trailers",
+    };
+    Status::failed_precondition(format!(
+        "ext_proc protocol violation: received {got} while {phase}"
+    ))
+}

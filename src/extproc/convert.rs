@@ -1,0 +1,178 @@
+//! Translation between Envoy's ext_proc messages and tollgate's own values. The only file that
+//! builds or reads protobuf types.
+
+use envoy_types::pb::envoy::config::core::v3::{
+    HeaderMap, HeaderValue, HeaderValueOption, header_value_option::HeaderAppendAction,
+};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::{
+    ProcessingMode, processing_mode::BodySendMode, processing_mode::HeaderSendMode,
+};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
+    ProcessingResponse, TrailersResponse, body_mutation, processing_response::Response,
+};
+
+use crate::admission::Admission;
+use crate::reply::LocalReply;
+use crate::request::Header;
+
+/// Borrows Envoy's header map as tollgate `Header`s. Envoy sends values in `raw_value` (bytes);
+/// older versions used `value`, so fall back to it when `raw_value` is empty.
+pub fn headers(map: Option<&HeaderMap>) -> Vec<Header<'_>> {
+    map.map(|m| {
+        m.headers
+            .iter()
+            .map(|h| Header {
+                name: h.key.as_str(),
+                value: if h.raw_value.is_empty() {
+                    h.value.as_bytes()
+                } else {
+                    &h.raw_value
+                },
+            })
+            .collect()
+    })
+    .unwrap_or_default()
+}
+
+/// Looks one header up in Envoy's header map.
+pub fn header<'a>(map: Option<&'a HeaderMap>, name: &str) -> Option<&'a [u8]> {
+    map?.headers.iter().find(|h| h.key == name).map(|h| {
+        if h.raw_value.is_empty() {
+            h.value.as_bytes()
+        } else {
+            h.raw_value.as_slice()
+        }
+    })
+}
+
+/// CONTINUE on request headers, removing the client's copies of headers tollgate owns.
+pub fn request_headers_continue(remove: Vec<String>) -> ProcessingResponse {
+    let header_mutation = (!remove.is_empty()).then(|| HeaderMutation {
+        set_headers: Vec::new(),
+        remove_headers: remove,
+    });
+    respond(Response::RequestHeaders(HeadersResponse {
+        response: Some(CommonResponse {
+            header_mutation,
+            ..CommonResponse::default()
+        }),
+    }))
+}
+
+/// CONTINUE on request headers and tell Envoy to send nothing more for this request: a route
+/// tollgate does not govern costs no further round trips (honoured when the filter sets
+/// `allow_mode_override`; otherwise tollgate answers the later phases with CONTINUE).
+pub fn request_headers_pass_through() -> ProcessingResponse {
+    ProcessingResponse {
+        mode_override: Some(ProcessingMode {
+            request_header_mode: HeaderSendMode::Default as i32,
+            response_header_mode: HeaderSendMode::Skip as i32,
+            request_body_mode: BodySendMode::None as i32,
+            response_body_mode: BodySendMode::None as i32,
+            request_trailer_mode: HeaderSendMode::Skip as i32,
+            response_trailer_mode: HeaderSendMode::Skip as i32,
+        }),
+        ..request_headers_continue(Vec::new())
+    }
+}
+
+/// CONTINUE on the request body with tollgate's upstream headers and any body rewrite.
+pub fn request_body_admit(admission: &Admission) -> ProcessingResponse {
+    let mut set_headers: Vec<HeaderValueOption> = admission
+        .upstream_headers
+        .iter()
+        .map(|(name, value)| set_header(name, value.as_bytes()))
+        .collect();
+    let body_mutation = admission.new_body.as_ref().map(|body| {
+        // The rewritten body has a new length; a stale content-length would make the upstream
+        // read too little or wait for bytes that never come.
+        set_headers.push(set_header("content-length", body.len().to_string().as_bytes()));
+        BodyMutation {
+            mutation: Some(body_mutation::Mutation::Body(body.clone())),
+        }
+    });
+    respond(Response::RequestBody(BodyResponse {
+        response: Some(CommonResponse {
+            header_mutation: Some(HeaderMutation {
+                set_headers,
+                remove_headers: Vec::new(),
+            }),
+            body_mutation,
+            ..CommonResponse::default()
+        }),
+    }))
+}
+
+/// A local reply in place of the upstream's response.
+pub fn immediate(reply: &LocalReply) -> ProcessingResponse {
+    let mut set_headers = vec![
+        set_header("content-type", b"application/json"),
+        set_header("x-tollgate-reason", reply.reason.as_str().as_bytes()),
+    ];
+    set_headers.extend(
+        reply
+            .headers
+            .iter()
+            .map(|(name, value)| set_header(name, value.as_bytes())),
+    );
+    respond(Response::ImmediateResponse(ImmediateResponse {
+        status: Some(HttpStatus {
+            code: i32::from(reply.status()),
+        }),
+        headers: Some(HeaderMutation {
+            set_headers,
+            remove_headers: Vec::new(),
+        }),
+        body: reply.body(),
+        grpc_status: None,
+        // Shows up in Envoy's %RESPONSE_CODE_DETAILS% access-log field.
+        details: format!("tollgate_{}", reply.reason.as_str()),
+    }))
+}
+
+/// Which message a plain CONTINUE answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    RequestBody,
+    RequestTrailers,
+    ResponseHeaders,
+    ResponseBody,
+    ResponseTrailers,
+}
+
+/// An unmodified CONTINUE for `phase`.
+pub fn continue_unchanged(phase: Phase) -> ProcessingResponse {
+    let common = || {
+        Some(CommonResponse {
+            ..CommonResponse::default()
+        })
+    };
+    respond(match phase {
+        Phase::RequestBody => Response::RequestBody(BodyResponse { response: common() }),
+        Phase::ResponseBody => Response::ResponseBody(BodyResponse { response: common() }),
+        Phase::ResponseHeaders => Response::ResponseHeaders(HeadersResponse { response: common() }),
+        Phase::RequestTrailers => Response::RequestTrailers(TrailersResponse::default()),
+        Phase::ResponseTrailers => Response::ResponseTrailers(TrailersResponse::default()),
+    })
+}
+
+fn respond(response: Response) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(response),
+        ..ProcessingResponse::default()
+    }
+}
+
+fn set_header(name: &str, value: &[u8]) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: name.to_owned(),
+            value: String::new(),
+            raw_value: value.to_vec(),
+        }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..HeaderValueOption::default()
+    }
+}

@@ -1,0 +1,185 @@
+//! tollgate: fair, fast admission control for shared LLM inference, as an Envoy ext_proc
+//! service.
+//!
+//! `run` is the whole server: the binary only parses its command line and calls it, and the
+//! tests and examples drive it the same way on port 0. See ARCHITECTURE.md for the map.
+
+#![forbid(unsafe_code)]
+#![deny(rust_2018_idioms, clippy::disallowed_methods, clippy::disallowed_types)]
+
+pub mod admin;
+pub mod admission;
+pub mod config;
+pub mod extproc;
+pub mod observe;
+pub mod policy;
+pub mod reply;
+pub mod request;
+pub mod tokens;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::config::Config;
+use crate::extproc::{ExtProc, ExternalProcessorServer, Lifecycle, OpenStreams, Shared};
+use crate::observe::Metrics;
+use crate::policy::Policy;
+
+/// The sockets `run` serves on, bound by the caller (so tests can bind port 0 and read the
+/// port before the server starts).
+pub struct Listeners {
+    /// ext_proc gRPC and grpc.health.v1.
+    pub grpc: TcpListener,
+    /// /metrics, /healthz, /readyz.
+    pub admin: TcpListener,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid configuration:\n{0}")]
+    Config(#[from] config::ConfigError),
+    #[error("gRPC server failed: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+    #[error("admin server failed: {0}")]
+    Admin(#[from] std::io::Error),
+}
+
+/// How long the gRPC server may take to wind down once every stream was told to end.
+const GRPC_CLOSE_GRACE: Duration = Duration::from_secs(5);
+/// How often histogram samples are folded into buckets between scrapes.
+const METRICS_UPKEEP_PERIOD: Duration = Duration::from_secs(5);
+
+/// Runs tollgate until `shutdown` resolves, then drains:
+/// 1. health and /readyz turn NOT_SERVING; the gRPC listener stops accepting and sends GOAWAY;
+/// 2. streams already open carry on until they end or `shutdown.drain_deadline_ms` passes;
+/// 3. then every stream still open ends deliberately: undecided ones with an error status (so
+///    Envoy answers its `status_on_error`, never a silent pass), decided ones with OK (so Envoy
+///    finishes the response without tollgate);
+/// 4. returns `Ok(())`.
+pub async fn run(
+    config: Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Error> {
+    let policy = Arc::new(Policy::from_config(&config)?);
+    // Build the BPE tables now, off the async workers, so no request pays for them.
+    let encodings = [
+        tokens::Encoding::Cl100kBase,
+        tokens::Encoding::O200kBase,
+    ];
+    let _ = tokio::task::spawn_blocking(move || encodings.iter().for_each(|e| e.warm_up())).await;
+
+    let metrics = Metrics::new(&policy);
+    let (lifecycle_tx, lifecycle) = watch::channel(Lifecycle::Serving);
+    let shared = Arc::new(Shared {
+        policy: policy.clone(),
+        metrics: metrics.clone(),
+        lifecycle: lifecycle.clone(),
+        open_streams: OpenStreams::default(),
+    });
+
+    let upkeep = {
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(METRICS_UPKEEP_PERIOD);
+            loop {
+                tick.tick().await;
+                metrics.run_upkeep();
+            }
+        })
+    };
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<ExternalProcessorServer<ExtProc>>()
+        .await;
+    health.set_service_status("", tonic_health::ServingStatus::Serving).await;
+
+    // Envoy sends the whole buffered body in one message; tonic's default 4 MiB cap would
+    // reject large prompts before tollgate could answer them with a proper 413.
+    let max_message = policy.counting.max_body_bytes + 64 * 1024;
+    let ext_proc = ExternalProcessorServer::new(ExtProc::new(shared.clone()))
+        .max_decoding_message_size(max_message)
+        .max_encoding_message_size(max_message);
+    let grpc_stopping = {
+        let mut lifecycle = lifecycle.clone();
+        async move {
+            let _ = lifecycle.wait_for(|s| *s != Lifecycle::Serving).await;
+        }
+    };
+    let grpc_server = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .http2_adaptive_window(Some(true))
+        .add_service(health_service)
+        .add_service(ext_proc)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), grpc_stopping);
+    let mut grpc_server = tokio::spawn(grpc_server);
+
+    let admin_stopping = {
+        let mut lifecycle = lifecycle.clone();
+        async move {
+            let _ = lifecycle.wait_for(|s| *s == Lifecycle::Closing).await;
+        }
+    };
+    let admin_server = axum::serve(listeners.admin, admin::router(metrics.clone(), lifecycle))
+        .with_graceful_shutdown(admin_stopping);
+    let admin_server = tokio::spawn(async move { admin_server.await });
+
+    tracing::info!("tollgate serving");
+    tokio::select! {
+        _ = shutdown => {}
+        result = &mut grpc_server => {
+            // The server ended on its own: nothing to drain.
+            let _ = lifecycle_tx.send(Lifecycle::Closing);
+            upkeep.abort();
+            return match result {
+                Ok(inner) => inner.map_err(Error::from),
+                Err(join_error) => Err(Error::Admin(std::io::Error::other(join_error))),
+            };
+        }
+    }
+
+    let open = shared.open_streams.count();
+    tracing::info!(open, "shutdown: draining");
+    let _ = lifecycle_tx.send(Lifecycle::Draining);
+    health
+        .set_not_serving::<ExternalProcessorServer<ExtProc>>()
+        .await;
+    health
+        .set_service_status("", tonic_health::ServingStatus::NotServing)
+        .await;
+    let deadline = Duration::from_millis(config.shutdown.drain_deadline_ms);
+    if tokio::time::timeout(deadline, shared.open_streams.all_closed())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            open = shared.open_streams.count(),
+            "shutdown: drain deadline passed; ending the remaining streams"
+        );
+    }
+    let _ = lifecycle_tx.send(Lifecycle::Closing);
+    let grpc_result = match tokio::time::timeout(GRPC_CLOSE_GRACE, &mut grpc_server).await {
+        Ok(Ok(result)) => result.map_err(Error::from),
+        Ok(Err(join_error)) => Err(Error::Admin(std::io::Error::other(join_error))),
+        Err(_) => {
+            // Envoy kept connections open past GOAWAY; every stream is answered already.
+            grpc_server.abort();
+            Ok(())
+        }
+    };
+    upkeep.abort();
+    let admin_result = match admin_server.await {
+        Ok(result) => result.map_err(Error::from),
+        Err(join_error) => Err(Error::Admin(std::io::Error::other(join_error))),
+    };
+    tracing::info!("shutdown: done");
+    grpc_result.and(admin_result)
+}

@@ -1,0 +1,160 @@
+//! The `tollgate` binary: parses the command line, loads the configuration and calls
+//! `tollgate::run`. Nothing else lives here.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tollgate::config::{self, Config};
+use tollgate::policy::Policy;
+
+/// Fair, fast admission control for shared LLM inference behind Envoy ext_proc.
+#[derive(Parser)]
+#[command(name = "tollgate", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// YAML configuration file (defaults are built in; TOLLGATE__SECTION__KEY variables
+    /// override the file, and these flags override both).
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// ext_proc gRPC listen address [default: 0.0.0.0:50051].
+    #[arg(long, value_name = "ADDR")]
+    grpc_addr: Option<SocketAddr>,
+    /// Admin HTTP listen address (/metrics, /healthz, /readyz) [default: 0.0.0.0:9464].
+    #[arg(long, value_name = "ADDR")]
+    admin_addr: Option<SocketAddr>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate a configuration file and exit (status 0 if valid, 2 if not).
+    CheckConfig {
+        /// The file to check.
+        file: PathBuf,
+    },
+    /// Print the effective configuration (defaults, file, environment and flags applied).
+    PrintConfig,
+}
+
+/// Exit status for an unusable configuration, as for a usage error.
+const EXIT_CONFIG: u8 = 2;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+
+    let file = match &cli.command {
+        Some(Command::CheckConfig { file }) => Some(file.clone()),
+        _ => cli.config.clone(),
+    };
+    let config = match effective_config(&cli, file.as_deref()) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("tollgate: invalid configuration:\n{e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    match cli.command {
+        Some(Command::CheckConfig { file }) => {
+            println!("{}: ok", file.display());
+            ExitCode::SUCCESS
+        }
+        Some(Command::PrintConfig) => {
+            // JSON is valid YAML, so the output can be fed back with --config.
+            match serde_json::to_string_pretty(&config) {
+                Ok(text) => {
+                    println!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("tollgate: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        None => serve(config),
+    }
+}
+
+fn effective_config(cli: &Cli, file: Option<&std::path::Path>) -> Result<Config, config::ConfigError> {
+    let mut config = config::load(file, std::env::vars())?;
+    if let Some(addr) = cli.grpc_addr {
+        config.listen.grpc_addr = addr.to_string();
+    }
+    if let Some(addr) = cli.admin_addr {
+        config.listen.admin_addr = addr.to_string();
+    }
+    Policy::from_config(&config)?;
+    Ok(config)
+}
+
+fn serve(config: Config) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("tollgate: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let bind = |addr: String| async move {
+            tokio::net::TcpListener::bind(&addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr}: {e}"))
+        };
+        let listeners = match (
+            bind(config.listen.grpc_addr.clone()).await,
+            bind(config.listen.admin_addr.clone()).await,
+        ) {
+            (Ok(grpc), Ok(admin)) => tollgate::Listeners { grpc, admin },
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("tollgate: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        for (name, listener) in [("ext_proc gRPC", &listeners.grpc), ("admin HTTP", &listeners.admin)] {
+            if let Ok(addr) = listener.local_addr() {
+                tracing::info!(%addr, "{name} listening");
+            }
+        }
+        match tollgate::run(config, listeners, shutdown_signal()).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("tollgate: {e}");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}
+
+/// SIGTERM (Kubernetes) or SIGINT (a terminal).
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(e) => {
+                tracing::warn!("cannot watch SIGTERM ({e}); only SIGINT stops tollgate");
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

@@ -1,0 +1,374 @@
+//! Metrics: every name, unit, bucket set and label value in one place, and every series created
+//! at start-up.
+//!
+//! Series that only appear on their first event break `rate()` over short windows (seed 000:
+//! the sparse 504 series rendered as flat zero), so `Metrics::new` registers every label
+//! combination up front and keeps the handles; the request path increments a handle and never
+//! formats a key. Labels are bounded sets (tier names from the config, rule names, outcomes),
+//! never a user. Each `run` owns its recorder, so servers in one test process do not share
+//! counts.
+
+pub mod response;
+
+use std::sync::Arc;
+
+use metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder, Unit};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::policy::{Policy, TierId};
+use crate::reply::Reason;
+use response::ResponseEnd;
+
+pub const REQUESTS: &str = "tollgate_requests_total";
+pub const REJECTIONS: &str = "tollgate_rejections_total";
+pub const ESTIMATED_INPUT_TOKENS: &str = "tollgate_estimated_input_tokens";
+pub const USAGE_TOKENS: &str = "tollgate_usage_tokens_total";
+pub const TTFT: &str = "tollgate_time_to_first_token_seconds";
+pub const REQUEST_DURATION: &str = "tollgate_request_duration_seconds";
+pub const STREAM_COMPLETIONS: &str = "tollgate_stream_completions_total";
+pub const HELD_STREAMS: &str = "tollgate_held_streams";
+pub const DECISION_DURATION: &str = "tollgate_decision_duration_seconds";
+pub const PROTOCOL_ERRORS: &str = "tollgate_protocol_errors_total";
+
+/// Seconds from first token targets of tens of ms up to the 30 s+ of an overloaded vLLM.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0,
+];
+/// A decision is tens of microseconds; a multi-MB prompt's count is tens of milliseconds.
+const DECISION_BUCKETS: &[f64] = &[
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+];
+/// Powers of four from a one-line prompt to a long-context one.
+const TOKEN_BUCKETS: &[f64] = &[
+    16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0,
+];
+
+/// The route class and outcome of a request, as counted in `tollgate_requests_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestOutcome {
+    /// An inference request let through to the upstream.
+    Admitted,
+    /// An inference request answered locally with an error.
+    Rejected,
+    /// An inference request whose stream ended before a decision (client gone).
+    Abandoned,
+    /// A non-inference request passed through untouched.
+    PassedThrough,
+}
+
+impl RequestOutcome {
+    const ALL: [RequestOutcome; 4] = [
+        RequestOutcome::Admitted,
+        RequestOutcome::Rejected,
+        RequestOutcome::Abandoned,
+        RequestOutcome::PassedThrough,
+    ];
+
+    fn labels(self) -> [(&'static str, &'static str); 2] {
+        let (class, outcome) = match self {
+            RequestOutcome::Admitted => ("inference", "admitted"),
+            RequestOutcome::Rejected => ("inference", "rejected"),
+            RequestOutcome::Abandoned => ("inference", "abandoned"),
+            RequestOutcome::PassedThrough => ("passthrough", "passed_through"),
+        };
+        [("route_class", class), ("outcome", outcome)]
+    }
+}
+
+/// Ways Envoy's message sequence broke the ext_proc protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProtocolError {
+    OutOfOrder,
+    EmptyMessage,
+}
+
+impl ProtocolError {
+    const ALL: [ProtocolError; 2] = [ProtocolError::OutOfOrder, ProtocolError::EmptyMessage];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            ProtocolError::OutOfOrder => "out_of_order",
+            ProtocolError::EmptyMessage => "empty_message",
+        }
+    }
+}
+
+/// Label value for rejections that happen before a tier is known (e.g. no identity).
+const NO_TIER: &str = "none";
+
+/// Pre-registered handles for every series.
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    handle: PrometheusHandle,
+    requests: Vec<Counter>,
+    /// `[tier or NO_TIER][reason]`; the last row is NO_TIER.
+    rejections: Vec<Vec<Counter>>,
+    estimated_input_tokens: Vec<Histogram>,
+    /// `[tier][prompt, completion]`.
+    usage_tokens: Vec<[Counter; 2]>,
+    ttft: Vec<Histogram>,
+    request_duration: Vec<Histogram>,
+    stream_completions: Vec<Counter>,
+    held_streams: Gauge,
+    decision_duration: Histogram,
+    protocol_errors: Vec<Counter>,
+}
+
+impl Metrics {
+    pub fn new(policy: &Policy) -> Metrics {
+        let builder = PrometheusBuilder::new();
+        let builder = [
+            (TTFT, LATENCY_BUCKETS),
+            (REQUEST_DURATION, LATENCY_BUCKETS),
+            (DECISION_DURATION, DECISION_BUCKETS),
+            (ESTIMATED_INPUT_TOKENS, TOKEN_BUCKETS),
+        ]
+        .into_iter()
+        .fold(builder, |b, (name, buckets)| {
+            b.set_buckets_for_metric(Matcher::Full(name.to_owned()), buckets)
+                .expect("bucket lists are non-empty constants")
+        });
+        let recorder = builder.build_recorder();
+        let r = Registrar {
+            recorder: &recorder,
+        };
+
+        r.describe_counter(REQUESTS, Unit::Count, "Requests seen, by route class and outcome.");
+        r.describe_counter(
+            REJECTIONS,
+            Unit::Count,
+            "Inference requests answered locally, by rule (x-tollgate-reason) and tier.",
+        );
+        r.describe_histogram(
+            ESTIMATED_INPUT_TOKENS,
+            Unit::Count,
+            "Input tokens counted in admitted request bodies, by tier.",
+        );
+        r.describe_counter(
+            USAGE_TOKENS,
+            Unit::Count,
+            "Tokens the upstream reported in usage, by tier and kind (prompt, completion).",
+        );
+        r.describe_histogram(
+            TTFT,
+            Unit::Seconds,
+            "From request headers reaching tollgate to the first response body byte, by tier.",
+        );
+        r.describe_histogram(
+            REQUEST_DURATION,
+            Unit::Seconds,
+            "From request headers to the end of a complete response, by tier.",
+        );
+        r.describe_counter(
+            STREAM_COMPLETIONS,
+            Unit::Count,
+            "How admitted responses ended: complete, truncated, upstream_error, no_response.",
+        );
+        r.describe_gauge(
+            HELD_STREAMS,
+            Unit::Count,
+            "ext_proc streams currently open to tollgate.",
+        );
+        r.describe_histogram(
+            DECISION_DURATION,
+            Unit::Seconds,
+            "Time to decide on a request once its deciding message arrived.",
+        );
+        r.describe_counter(
+            PROTOCOL_ERRORS,
+            Unit::Count,
+            "ext_proc message sequences that broke the protocol, by kind.",
+        );
+
+        let tier_names: Vec<&str> = policy.tiers.iter().map(|t| t.name.as_str()).collect();
+        let per_tier = |f: &dyn Fn(&str) -> Histogram| tier_names.iter().map(|t| f(t)).collect();
+        let inner = Inner {
+            requests: RequestOutcome::ALL
+                .iter()
+                .map(|o| r.counter(REQUESTS, &o.labels()))
+                .collect(),
+            rejections: tier_names
+                .iter()
+                .copied()
+                .chain([NO_TIER])
+                .map(|tier| {
+                    Reason::ALL
+                        .iter()
+                        .map(|reason| {
+                            r.counter(REJECTIONS, &[("reason", reason.as_str()), ("tier", tier)])
+                        })
+                        .collect()
+                })
+                .collect(),
+            estimated_input_tokens: per_tier(&|t| {
+                r.histogram(ESTIMATED_INPUT_TOKENS, &[("tier", t)])
+            }),
+            usage_tokens: tier_names
+                .iter()
+                .map(|t| {
+                    [
+                        r.counter(USAGE_TOKENS, &[("tier", t), ("kind", "prompt")]),
+                        r.counter(USAGE_TOKENS, &[("tier", t), ("kind", "completion")]),
+                    ]
+                })
+                .collect(),
+            ttft: per_tier(&|t| r.histogram(TTFT, &[("tier", t)])),
+            request_duration: per_tier(&|t| r.histogram(REQUEST_DURATION, &[("tier", t)])),
+            stream_completions: ResponseEnd::ALL
+                .iter()
+                .map(|e| r.counter(STREAM_COMPLETIONS, &[("result", e.as_str())]))
+                .collect(),
+            held_streams: r.gauge(HELD_STREAMS),
+            decision_duration: r.histogram(DECISION_DURATION, &[]),
+            protocol_errors: ProtocolError::ALL
+                .iter()
+                .map(|k| r.counter(PROTOCOL_ERRORS, &[("kind", k.as_str())]))
+                .collect(),
+            handle: recorder.handle(),
+        };
+        Metrics {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The Prometheus text exposition of every series.
+    pub fn render(&self) -> String {
+        self.inner.handle.render()
+    }
+
+    /// Folds recorded histogram samples into their buckets; call periodically so memory stays
+    /// bounded between scrapes.
+    pub fn run_upkeep(&self) {
+        self.inner.handle.run_upkeep();
+    }
+
+    pub fn request(&self, outcome: RequestOutcome) {
+        let index = RequestOutcome::ALL
+            .iter()
+            .position(|&o| o == outcome)
+            .expect("ALL lists every outcome");
+        self.inner.requests[index].increment(1);
+    }
+
+    pub fn rejection(&self, reason: Reason, tier: Option<TierId>) {
+        let row = tier.unwrap_or(self.inner.rejections.len() - 1);
+        let col = Reason::ALL
+            .iter()
+            .position(|&r| r == reason)
+            .expect("ALL lists every reason");
+        self.inner.rejections[row][col].increment(1);
+    }
+
+    pub fn estimated_input_tokens(&self, tier: TierId, tokens: u32) {
+        self.inner.estimated_input_tokens[tier].record(f64::from(tokens));
+    }
+
+    pub fn usage(&self, tier: TierId, prompt_tokens: u64, completion_tokens: u64) {
+        let [prompt, completion] = &self.inner.usage_tokens[tier];
+        prompt.increment(prompt_tokens);
+        completion.increment(completion_tokens);
+    }
+
+    pub fn time_to_first_token(&self, tier: TierId, seconds: f64) {
+        self.inner.ttft[tier].record(seconds);
+    }
+
+    pub fn request_duration(&self, tier: TierId, seconds: f64) {
+        self.inner.request_duration[tier].record(seconds);
+    }
+
+    pub fn stream_completion(&self, end: ResponseEnd) {
+        let index = ResponseEnd::ALL
+            .iter()
+            .position(|&e| e == end)
+            .expect("ALL lists every end");
+        self.inner.stream_completions[index].increment(1);
+    }
+
+    pub fn decision_duration(&self, seconds: f64) {
+        self.inner.decision_duration.record(seconds);
+    }
+
+    pub fn protocol_error(&self, kind: ProtocolError) {
+        let index = ProtocolError::ALL
+            .iter()
+            .position(|&k| k == kind)
+            .expect("ALL lists every kind");
+        self.inner.protocol_errors[index].increment(1);
+    }
+
+    /// Counts a held ext_proc stream until the returned guard drops, whichever way the stream
+    /// task ends.
+    pub fn hold_stream(&self) -> HeldStream {
+        self.inner.held_streams.increment(1.0);
+        HeldStream {
+            gauge: self.inner.held_streams.clone(),
+        }
+    }
+}
+
+/// Decrements the held-streams gauge on drop.
+pub struct HeldStream {
+    gauge: Gauge,
+}
+
+impl Drop for HeldStream {
+    fn drop(&mut self) {
+        self.gauge.decrement(1.0);
+    }
+}
+
+/// Registers series on one recorder (not the global one).
+struct Registrar<'a> {
+    recorder: &'a metrics_exporter_prometheus::PrometheusRecorder,
+}
+
+impl Registrar<'_> {
+    fn key(name: &'static str, labels: &[(&'static str, &str)]) -> Key {
+        let labels: Vec<Label> = labels
+            .iter()
+            .map(|(k, v)| Label::new(*k, v.to_string()))
+            .collect();
+        Key::from_parts(name, labels)
+    }
+
+    fn counter(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Counter {
+        let counter = self.recorder.register_counter(&Self::key(name, labels), &METADATA);
+        // Registering alone does not make the series render; a zero increment does.
+        counter.increment(0);
+        counter
+    }
+
+    fn gauge(&self, name: &'static str) -> Gauge {
+        let gauge = self.recorder.register_gauge(&Self::key(name, &[]), &METADATA);
+        gauge.set(0.0);
+        gauge
+    }
+
+    fn histogram(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Histogram {
+        self.recorder.register_histogram(&Self::key(name, labels), &METADATA)
+    }
+
+    fn describe_counter(&self, name: &'static str, unit: Unit, help: &'static str) {
+        self.recorder
+            .describe_counter(name.into(), Some(unit), help.into());
+    }
+
+    fn describe_gauge(&self, name: &'static str, unit: Unit, help: &'static str) {
+        self.recorder.describe_gauge(name.into(), Some(unit), help.into());
+    }
+
+    fn describe_histogram(&self, name: &'static str, unit: Unit, help: &'static str) {
+        self.recorder
+            .describe_histogram(name.into(), Some(unit), help.into());
+    }
+}
+
+static METADATA: Metadata<'static> = Metadata::new(module_path!(), Level::INFO, None);
+
+#[cfg(test)]
+mod tests;

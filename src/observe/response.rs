@@ -1,0 +1,233 @@
+//! Watching an admitted request's response go by: first byte, usage, and whether it ended
+//! properly.
+//!
+//! Pure and incremental: chunks in, facts out. A stream is complete only when the upstream said
+//! so (SSE `data: [DONE]`, or the end of a JSON body); a connection that closes early after a
+//! 200 is a truncated stream, not a success (seed 000: vLLM under load closes streams without
+//! `[DONE]`, and status-code accounting counted those as successes).
+
+use serde_json::Value;
+
+/// Token usage as the upstream reported it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+/// How an admitted request's response ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResponseEnd {
+    /// The upstream finished the response properly.
+    Complete,
+    /// A 2xx response that stopped before its proper end (reset, client gone, upstream died).
+    Truncated,
+    /// The upstream answered with a non-2xx status.
+    UpstreamError,
+    /// The stream ended before any response arrived.
+    NoResponse,
+}
+
+impl ResponseEnd {
+    pub const ALL: [ResponseEnd; 4] = [
+        ResponseEnd::Complete,
+        ResponseEnd::Truncated,
+        ResponseEnd::UpstreamError,
+        ResponseEnd::NoResponse,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ResponseEnd::Complete => "complete",
+            ResponseEnd::Truncated => "truncated",
+            ResponseEnd::UpstreamError => "upstream_error",
+            ResponseEnd::NoResponse => "no_response",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BodyFormat {
+    /// `text/event-stream`: usage in a `data:` chunk, end marked by `data: [DONE]`.
+    EventStream,
+    /// Anything else: buffered (bounded) and read as one JSON document at the end.
+    Json,
+}
+
+/// Longest SSE line kept while waiting for its end; a longer line cannot be a usage chunk
+/// worth reading, and keeping it would let an upstream grow our memory without bound.
+const MAX_SSE_LINE: usize = 1024 * 1024;
+
+#[derive(Debug)]
+pub struct ResponseObserver {
+    status: u16,
+    format: BodyFormat,
+    /// An SSE line not yet ended by `\n`, or the JSON body so far.
+    pending: Vec<u8>,
+    /// Bytes dropped because `pending` would have grown past its bound.
+    overflowed: bool,
+    json_limit: usize,
+    saw_done: bool,
+    usage: Option<Usage>,
+    body_bytes: u64,
+    ended: bool,
+}
+
+impl ResponseObserver {
+    /// Starts watching a response with `status` and `content_type` (from the response headers).
+    pub fn new(status: u16, content_type: Option<&[u8]>, json_limit: usize) -> ResponseObserver {
+        let is_sse = content_type.is_some_and(|ct| {
+            ct.len() >= 17 && ct[..17].eq_ignore_ascii_case(b"text/event-stream")
+        });
+        ResponseObserver {
+            status,
+            format: if is_sse {
+                BodyFormat::EventStream
+            } else {
+                BodyFormat::Json
+            },
+            pending: Vec::new(),
+            overflowed: false,
+            json_limit,
+            saw_done: false,
+            usage: None,
+            body_bytes: 0,
+            ended: false,
+        }
+    }
+
+    /// Feeds one body chunk. Returns true if this chunk carried the first body byte.
+    pub fn on_chunk(&mut self, chunk: &[u8], end_of_stream: bool) -> bool {
+        let first = self.body_bytes == 0 && !chunk.is_empty();
+        self.body_bytes += chunk.len() as u64;
+        if self.is_success() {
+            match self.format {
+                BodyFormat::EventStream => self.scan_event_stream(chunk),
+                BodyFormat::Json => self.buffer_json(chunk),
+            }
+        }
+        if end_of_stream {
+            self.on_end_of_stream();
+        }
+        first
+    }
+
+    /// The upstream signalled the end (end_of_stream on headers or on the last body chunk).
+    pub fn on_end_of_stream(&mut self) {
+        if self.ended {
+            return;
+        }
+        self.ended = true;
+        match self.format {
+            BodyFormat::EventStream => {
+                // A final line without a trailing newline still counts.
+                let line = std::mem::take(&mut self.pending);
+                self.scan_line(&line);
+            }
+            BodyFormat::Json if self.is_success() && !self.overflowed => {
+                if let Ok(doc) = serde_json::from_slice::<Value>(&self.pending) {
+                    self.usage = usage_of(&doc);
+                }
+                self.pending = Vec::new();
+            }
+            BodyFormat::Json => {}
+        }
+    }
+
+    pub fn usage(&self) -> Option<Usage> {
+        self.usage
+    }
+
+    pub fn body_bytes(&self) -> u64 {
+        self.body_bytes
+    }
+
+    /// How the response ended, given that the ext_proc stream is over now.
+    pub fn end(&self) -> ResponseEnd {
+        if !self.is_success() {
+            ResponseEnd::UpstreamError
+        } else if !self.ended {
+            ResponseEnd::Truncated
+        } else {
+            match self.format {
+                BodyFormat::EventStream if !self.saw_done => ResponseEnd::Truncated,
+                _ => ResponseEnd::Complete,
+            }
+        }
+    }
+
+    fn is_success(&self) -> bool {
+        (200..300).contains(&self.status)
+    }
+
+    fn scan_event_stream(&mut self, mut chunk: &[u8]) {
+        while let Some(newline) = chunk.iter().position(|&b| b == b'\n') {
+            let (head, rest) = chunk.split_at(newline);
+            chunk = &rest[1..];
+            if self.pending.is_empty() {
+                self.scan_line(head);
+            } else {
+                let mut line = std::mem::take(&mut self.pending);
+                line.extend_from_slice(head);
+                self.scan_line(&line);
+            }
+            self.overflowed = false;
+        }
+        if self.pending.len() + chunk.len() <= MAX_SSE_LINE {
+            self.pending.extend_from_slice(chunk);
+        } else {
+            self.pending.clear();
+            self.overflowed = true;
+        }
+    }
+
+    fn scan_line(&mut self, line: &[u8]) {
+        if self.overflowed {
+            return;
+        }
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(data) = line.strip_prefix(b"data:") else {
+            return;
+        };
+        let data = data.trim_ascii();
+        if data == b"[DONE]" {
+            self.saw_done = true;
+        } else if contains(data, b"\"usage\"") {
+            // Most chunks carry `"usage": null` or nothing; only a parse finds the real one.
+            if let Some(usage) = serde_json::from_slice::<Value>(data)
+                .ok()
+                .as_ref()
+                .and_then(usage_of)
+            {
+                self.usage = Some(usage);
+            }
+        }
+    }
+
+    fn buffer_json(&mut self, chunk: &[u8]) {
+        if self.overflowed {
+            return;
+        }
+        if self.pending.len() + chunk.len() > self.json_limit {
+            self.pending = Vec::new();
+            self.overflowed = true;
+        } else {
+            self.pending.extend_from_slice(chunk);
+        }
+    }
+}
+
+fn usage_of(doc: &Value) -> Option<Usage> {
+    let usage = doc.get("usage")?;
+    Some(Usage {
+        prompt_tokens: usage.get("prompt_tokens")?.as_u64()?,
+        completion_tokens: usage.get("completion_tokens")?.as_u64()?,
+    })
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,268 @@
+//! The validated, typed form of the configuration that deciding code reads.
+//!
+//! `Policy::from_config` is the only place that judges whether a configuration makes sense;
+//! after it, every tier reference is an index and every limit is known to be usable, so the
+//! request path never has to handle a malformed policy.
+
+use std::collections::HashMap;
+
+use sha2::{Digest, Sha256};
+
+use crate::config::{Config, ConfigError, OutputLimitPolicy};
+use crate::tokens::{Encoding, EncodingRule};
+
+/// Index of a tier in `Policy::tiers`; also the index of its pre-created metric series.
+pub type TierId = usize;
+
+#[derive(Clone, Debug)]
+pub struct Policy {
+    pub tiers: Vec<Tier>,
+    pub default_tier: TierId,
+    tier_by_name: HashMap<String, TierId>,
+    pub identity: IdentityPolicy,
+    pub inference_paths: Vec<String>,
+    pub completions_suffix: String,
+    pub counting: CountingPolicy,
+    pub inject_stream_usage: bool,
+    pub max_buffered_json_bytes: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tier {
+    pub name: String,
+    pub max_input_tokens: u32,
+    pub max_output_tokens: u32,
+    pub output_limit: OutputLimitPolicy,
+    pub default_output_tokens: u32,
+}
+
+#[derive(Clone, Debug)]
+pub struct IdentityPolicy {
+    /// Lowercase; empty when header identity is off.
+    pub user_header: String,
+    pub tier_header: String,
+    api_keys: HashMap<[u8; 32], ApiKeyOwner>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiKeyOwner {
+    pub tenant: String,
+    pub tier: TierId,
+}
+
+#[derive(Clone, Debug)]
+pub struct CountingPolicy {
+    pub encodings: Vec<EncodingRule>,
+    pub per_message: u32,
+    pub per_name: u32,
+    pub reply_priming: u32,
+    pub per_image: u32,
+    pub max_body_bytes: usize,
+}
+
+/// Output ceilings above this are almost certainly a typo (no model generates a million tokens
+/// in one response) and would make budget arithmetic meaningless.
+const MAX_SANE_TOKENS: u32 = 10_000_000;
+
+impl Policy {
+    pub fn from_config(config: &Config) -> Result<Policy, ConfigError> {
+        let mut problems = Vec::new();
+        if config.tiers.is_empty() {
+            problems.push("tiers: at least one tier is required".to_owned());
+        }
+        let mut tiers = Vec::with_capacity(config.tiers.len());
+        let mut tier_by_name = HashMap::new();
+        for (name, tier) in &config.tiers {
+            if !valid_name(name) {
+                problems.push(format!(
+                    "tiers.{name}: tier names are 1-64 characters of [a-z0-9_-]"
+                ));
+            }
+            for (field, value) in [
+                ("max_input_tokens", tier.max_input_tokens),
+                ("max_output_tokens", tier.max_output_tokens),
+            ] {
+                if value == 0 || value > MAX_SANE_TOKENS {
+                    problems.push(format!(
+                        "tiers.{name}.{field}: {value} is out of range 1..={MAX_SANE_TOKENS}"
+                    ));
+                }
+            }
+            let default_output_tokens = tier.default_output_tokens.unwrap_or(tier.max_output_tokens);
+            if default_output_tokens == 0 || default_output_tokens > tier.max_output_tokens {
+                problems.push(format!(
+                    "tiers.{name}.default_output_tokens: {default_output_tokens} must be between 1 and \
+                     tiers.{name}.max_output_tokens ({})",
+                    tier.max_output_tokens
+                ));
+            }
+            tier_by_name.insert(name.clone(), tiers.len());
+            tiers.push(Tier {
+                name: name.clone(),
+                max_input_tokens: tier.max_input_tokens,
+                max_output_tokens: tier.max_output_tokens,
+                output_limit: tier.output_limit,
+                default_output_tokens,
+            });
+        }
+        let default_tier = match tier_by_name.get(&config.default_tier) {
+            Some(&id) => id,
+            None => {
+                problems.push(format!(
+                    "default_tier: {:?} is not one of the tiers ({})",
+                    config.default_tier,
+                    config.tiers.keys().cloned().collect::<Vec<_>>().join(", ")
+                ));
+                0
+            }
+        };
+
+        let mut api_keys = HashMap::new();
+        for (i, key) in config.identity.api_keys.iter().enumerate() {
+            let field = format!("identity.api_keys[{i}]");
+            let Some(hash) = parse_sha256(&key.sha256) else {
+                problems.push(format!(
+                    "{field}.sha256: {:?} is not 64 lowercase hex digits (store the SHA-256 of the key, never the key)",
+                    key.sha256
+                ));
+                continue;
+            };
+            if key.tenant.is_empty() {
+                problems.push(format!("{field}.tenant: must not be empty"));
+            }
+            let tier = match &key.tier {
+                None => default_tier,
+                Some(name) => match tier_by_name.get(name) {
+                    Some(&id) => id,
+                    None => {
+                        problems.push(format!("{field}.tier: {name:?} is not one of the tiers"));
+                        continue;
+                    }
+                },
+            };
+            let owner = ApiKeyOwner {
+                tenant: key.tenant.clone(),
+                tier,
+            };
+            if api_keys.insert(hash, owner).is_some() {
+                problems.push(format!("{field}.sha256: the same key hash appears twice"));
+            }
+        }
+        for (field, value) in [
+            ("identity.user_header", &config.identity.user_header),
+            ("identity.tier_header", &config.identity.tier_header),
+        ] {
+            if !value.is_empty() && !valid_header_name(value) {
+                problems.push(format!("{field}: {value:?} is not a valid header name"));
+            }
+        }
+        if config.identity.user_header.is_empty() && config.identity.api_keys.is_empty() {
+            problems.push(
+                "identity: user_header is empty and there are no api_keys, so no request could ever be identified"
+                    .to_owned(),
+            );
+        }
+
+        if config.routes.inference_paths.is_empty() {
+            problems.push("routes.inference_paths: at least one path is required".to_owned());
+        }
+        for (i, path) in config.routes.inference_paths.iter().enumerate() {
+            if !path.starts_with('/') || path.contains('?') {
+                problems.push(format!(
+                    "routes.inference_paths[{i}]: {path:?} must start with '/' and carry no query"
+                ));
+            }
+        }
+        for (i, rule) in config.tokens.encodings.iter().enumerate() {
+            if rule.pattern.is_empty() {
+                problems.push(format!("tokens.encodings[{i}].pattern: must not be empty"));
+            }
+        }
+        if config.tokens.max_body_bytes == 0 {
+            problems.push("tokens.max_body_bytes: must be positive".to_owned());
+        }
+        if config.response.max_buffered_json_bytes == 0 {
+            problems.push("response.max_buffered_json_bytes: must be positive".to_owned());
+        }
+        for (field, addr) in [
+            ("listen.grpc_addr", &config.listen.grpc_addr),
+            ("listen.admin_addr", &config.listen.admin_addr),
+        ] {
+            if addr.parse::<std::net::SocketAddr>().is_err() {
+                problems.push(format!("{field}: {addr:?} is not an IP:port address"));
+            }
+        }
+
+        if !problems.is_empty() {
+            return Err(ConfigError(problems.join("\n")));
+        }
+        Ok(Policy {
+            tiers,
+            default_tier,
+            tier_by_name,
+            identity: IdentityPolicy {
+                user_header: config.identity.user_header.to_ascii_lowercase(),
+                tier_header: config.identity.tier_header.to_ascii_lowercase(),
+                api_keys,
+            },
+            inference_paths: config.routes.inference_paths.clone(),
+            completions_suffix: config.routes.completions_suffix.clone(),
+            counting: CountingPolicy {
+                encodings: config.tokens.encodings.clone(),
+                per_message: config.tokens.per_message,
+                per_name: config.tokens.per_name,
+                reply_priming: config.tokens.reply_priming,
+                per_image: config.tokens.per_image,
+                max_body_bytes: config.tokens.max_body_bytes,
+            },
+            inject_stream_usage: config.response.inject_stream_usage,
+            max_buffered_json_bytes: config.response.max_buffered_json_bytes,
+        })
+    }
+
+    pub fn tier_named(&self, name: &str) -> Option<TierId> {
+        self.tier_by_name.get(name).copied()
+    }
+
+    pub fn encoding_for(&self, model: &str) -> Encoding {
+        crate::tokens::encoding_for(model, &self.counting.encodings)
+    }
+}
+
+impl IdentityPolicy {
+    pub fn has_api_keys(&self) -> bool {
+        !self.api_keys.is_empty()
+    }
+
+    /// Looks a presented key up by its hash; the key itself is never stored.
+    pub fn owner_of_key(&self, key: &[u8]) -> Option<&ApiKeyOwner> {
+        let hash: [u8; 32] = Sha256::digest(key).into();
+        self.api_keys.get(&hash)
+    }
+}
+
+fn parse_sha256(hex_digest: &str) -> Option<[u8; 32]> {
+    if hex_digest.len() != 64 || hex_digest.bytes().any(|b| b.is_ascii_uppercase()) {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(hex_digest, &mut out).ok()?;
+    Some(out)
+}
+
+fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+}
+
+fn valid_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,193 @@
+//! The answers clients see when tollgate says no.
+//!
+//! Every local reply is OpenAI-shaped JSON (`{"error":{"message","type","param","code"}}`) with
+//! `content-type: application/json` and an `x-tollgate-reason` header naming the rule, so SDKs
+//! parse it like any upstream error and operators can grep for the rule. A refusal is a value
+//! (`LocalReply`), not an error: the code that decides returns it, the adapter sends it.
+
+/// Why a request was refused. The wire names (`as_str`) are a stable interface: they appear in
+/// the `x-tollgate-reason` header and as the `reason` metric label, pre-created for all values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    MissingIdentity,
+    InvalidApiKey,
+    UnknownTier,
+    MissingBody,
+    InvalidContentType,
+    UnsupportedContentEncoding,
+    BodyTooLarge,
+    IncompleteBody,
+    MalformedJson,
+    InvalidRequest,
+    InvalidMaxTokens,
+    InputTokensExceeded,
+    OutputTokensExceeded,
+    ShuttingDown,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 14] = [
+        Reason::MissingIdentity,
+        Reason::InvalidApiKey,
+        Reason::UnknownTier,
+        Reason::MissingBody,
+        Reason::InvalidContentType,
+        Reason::UnsupportedContentEncoding,
+        Reason::BodyTooLarge,
+        Reason::IncompleteBody,
+        Reason::MalformedJson,
+        Reason::InvalidRequest,
+        Reason::InvalidMaxTokens,
+        Reason::InputTokensExceeded,
+        Reason::OutputTokensExceeded,
+        Reason::ShuttingDown,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::MissingIdentity => "missing_identity",
+            Reason::InvalidApiKey => "invalid_api_key",
+            Reason::UnknownTier => "unknown_tier",
+            Reason::MissingBody => "missing_body",
+            Reason::InvalidContentType => "invalid_content_type",
+            Reason::UnsupportedContentEncoding => "unsupported_content_encoding",
+            Reason::BodyTooLarge => "body_too_large",
+            Reason::IncompleteBody => "incomplete_body",
+            Reason::MalformedJson => "malformed_json",
+            Reason::InvalidRequest => "invalid_request",
+            Reason::InvalidMaxTokens => "invalid_max_tokens",
+            Reason::InputTokensExceeded => "input_tokens_exceeded",
+            Reason::OutputTokensExceeded => "output_tokens_exceeded",
+            Reason::ShuttingDown => "shutting_down",
+        }
+    }
+
+    /// The HTTP status this rule answers with.
+    pub fn status(self) -> u16 {
+        match self {
+            Reason::MissingIdentity | Reason::InvalidApiKey | Reason::UnknownTier => 401,
+            Reason::BodyTooLarge | Reason::IncompleteBody => 413,
+            Reason::UnsupportedContentEncoding => 415,
+            Reason::ShuttingDown => 503,
+            Reason::MissingBody
+            | Reason::InvalidContentType
+            | Reason::MalformedJson
+            | Reason::InvalidRequest
+            | Reason::InvalidMaxTokens
+            | Reason::InputTokensExceeded
+            | Reason::OutputTokensExceeded => 400,
+        }
+    }
+
+    /// OpenAI's `error.type` for this status class.
+    fn error_type(self) -> &'static str {
+        match self.status() {
+            401 => "authentication_error",
+            503 => "server_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    /// OpenAI's `error.code`: their own codes where one exists, else the rule's name.
+    fn error_code(self) -> &'static str {
+        match self {
+            Reason::InvalidApiKey => "invalid_api_key",
+            Reason::InputTokensExceeded => "context_length_exceeded",
+            other => other.as_str(),
+        }
+    }
+}
+
+/// A complete local reply: what Envoy sends the client instead of forwarding the request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalReply {
+    pub reason: Reason,
+    /// What was wrong and, where a limit was hit, the limit and the value.
+    pub message: String,
+    /// The request field at fault, if any (`error.param`).
+    pub param: Option<&'static str>,
+    /// Extra response headers (e.g. `retry-after`) besides content-type and x-tollgate-reason.
+    pub headers: Vec<(&'static str, String)>,
+}
+
+impl LocalReply {
+    pub fn new(reason: Reason, message: impl Into<String>) -> LocalReply {
+        LocalReply {
+            reason,
+            message: message.into(),
+            param: None,
+            headers: Vec::new(),
+        }
+    }
+
+    pub fn with_param(mut self, param: &'static str) -> LocalReply {
+        self.param = Some(param);
+        self
+    }
+
+    pub fn with_header(mut self, name: &'static str, value: impl Into<String>) -> LocalReply {
+        self.headers.push((name, value.into()));
+        self
+    }
+
+    pub fn status(&self) -> u16 {
+        self.reason.status()
+    }
+
+    /// The OpenAI-shaped JSON body.
+    pub fn body(&self) -> Vec<u8> {
+        let body = serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.reason.error_type(),
+                "param": self.param,
+                "code": self.reason.error_code(),
+            }
+        });
+        serde_json::to_vec(&body).expect("a JSON value always serializes")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_reason_has_a_distinct_wire_name() {
+        let mut names: Vec<_> = Reason::ALL.iter().map(|r| r.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Reason::ALL.len());
+    }
+
+    #[test]
+    fn body_is_openai_shaped() {
+        let reply = LocalReply::new(Reason::InputTokensExceeded, "too long").with_param("messages");
+        let v: serde_json::Value = serde_json::from_slice(&reply.body()).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"error": {
+                "message": "too long",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": "context_length_exceeded",
+            }})
+        );
+        assert_eq!(reply.status(), 400);
+    }
+
+    #[test]
+    fn statuses_by_class() {
+        let table = [
+            (Reason::MissingIdentity, 401, "authentication_error"),
+            (Reason::BodyTooLarge, 413, "invalid_request_error"),
+            (Reason::UnsupportedContentEncoding, 415, "invalid_request_error"),
+            (Reason::MalformedJson, 400, "invalid_request_error"),
+            (Reason::ShuttingDown, 503, "server_error"),
+        ];
+        for (reason, status, error_type) in table {
+            assert_eq!(reason.status(), status, "{reason:?}");
+            assert_eq!(reason.error_type(), error_type, "{reason:?}");
+        }
+    }
+}

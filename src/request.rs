@@ -1,0 +1,531 @@
+//! What a request is: who sent it, whether it is an inference call, and what its OpenAI body asks
+//! for, with the input tokens counted exactly.
+//!
+//! Pure code: headers and body bytes in, values or a `LocalReply` out. No clock, no I/O, no
+//! protobuf (the ext_proc adapter turns Envoy's header map into `Header` slices first).
+
+use serde_json::{Map, Value};
+
+use crate::policy::{Policy, TierId};
+use crate::reply::{LocalReply, Reason};
+use crate::tokens::Encoding;
+
+/// One request header as Envoy sent it. Names are lowercase (HTTP/2 and Envoy normalise them);
+/// values are bytes because Envoy sends `raw_value` and nothing guarantees UTF-8.
+#[derive(Clone, Copy, Debug)]
+pub struct Header<'a> {
+    pub name: &'a str,
+    pub value: &'a [u8],
+}
+
+/// The tenant a request is charged to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    pub tenant: String,
+    pub tier: TierId,
+}
+
+/// Which OpenAI API the body follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApiKind {
+    Chat,
+    Completions,
+}
+
+/// What the request headers say, for an inference route.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InferenceHead {
+    pub identity: Identity,
+    pub api: ApiKind,
+    /// `x-tollgate-*` headers the client sent: removed so only tollgate's own values go upstream.
+    pub spoofed_headers: Vec<String>,
+}
+
+/// The verdict on request headers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HeadVerdict {
+    /// An inference call with an identity: wait for its body.
+    Inference(InferenceHead),
+    /// Not an inference route: pass it through untouched.
+    PassThrough,
+    Reject(LocalReply),
+}
+
+/// Longest tenant id accepted; longer ones are almost certainly not ids, and they end up in
+/// Redis keys and logs.
+const MAX_TENANT_LEN: usize = 256;
+
+/// Classifies a request from its headers alone. `end_of_stream` is Envoy's flag that no body
+/// follows.
+pub fn classify_head(policy: &Policy, headers: &[Header<'_>], end_of_stream: bool) -> HeadVerdict {
+    let find = |name: &str| headers.iter().find(|h| h.name == name).map(|h| h.value);
+    let path = find(":path").unwrap_or_default();
+    let path = path.split(|&b| b == b'?').next().unwrap_or_default();
+    let is_post = find(":method") == Some(b"POST".as_slice());
+    let Some(route) = policy
+        .inference_paths
+        .iter()
+        .find(|p| p.as_bytes() == path)
+        .filter(|_| is_post)
+    else {
+        return HeadVerdict::PassThrough;
+    };
+    let api = if route.ends_with(&policy.completions_suffix) && !route.ends_with("/chat/completions")
+    {
+        ApiKind::Completions
+    } else {
+        ApiKind::Chat
+    };
+
+    let identity = match identify(policy, &find) {
+        Ok(identity) => identity,
+        Err(reply) => return HeadVerdict::Reject(reply),
+    };
+    if end_of_stream {
+        return HeadVerdict::Reject(LocalReply::new(
+            Reason::MissingBody,
+            format!("POST {route} needs a JSON body"),
+        ));
+    }
+    if let Some(value) = find("content-type") {
+        let media_type = value.split(|&b| b == b';').next().unwrap_or_default();
+        let media_type = String::from_utf8_lossy(media_type).trim().to_ascii_lowercase();
+        if media_type != "application/json" && !media_type.ends_with("+json") {
+            return HeadVerdict::Reject(LocalReply::new(
+                Reason::InvalidContentType,
+                format!("content-type {media_type:?} is not supported: send application/json"),
+            ));
+        }
+    }
+    if let Some(value) = find("content-encoding") {
+        let encoding = String::from_utf8_lossy(value).trim().to_ascii_lowercase();
+        if encoding != "identity" {
+            return HeadVerdict::Reject(LocalReply::new(
+                Reason::UnsupportedContentEncoding,
+                format!(
+                    "content-encoding {encoding:?} is not supported: tokens can only be counted in an uncompressed body"
+                ),
+            ));
+        }
+    }
+    let spoofed_headers = headers
+        .iter()
+        .filter(|h| h.name.starts_with("x-tollgate-"))
+        .map(|h| h.name.to_owned())
+        .collect();
+    HeadVerdict::Inference(InferenceHead {
+        identity,
+        api,
+        spoofed_headers,
+    })
+}
+
+/// API key first (it is proof), then the identity header set by a trusted layer in front.
+fn identify<'a>(
+    policy: &Policy,
+    find: &impl Fn(&str) -> Option<&'a [u8]>,
+) -> Result<Identity, LocalReply> {
+    let rules = &policy.identity;
+    if rules.has_api_keys() {
+        if let Some(key) = find("authorization").and_then(bearer_token) {
+            return match rules.owner_of_key(key) {
+                Some(owner) => Ok(Identity {
+                    tenant: owner.tenant.clone(),
+                    tier: owner.tier,
+                }),
+                None => Err(LocalReply::new(
+                    Reason::InvalidApiKey,
+                    "the API key in the Authorization header is not known",
+                )),
+            };
+        }
+    }
+    let missing = || {
+        let mut ways = Vec::new();
+        if !rules.user_header.is_empty() {
+            ways.push(format!("a {} header", rules.user_header));
+        }
+        if rules.has_api_keys() {
+            ways.push("an Authorization: Bearer API key".to_owned());
+        }
+        LocalReply::new(
+            Reason::MissingIdentity,
+            format!("no identity: send {}", ways.join(" or ")),
+        )
+    };
+    if rules.user_header.is_empty() {
+        return Err(missing());
+    }
+    let Some(raw_tenant) = find(&rules.user_header) else {
+        return Err(missing());
+    };
+    let tenant = match std::str::from_utf8(raw_tenant).map(str::trim) {
+        Ok(t) if t.is_empty() => return Err(missing()),
+        Ok(t) if t.len() <= MAX_TENANT_LEN && !t.chars().any(char::is_control) => t,
+        _ => {
+            return Err(LocalReply::new(
+                Reason::MissingIdentity,
+                format!(
+                    "the {} header must be 1-{MAX_TENANT_LEN} bytes of printable UTF-8",
+                    rules.user_header
+                ),
+            ));
+        }
+    };
+    let tier = match find(&rules.tier_header).filter(|_| !rules.tier_header.is_empty()) {
+        None => policy.default_tier,
+        Some(raw) => {
+            let name = String::from_utf8_lossy(raw);
+            let name = name.trim();
+            match policy.tier_named(name) {
+                Some(tier) => tier,
+                None => {
+                    let known: Vec<_> = policy.tiers.iter().map(|t| t.name.as_str()).collect();
+                    return Err(LocalReply::new(
+                        Reason::UnknownTier,
+                        format!(
+                            "tier {name:?} in {} is not one of: {}",
+                            rules.tier_header,
+                            known.join(", ")
+                        ),
+                    ));
+                }
+            }
+        }
+    };
+    Ok(Identity {
+        tenant: tenant.to_owned(),
+        tier,
+    })
+}
+
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, rest) = value.split_at(value.iter().position(|&b| b == b' ')?);
+    scheme
+        .eq_ignore_ascii_case(b"bearer")
+        .then(|| rest.trim_ascii())
+        .filter(|k| !k.is_empty())
+}
+
+/// An OpenAI request body, parsed and counted.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParsedBody {
+    pub json: Map<String, Value>,
+    pub model: String,
+    pub encoding: Encoding,
+    pub stream: bool,
+    pub input: InputCount,
+    pub max_output: MaxOutput,
+    /// `n`: how many completions the upstream generates, each up to the output limit.
+    pub choices: u32,
+}
+
+/// Input tokens, counted exactly until the ceiling and no further (a 1 MB prompt over the
+/// ceiling costs no more to refuse than one just over it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputCount {
+    Exact(u32),
+    OverCeiling,
+}
+
+/// The output length the request asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MaxOutput {
+    Absent,
+    /// The effective value and the field(s) that carry it.
+    Given { tokens: u64, fields: OutputFields },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutputFields {
+    pub max_tokens: bool,
+    pub max_completion_tokens: bool,
+}
+
+/// Parses the body and counts its input tokens, stopping once past `input_ceiling`.
+pub fn parse_body(
+    policy: &Policy,
+    api: ApiKind,
+    body: &[u8],
+    input_ceiling: u32,
+) -> Result<ParsedBody, LocalReply> {
+    let json: Value = serde_json::from_slice(body).map_err(|e| {
+        LocalReply::new(
+            Reason::MalformedJson,
+            format!("the request body is not valid JSON: {e}"),
+        )
+    })?;
+    let Value::Object(json) = json else {
+        return Err(LocalReply::new(
+            Reason::InvalidRequest,
+            "the request body must be a JSON object",
+        ));
+    };
+    let model = match json.get("model") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(m)) => m.clone(),
+        Some(_) => return Err(invalid("model", "must be a string")),
+    };
+    let encoding = policy.encoding_for(&model);
+    let stream = match json.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(invalid("stream", "must be true or false")),
+    };
+    let choices = match json.get("n") {
+        None | Some(Value::Null) => 1,
+        Some(v) => match v.as_u64() {
+            Some(n @ 1..=128) => n as u32,
+            _ => return Err(invalid("n", "must be an integer from 1 to 128")),
+        },
+    };
+    let max_output = max_output(&json)?;
+
+    let mut counter = Counter {
+        encoding,
+        remaining: input_ceiling as u64,
+        counted: 0,
+    };
+    let within = match api {
+        ApiKind::Chat => count_chat(policy, &json, &mut counter)?,
+        ApiKind::Completions => count_prompt(&json, &mut counter)?,
+    };
+    let input = if within {
+        InputCount::Exact(counter.counted as u32)
+    } else {
+        InputCount::OverCeiling
+    };
+    Ok(ParsedBody {
+        json,
+        model,
+        encoding,
+        stream,
+        input,
+        max_output,
+        choices,
+    })
+}
+
+fn invalid(param: &'static str, what: &str) -> LocalReply {
+    LocalReply::new(Reason::InvalidRequest, format!("{param}: {what}")).with_param(param)
+}
+
+fn max_output(json: &Map<String, Value>) -> Result<MaxOutput, LocalReply> {
+    let mut effective = None;
+    let mut fields = OutputFields {
+        max_tokens: false,
+        max_completion_tokens: false,
+    };
+    // max_completion_tokens is OpenAI's current name and wins when both are present.
+    for field in ["max_tokens", "max_completion_tokens"] {
+        match json.get(field) {
+            None | Some(Value::Null) => {}
+            Some(v) => match v.as_u64().filter(|&n| n >= 1) {
+                Some(n) => {
+                    effective = Some(n);
+                    if field == "max_tokens" {
+                        fields.max_tokens = true;
+                    } else {
+                        fields.max_completion_tokens = true;
+                    }
+                }
+                None => {
+                    return Err(LocalReply::new(
+                        Reason::InvalidMaxTokens,
+                        format!("{field} must be a positive integer, got {v}"),
+                    )
+                    .with_param(if field == "max_tokens" {
+                        "max_tokens"
+                    } else {
+                        "max_completion_tokens"
+                    }));
+                }
+            },
+        }
+    }
+    Ok(match effective {
+        None => MaxOutput::Absent,
+        Some(tokens) => MaxOutput::Given { tokens, fields },
+    })
+}
+
+/// Counts into a shrinking allowance; `add` returns false once the allowance is exceeded.
+struct Counter {
+    encoding: Encoding,
+    remaining: u64,
+    counted: u64,
+}
+
+impl Counter {
+    fn add_text(&mut self, text: &str) -> bool {
+        let limit = usize::try_from(self.remaining).unwrap_or(usize::MAX);
+        match self.encoding.count_till_limit(text, limit) {
+            Some(n) => self.add_fixed(n as u64),
+            None => false,
+        }
+    }
+
+    fn add_fixed(&mut self, n: u64) -> bool {
+        if n > self.remaining {
+            return false;
+        }
+        self.remaining -= n;
+        self.counted += n;
+        true
+    }
+}
+
+/// OpenAI's chat counting recipe: framing per message, the text of every field that reaches
+/// the model, a flat cost per image, and the priming of the reply. Returns false once over.
+fn count_chat(
+    policy: &Policy,
+    json: &Map<String, Value>,
+    counter: &mut Counter,
+) -> Result<bool, LocalReply> {
+    let costs = &policy.counting;
+    let messages = match json.get("messages") {
+        Some(Value::Array(m)) if !m.is_empty() => m,
+        Some(Value::Array(_)) => return Err(invalid("messages", "must not be empty")),
+        _ => return Err(invalid("messages", "must be an array of message objects")),
+    };
+    for (i, message) in messages.iter().enumerate() {
+        let Value::Object(message) = message else {
+            return Err(invalid("messages", &format!("[{i}] must be an object")));
+        };
+        let Some(Value::String(role)) = message.get("role") else {
+            return Err(invalid("messages", &format!("[{i}].role must be a string")));
+        };
+        if !(counter.add_fixed(costs.per_message.into()) && counter.add_text(role)) {
+            return Ok(false);
+        }
+        match message.get("content") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(text)) => {
+                if !counter.add_text(text) {
+                    return Ok(false);
+                }
+            }
+            Some(Value::Array(parts)) => {
+                for part in parts {
+                    if !count_part(policy, i, part, counter)? {
+                        return Ok(false);
+                    }
+                }
+            }
+            Some(_) => {
+                return Err(invalid(
+                    "messages",
+                    &format!("[{i}].content must be a string or an array of content parts"),
+                ));
+            }
+        }
+        match message.get("name") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(name)) => {
+                if !(counter.add_fixed(costs.per_name.into()) && counter.add_text(name)) {
+                    return Ok(false);
+                }
+            }
+            Some(_) => return Err(invalid("messages", &format!("[{i}].name must be a string"))),
+        }
+        // Tool calls an assistant made earlier are replayed to the model as text.
+        if let Some(calls) = message.get("tool_calls").filter(|v| !v.is_null()) {
+            if !counter.add_text(&calls.to_string()) {
+                return Ok(false);
+            }
+        }
+    }
+    // Tool and function definitions reach the model too; their JSON text is a close, slightly
+    // high estimate of the model-specific rendering.
+    for field in ["tools", "functions"] {
+        if let Some(defs) = json.get(field).filter(|v| !v.is_null()) {
+            if !counter.add_text(&defs.to_string()) {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(counter.add_fixed(costs.reply_priming.into()))
+}
+
+fn count_part(
+    policy: &Policy,
+    message: usize,
+    part: &Value,
+    counter: &mut Counter,
+) -> Result<bool, LocalReply> {
+    let where_ = || format!("[{message}].content[]");
+    let Value::Object(part) = part else {
+        return Err(invalid(
+            "messages",
+            &format!("{} parts must be objects", where_()),
+        ));
+    };
+    match part.get("type").and_then(Value::as_str) {
+        Some("text") => match part.get("text") {
+            Some(Value::String(text)) => Ok(counter.add_text(text)),
+            _ => Err(invalid(
+                "messages",
+                &format!("{} text part needs a string `text`", where_()),
+            )),
+        },
+        Some("refusal") => match part.get("refusal") {
+            Some(Value::String(text)) => Ok(counter.add_text(text)),
+            _ => Err(invalid(
+                "messages",
+                &format!("{} refusal part needs a string `refusal`", where_()),
+            )),
+        },
+        Some("image_url" | "input_image") => {
+            Ok(counter.add_fixed(policy.counting.per_image.into()))
+        }
+        Some(other) => Err(invalid(
+            "messages",
+            &format!(
+                "{} content part type {other:?} is not supported (text, image_url, input_image, refusal)",
+                where_()
+            ),
+        )),
+        None => Err(invalid(
+            "messages",
+            &format!("{} content part needs a string `type`", where_()),
+        )),
+    }
+}
+
+/// Completions `prompt`: a string, an array of strings, or pre-tokenized (an array of token ids,
+/// or an array of such arrays), whose length is the exact count.
+fn count_prompt(json: &Map<String, Value>, counter: &mut Counter) -> Result<bool, LocalReply> {
+    let bad = || {
+        invalid(
+            "prompt",
+            "must be a string, an array of strings, an array of token ids, or an array of token-id arrays",
+        )
+    };
+    match json.get("prompt") {
+        Some(Value::String(text)) => Ok(counter.add_text(text)),
+        Some(Value::Array(items)) if !items.is_empty() => {
+            if items.iter().all(Value::is_string) {
+                Ok(items
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .all(|text| counter.add_text(text)))
+            } else if items.iter().all(Value::is_u64) {
+                Ok(counter.add_fixed(items.len() as u64))
+            } else if items.iter().all(|v| {
+                v.as_array()
+                    .is_some_and(|ids| !ids.is_empty() && ids.iter().all(Value::is_u64))
+            }) {
+                Ok(items
+                    .iter()
+                    .filter_map(Value::as_array)
+                    .all(|ids| counter.add_fixed(ids.len() as u64)))
+            } else {
+                Err(bad())
+            }
+        }
+        _ => Err(bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,155 @@
+//! Exact, linear-time token counting for OpenAI's BPE encodings.
+//!
+//! Admission decisions are only as fair as the token counts behind them, so the
+//! counts here must be the ones the upstream model bills: for every input,
+//! [`Encoding::count`] equals what tiktoken's `encode_ordinary(text).len()`
+//! returns for the same encoding, and special-token text such as
+//! `<|endoftext|>` is counted as ordinary text (a client cannot smuggle a
+//! control token in, and it costs what it costs upstream). Counting is done by
+//! `bpe-openai`, whose backtracking BPE is linear in the input length even on
+//! adversarial bodies (one megabyte without a single space), where tiktoken's
+//! merge loop degrades; that matters because request bodies are attacker
+//! controlled and counted on the request path.
+//!
+//! This module is pure: no I/O, no clocks, no async.
+
+use bpe_openai::Tokenizer;
+use serde::{Deserialize, Serialize};
+
+#[cfg(test)]
+mod tests;
+
+/// A BPE token encoding family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Encoding {
+    /// GPT-4, GPT-3.5-turbo and the text-embedding-3 family.
+    Cl100kBase,
+    /// GPT-4o, GPT-4.1, GPT-5 and the o-series.
+    O200kBase,
+}
+
+/// Model-name globs whose default encoding is o200k; anything else is cl100k.
+/// Kept as data (and matched with [`glob_match`]) so the default reads like the
+/// config rules that override it.
+const O200K_MODEL_PATTERNS: &[&str] = &[
+    "gpt-4o*",
+    "chatgpt-4o*",
+    "gpt-4.1*",
+    "gpt-5*",
+    "o1*",
+    "o3*",
+    "o4*",
+];
+
+/// Text that walks every branch of the pre-tokenisation regexes (letters,
+/// contractions, digits, punctuation, whitespace runs, newlines, non-Latin
+/// script) so that [`Encoding::warm_up`] also populates the lazy DFA caches.
+const WARM_UP_TEXT: &str =
+    "Hello, world! It's 2024-06-01T12:00:00Z.\n\n  fn main() { let x = 42; }  \t\n日本語 😀";
+
+impl Encoding {
+    /// Default family choice by model name: o200k for gpt-4o*, o1*/o3*/o4*
+    /// (o-series), gpt-4.1*, gpt-5*, chatgpt-4o*; cl100k otherwise.
+    pub fn for_model_default(model: &str) -> Encoding {
+        if O200K_MODEL_PATTERNS
+            .iter()
+            .any(|pattern| glob_match(pattern, model))
+        {
+            Encoding::O200kBase
+        } else {
+            Encoding::Cl100kBase
+        }
+    }
+
+    /// Counts tokens of `text` exactly as tiktoken's encode_ordinary would
+    /// (special tokens are ordinary text).
+    pub fn count(self, text: &str) -> usize {
+        self.tokenizer().count(text)
+    }
+
+    /// Like count, but stops as soon as the count exceeds `limit` and returns
+    /// None then. Some(n) with n <= limit otherwise.
+    ///
+    /// The limit is inclusive: a text of exactly `limit` tokens gives
+    /// `Some(limit)`, one more token gives `None`. Work is proportional to the
+    /// text scanned before the limit is crossed, so an oversized body is
+    /// rejected without encoding all of it. (The pre-tokenisation regex still
+    /// scans to the end of the piece it is in, which is linear.)
+    ///
+    /// Exactness at the boundary relies on `bpe`'s internal slack: its
+    /// backtracking encoder may hold more tokens mid-piece than the piece
+    /// finally needs, and it only gives up once it holds more than the
+    /// remaining budget plus 10. The largest such overshoot we measured over
+    /// every cl100k and o200k vocabulary entry's prefixes is 6; the boundary
+    /// tests in `tokens/tests.rs` pin this down for the crate version in use.
+    pub fn count_till_limit(self, text: &str, limit: usize) -> Option<usize> {
+        let tokenizer = self.tokenizer();
+        // cl100k and o200k do not normalise, so this borrows `text` unchanged;
+        // going through `normalize` keeps us right should that ever change.
+        tokenizer.count_till_limit(&tokenizer.normalize(text), limit)
+    }
+
+    /// Forces the lazily built tables so the first request does not pay for
+    /// them (call at start-up).
+    pub fn warm_up(self) {
+        // Deserialising the BPE dictionary and compiling the regexes happens on
+        // first use; counting a small, varied text forces both.
+        std::hint::black_box(self.count(std::hint::black_box(WARM_UP_TEXT)));
+    }
+
+    fn tokenizer(self) -> &'static Tokenizer {
+        match self {
+            Encoding::Cl100kBase => bpe_openai::cl100k_base(),
+            Encoding::O200kBase => bpe_openai::o200k_base(),
+        }
+    }
+}
+
+/// Model-matching rule from config: a glob with `*` wildcards (e.g. "gpt-4o*",
+/// "*-instruct") mapped to an encoding.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EncodingRule {
+    /// Glob over the model name; see [`glob_match`].
+    pub pattern: String,
+    /// Encoding used for models that match `pattern`.
+    pub encoding: Encoding,
+}
+
+/// First matching rule wins, else Encoding::for_model_default.
+pub fn encoding_for(model: &str, rules: &[EncodingRule]) -> Encoding {
+    rules
+        .iter()
+        .find(|rule| glob_match(&rule.pattern, model))
+        .map_or_else(|| Encoding::for_model_default(model), |rule| rule.encoding)
+}
+
+/// Glob match with `*` (any run, including empty); no other metacharacters;
+/// case-sensitive; linear-ish (no exponential backtracking).
+///
+/// The pattern is cut at each `*` into literal segments: the first must be a
+/// prefix of `text`, the last a suffix, and the ones between must occur in
+/// order in what is left. Taking the leftmost occurrence of each middle segment
+/// is always safe (it leaves the most room for the rest), so there is no
+/// backtracking and the cost is that of one substring search per segment.
+/// Matching bytes rather than chars is sound because `*` is ASCII and UTF-8 is
+/// self-synchronising: a literal segment can only match at char boundaries.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let Some((first, rest)) = pattern.split_once('*') else {
+        return pattern == text;
+    };
+    let (middles, last) = rest.rsplit_once('*').unwrap_or(("", rest));
+    if text.len() < first.len() + last.len() || !text.starts_with(first) || !text.ends_with(last)
+    {
+        return false;
+    }
+    let mut unmatched = &text[first.len()..text.len() - last.len()];
+    for segment in middles.split('*').filter(|segment| !segment.is_empty()) {
+        match unmatched.find(segment) {
+            Some(at) => unmatched = &unmatched[at + segment.len()..],
+            None => return false,
+        }
+    }
+    true
+}

@@ -1,0 +1,564 @@
+//! Unit tests for `tokens`: parity with tiktoken-rs (the reference
+//! implementation of OpenAI's encodings) over a corpus that covers the
+//! pre-tokeniser's corner cases and adversarial bodies, the inclusive boundary
+//! of `count_till_limit`, model-to-encoding defaults and rules, and globbing.
+//!
+//! Nothing here measures time: linearity is checked by making sure huge
+//! adversarial inputs finish and agree, never by asserting a duration.
+
+use std::sync::LazyLock;
+
+use tiktoken_rs::CoreBPE;
+
+use super::*;
+
+/// Reference encoders, built once: building one parses a whole vocabulary.
+static TIKTOKEN_CL100K: LazyLock<CoreBPE> =
+    LazyLock::new(|| tiktoken_rs::cl100k_base().expect("tiktoken-rs ships cl100k_base"));
+static TIKTOKEN_O200K: LazyLock<CoreBPE> =
+    LazyLock::new(|| tiktoken_rs::o200k_base().expect("tiktoken-rs ships o200k_base"));
+
+const ENCODINGS: [Encoding; 2] = [Encoding::Cl100kBase, Encoding::O200kBase];
+
+fn reference(encoding: Encoding) -> &'static CoreBPE {
+    match encoding {
+        Encoding::Cl100kBase => &TIKTOKEN_CL100K,
+        Encoding::O200kBase => &TIKTOKEN_O200K,
+    }
+}
+
+/// Tiny deterministic generator (Knuth's MMIX LCG) so generated inputs are the
+/// same on every run without a rand dependency.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        // The high bits of an LCG are the well-mixed ones.
+        (self.0 >> 33) as u32
+    }
+
+    fn below(&mut self, bound: usize) -> usize {
+        self.next() as usize % bound
+    }
+
+    fn pick<'a, T: ?Sized>(&mut self, items: &[&'a T]) -> &'a T {
+        items[self.below(items.len())]
+    }
+}
+
+/// A short, printable description of a possibly huge test input.
+fn describe(text: &str) -> String {
+    let head: String = text.chars().take(60).collect();
+    format!("{head:?} ({} bytes)", text.len())
+}
+
+/// Asserts that both encodings count `text` exactly like tiktoken's
+/// `encode_ordinary`, and that `count_till_limit` agrees at its boundary.
+#[track_caller]
+fn check_parity(text: &str) {
+    for encoding in ENCODINGS {
+        let expected = reference(encoding).encode_ordinary(text).len();
+        let counted = encoding.count(text);
+        assert_eq!(
+            counted,
+            expected,
+            "{encoding:?} count differs from tiktoken for {}",
+            describe(text)
+        );
+        check_limit_boundary(encoding, text, counted);
+    }
+}
+
+/// `count_till_limit` is exact and inclusive: Some at the count and above,
+/// None one below it.
+#[track_caller]
+fn check_limit_boundary(encoding: Encoding, text: &str, count: usize) {
+    let at = encoding.count_till_limit(text, count);
+    let above = encoding.count_till_limit(text, count + 1);
+    let unlimited = encoding.count_till_limit(text, usize::MAX);
+    assert_eq!(
+        (at, above, unlimited),
+        (Some(count), Some(count), Some(count)),
+        "{encoding:?} count_till_limit at/above/unlimited for {}",
+        describe(text)
+    );
+    if count > 0 {
+        assert_eq!(
+            encoding.count_till_limit(text, count - 1),
+            None,
+            "{encoding:?} count_till_limit one below the count for {}",
+            describe(text)
+        );
+    }
+}
+
+const PROSE: &[&str] = &[
+    "The quick brown fox jumps over the lazy dog.",
+    "It's a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife.",
+    "She'll say they'd've known; I'M SURE WE'LL SEE. Don't, won't, can't, SHOULDN'T.",
+    "Admission control decides, before a request reaches the model, whether it may proceed.\n\nFairness means each tenant gets its share.",
+    "Naïve café owners in Zürich paid €1,234.56 for São Paulo's crème brûlée — really?",
+    "Mr. O'Neil's dog (aged 3½) barked at 7:45 a.m.; nobody cared…",
+];
+
+const CODE: &[&str] = &[
+    "fn main() {\n    let mut total: u64 = 0;\n    for i in 0..10 {\n        total += i * i;\n    }\n    println!(\"{total}\");\n}\n",
+    "impl<'a, T: AsRef<str>> Iterator for Splits<'a, T> {\n\ttype Item = &'a str;\n\tfn next(&mut self) -> Option<Self::Item> { None }\n}",
+    "def fib(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\nif __name__ == '__main__':\n    print(fib(30))\n",
+    "class Foo(Base):\n    def __init__(self, **kwargs):\n        super().__init__(**kwargs)\n        self._cache: dict[str, list[int]] = {}\n",
+    "#!/usr/bin/env bash\nset -euo pipefail\nfor f in *.rs; do echo \"$f\" | sed -e 's/\\.rs$//'; done 2>&1 >/dev/null\n",
+    "x=>{return a&&b||!c?d:e}//comment\n/* block */ a!==b; c>>>=2; path/to/file.rs:12:34",
+];
+
+const JSON: &[&str] = &[
+    r#"{"model":"gpt-4o-mini","messages":[{"role":"system","content":"You are helpful."},{"role":"user","content":"Hi!"}],"max_tokens":256,"stream":true}"#,
+    "{\n  \"id\": 12345678901234567890,\n  \"nested\": {\"a\": [1, 2.5, -3e10, null, true, false]},\n  \"escaped\": \"line\\nbreak \\u00e9 \\\"quoted\\\"\"\n}",
+    r#"[{"k":"v"},{"k":"\ud83d\ude00"},{"":""},[],{}]"#,
+];
+
+const CJK: &[&str] = &[
+    "我们的服务器会在请求到达模型之前决定是否放行。公平意味着每个租户都能获得自己的份额。",
+    "吾輩は猫である。名前はまだ無い。どこで生れたかとんと見当がつかぬ。カタカナとひらがなと漢字。",
+    "다람쥐 헌 쳇바퀴에 타고파. 안녕하세요, 세계! 한국어 토큰은 몇 개일까요?",
+    "日本語とEnglishと中文が混ざったtext、全角　スペース、半角ｶﾀｶﾅ。",
+];
+
+const EMOJI: &[&str] = &[
+    "😀😃😄😁😆😅🤣😂🙂🙃",
+    "👨‍👩‍👧‍👦 family, 👩🏽‍💻 coder, 🏳️‍🌈 flag, 🧑🏿‍🤝‍🧑🏻 people",
+    "🇺🇸🇯🇵🇩🇪🇫🇷🇬🇧🇨🇳🇰🇷 flags, 🏴󠁧󠁢󠁳󠁣󠁴󠁿 Scotland",
+    "1️⃣ #️⃣ ❤️ ✌🏾 👍🏻👍🏼👍🏽👍🏾👍🏿",
+];
+
+const WHITESPACE: &[&str] = &[
+    "",
+    " ",
+    "  ",
+    "\n",
+    "a  b   c    d",
+    "trailing spaces    ",
+    "    leading spaces",
+    "tabs\t\t\tand\t \t mixes \r\n\r\n windows\r\rold mac",
+    "\u{a0}non-breaking\u{a0}\u{a0}spaces\u{2003}em\u{3000}ideographic\u{200b}zero-width",
+    " \n \n \n  \n\n   \t\n",
+    "end with newline runs\n\n\n\n",
+    "x \ny  \nz   \n",
+];
+
+const DIGITS: &[&str] = &[
+    "0",
+    "12",
+    "123",
+    "1234",
+    "3.14159265358979323846264338327950288419716939937510",
+    "phone: +1 (555) 123-4567, ids 0000123 and 99999999999",
+    "١٢٣٤٥ ٦٧٨٩ Arabic-Indic digits and ⅷ Roman numerals",
+];
+
+const SPECIAL_TOKEN_TEXT: &[&str] = &[
+    "<|endoftext|>",
+    "before<|endoftext|>after <|endoftext|> <|fim_prefix|><|fim_middle|><|fim_suffix|>",
+    "<|endofprompt|><|im_start|>user\nhi<|im_end|>",
+    "<|endoftext",
+    "|>",
+];
+
+const UNICODE_EDGES: &[&str] = &[
+    // Decomposed é: NFC normalisation would change the count, tiktoken does not normalise.
+    "cafe\u{301} re\u{301}sume\u{301}",
+    "e\u{301}\u{302}\u{303}\u{304} stacked marks",
+    "ภาษาไทยไม่มีช่องว่างระหว่างคำ",
+    "Ελληνικά, Русский, עברית, العربية, हिन्दी, বাংলা",
+    "\u{0}\u{1}\u{7f}\u{80}\u{ffff}\u{10ffff} controls and edges",
+    "\u{feff}BOM and \u{fffd} replacement",
+];
+
+#[test]
+fn parity_with_tiktoken_on_fixed_corpus() {
+    for group in [
+        PROSE,
+        CODE,
+        JSON,
+        CJK,
+        EMOJI,
+        WHITESPACE,
+        DIGITS,
+        SPECIAL_TOKEN_TEXT,
+        UNICODE_EDGES,
+    ] {
+        for text in group {
+            check_parity(text);
+        }
+    }
+}
+
+#[test]
+fn parity_with_tiktoken_on_concatenated_corpus() {
+    // Pre-tokenisation boundaries between unlike kinds of text are where
+    // regex differences would show, so glue the whole corpus together.
+    let all: Vec<&str> = [
+        PROSE,
+        CODE,
+        JSON,
+        CJK,
+        EMOJI,
+        WHITESPACE,
+        DIGITS,
+        SPECIAL_TOKEN_TEXT,
+        UNICODE_EDGES,
+    ]
+    .concat();
+    check_parity(&all.concat());
+    check_parity(&all.join("\n"));
+    check_parity(&all.join(" "));
+}
+
+/// Fragments that exercise every alternative of the cl100k and o200k
+/// pre-tokenisation regexes when glued together at random.
+const FRAGMENTS: &[&str] = &[
+    "a", "A", "word", "Word", "WORD", "camelCase", "snake_case", "'s", "'T", "'re", "'LL", "'d",
+    "'ve", "'m", "'", "\"", "0", "42", "1234567", "3.14", " ", "  ", "   ", "\t", "\n", "\r\n",
+    "\n\n", " \n", "\u{a0}", "\u{3000}", ".", ",", "!?", "...", "->", "::", "/", "//", "<|", "|>",
+    "_", "__", "-", "--", "==", "{", "}", "()", "[]", "é", "e\u{301}", "ß", "Ω", "中", "文字",
+    "カナ", "한", "😀", "👍🏽", "👨‍👩‍👧", "🇯🇵", "ก", "ไทย", "٣", "Ⅷ", "\u{200d}",
+];
+
+#[test]
+fn parity_with_tiktoken_on_generated_strings() {
+    let mut rng = Lcg(0x746f_6c6c_6761_7465);
+    for _ in 0..400 {
+        let pieces = 1 + rng.below(40);
+        let text: String = (0..pieces).map(|_| rng.pick(FRAGMENTS)).collect();
+        check_parity(&text);
+    }
+}
+
+/// Random non-whitespace chars: the bytes 0x21..=0xff read as Latin-1 code
+/// points (letters, digits, punctuation, accented letters, controls), so the
+/// pre-tokeniser sees long runs of mixed classes with nowhere to split on.
+fn random_bytes_as_chars(rng: &mut Lcg, len: usize) -> String {
+    (0..len)
+        .map(|_| char::from(0x21 + rng.below(0xff - 0x21 + 1) as u8))
+        .filter(|c| !c.is_whitespace())
+        .collect()
+}
+
+fn random_letters(rng: &mut Lcg, len: usize) -> String {
+    (0..len)
+        .map(|_| char::from(b'a' + rng.below(26) as u8))
+        .collect()
+}
+
+/// Random code points from a few scripts, so multi-byte UTF-8 sequences meet
+/// BPE merges across char boundaries.
+fn random_unicode(rng: &mut Lcg, len: usize) -> String {
+    const RANGES: &[(u32, u32)] = &[
+        (0x20, 0x7e),
+        (0xa0, 0x24f),
+        (0x300, 0x36f),
+        (0x400, 0x4ff),
+        (0xe00, 0xe7f),
+        (0x3040, 0x30ff),
+        (0x4e00, 0x4fff),
+        (0xac00, 0xacff),
+        (0x1f300, 0x1f64f),
+    ];
+    (0..len)
+        .filter_map(|_| {
+            let (low, high) = RANGES[rng.below(RANGES.len())];
+            char::from_u32(low + rng.below((high - low + 1) as usize) as u32)
+        })
+        .collect()
+}
+
+#[test]
+fn parity_with_tiktoken_on_random_text() {
+    let mut rng = Lcg(42);
+    for len in [1, 2, 3, 5, 8, 13, 100, 1_000, 10_000] {
+        check_parity(&random_bytes_as_chars(&mut rng, len));
+        check_parity(&random_letters(&mut rng, len));
+        check_parity(&random_unicode(&mut rng, len));
+    }
+}
+
+/// 100 KB bodies built to defeat pre-tokenisation: each is one or a few huge
+/// pieces, which is where a non-linear BPE merge would blow up.
+#[test]
+fn parity_with_tiktoken_on_adversarial_bodies() {
+    const SIZE: usize = 100_000;
+    let mut rng = Lcg(7);
+    let bodies = [
+        "a".repeat(SIZE),
+        "_".repeat(SIZE),
+        "=".repeat(SIZE),
+        "9".repeat(SIZE),
+        " ".repeat(SIZE),
+        " ".repeat(SIZE) + "x",
+        "  x".repeat(SIZE / 3),
+        "\n".repeat(SIZE),
+        "\n\n\nword".repeat(SIZE / 7),
+        " \t".repeat(SIZE / 2) + "end",
+        "ab".repeat(SIZE / 2),
+        "😀".repeat(SIZE / 4),
+        "中".repeat(SIZE / 3),
+        random_letters(&mut rng, SIZE),
+        random_bytes_as_chars(&mut rng, SIZE),
+    ];
+    for body in &bodies {
+        check_parity(body);
+    }
+}
+
+#[test]
+fn count_till_limit_table() {
+    use Encoding::*;
+    // (encoding, text, limit, expected)
+    let cases: &[(Encoding, &str, usize, Option<usize>)] = &[
+        // "abc" is one cl100k token, so "abc" * k is k tokens in one piece.
+        (Cl100kBase, "abcabcabc", 4, Some(3)),
+        (Cl100kBase, "abcabcabc", 3, Some(3)),
+        (Cl100kBase, "abcabcabc", 2, None),
+        (Cl100kBase, "abcabcabcabc", 3, None),
+        (Cl100kBase, "hello world", 2, Some(2)),
+        (Cl100kBase, "hello world", 1, None),
+        (O200kBase, "hello world", 2, Some(2)),
+        (O200kBase, "hello world", 1, None),
+        // Limit 0: only the empty text fits.
+        (Cl100kBase, "", 0, Some(0)),
+        (O200kBase, "", 0, Some(0)),
+        (Cl100kBase, "a", 0, None),
+        (O200kBase, "a", 0, None),
+        (Cl100kBase, " ", 0, None),
+        // Empty text fits any limit.
+        (Cl100kBase, "", 5, Some(0)),
+        (O200kBase, "", usize::MAX, Some(0)),
+        (Cl100kBase, "hello world", usize::MAX, Some(2)),
+    ];
+    for &(encoding, text, limit, expected) in cases {
+        assert_eq!(
+            encoding.count_till_limit(text, limit),
+            expected,
+            "{encoding:?} count_till_limit({text:?}, {limit})"
+        );
+    }
+}
+
+/// `count_till_limit` relies on `bpe` giving up only once its working stack
+/// exceeds the budget by more than 10 tokens; if a stack could overshoot the
+/// final count by more, a text of exactly `limit` tokens would be rejected.
+/// Every vocabulary entry on its own is the hardest such case we know of, so
+/// check each one at exactly its own count (this guards `bpe` upgrades).
+#[test]
+fn count_till_limit_is_exact_for_every_vocabulary_entry() {
+    for encoding in ENCODINGS {
+        let bpe = &encoding.tokenizer().bpe;
+        for id in 0..bpe.num_tokens() {
+            let id = u32::try_from(id).expect("vocabularies have fewer than 2^32 entries");
+            let bytes = bpe.token_bytes(id);
+            let count = bpe.count(bytes);
+            assert_eq!(
+                bpe.count_till_limit(bytes, count),
+                Some(count),
+                "{encoding:?} token {id} ({:?})",
+                String::from_utf8_lossy(bytes)
+            );
+        }
+    }
+}
+
+/// Counting 1 MB with no whitespace must finish (a quadratic merge would not,
+/// in a debug build) and the two entry points must agree; the exactness of the
+/// same code path on adversarial input is covered against tiktoken at 100 KB.
+#[test]
+fn megabyte_without_whitespace_is_counted() {
+    let body = "a".repeat(1 << 20);
+    for encoding in ENCODINGS {
+        let count = encoding.count(&body);
+        assert_eq!(
+            encoding.count_till_limit(&body, usize::MAX),
+            Some(count),
+            "{encoding:?}"
+        );
+        assert_eq!(
+            encoding.count_till_limit(&body, 16_000),
+            None,
+            "{encoding:?}"
+        );
+        // The first megabyte-sized piece is bounded below by its byte length
+        // over the longest token (128 bytes), so it cannot be tiny.
+        assert!(count >= body.len() / 128, "{encoding:?} counted {count}");
+    }
+    let smaller = "a".repeat(50_000);
+    for encoding in ENCODINGS {
+        assert_eq!(
+            encoding.count(&smaller),
+            reference(encoding).encode_ordinary(&smaller).len(),
+            "{encoding:?}"
+        );
+    }
+}
+
+#[test]
+fn warm_up_leaves_counts_unchanged() {
+    for encoding in ENCODINGS {
+        encoding.warm_up();
+        encoding.warm_up();
+        check_parity(WARM_UP_TEXT);
+    }
+}
+
+#[test]
+fn for_model_default_table() {
+    use Encoding::*;
+    let cases: &[(&str, Encoding)] = &[
+        ("gpt-4o", O200kBase),
+        ("gpt-4o-mini", O200kBase),
+        ("gpt-4o-2024-08-06", O200kBase),
+        ("chatgpt-4o-latest", O200kBase),
+        ("gpt-4.1", O200kBase),
+        ("gpt-4.1-nano", O200kBase),
+        ("gpt-5", O200kBase),
+        ("gpt-5-mini", O200kBase),
+        ("o1", O200kBase),
+        ("o1-preview", O200kBase),
+        ("o3-mini", O200kBase),
+        ("o4-mini", O200kBase),
+        ("gpt-4", Cl100kBase),
+        ("gpt-4-turbo", Cl100kBase),
+        ("gpt-4-0613", Cl100kBase),
+        ("gpt-3.5-turbo", Cl100kBase),
+        ("text-embedding-3-small", Cl100kBase),
+        ("llama-3", Cl100kBase),
+        ("mistral-7b-instruct", Cl100kBase),
+        ("", Cl100kBase),
+        // Case-sensitive, and a prefix must be a prefix.
+        ("GPT-4o", Cl100kBase),
+        ("my-gpt-4o", Cl100kBase),
+        ("o2", Cl100kBase),
+    ];
+    for &(model, expected) in cases {
+        assert_eq!(Encoding::for_model_default(model), expected, "{model:?}");
+    }
+}
+
+fn rule(pattern: &str, encoding: Encoding) -> EncodingRule {
+    EncodingRule {
+        pattern: pattern.to_owned(),
+        encoding,
+    }
+}
+
+#[test]
+fn encoding_for_table() {
+    use Encoding::*;
+    let rules = [
+        rule("llama-3*", O200kBase),
+        rule("gpt-4o-legacy*", Cl100kBase),
+        rule("*-instruct", O200kBase),
+        rule("*-instruct", Cl100kBase),
+    ];
+    let cases: &[(&str, &[EncodingRule], Encoding)] = &[
+        // No rules: the defaults.
+        ("gpt-4o-mini", &[], O200kBase),
+        ("llama-3", &[], Cl100kBase),
+        // A rule overrides the default, in both directions.
+        ("llama-3", &rules, O200kBase),
+        ("llama-3.1-70b", &rules, O200kBase),
+        ("gpt-4o-legacy-2024", &rules, Cl100kBase),
+        // First matching rule wins over later ones that also match.
+        ("mistral-7b-instruct", &rules, O200kBase),
+        // No rule matches: the default.
+        ("gpt-4o-mini", &rules, O200kBase),
+        ("gpt-4", &rules, Cl100kBase),
+    ];
+    for &(model, rules, expected) in cases {
+        assert_eq!(encoding_for(model, rules), expected, "{model:?} with {rules:?}");
+    }
+}
+
+#[test]
+fn encoding_rule_serde() {
+    let parsed: EncodingRule =
+        serde_json::from_str(r#"{"pattern": "gpt-4o*", "encoding": "o200k_base"}"#)
+            .expect("valid rule parses");
+    assert_eq!(parsed, rule("gpt-4o*", Encoding::O200kBase));
+    let written = serde_json::to_string(&rule("*", Encoding::Cl100kBase)).expect("serialises");
+    assert_eq!(written, r#"{"pattern":"*","encoding":"cl100k_base"}"#);
+    for invalid in [
+        r#"{"pattern": "x", "encoding": "o200k_base", "extra": 1}"#,
+        r#"{"pattern": "x", "encoding": "O200kBase"}"#,
+        r#"{"pattern": "x", "encoding": "p50k_base"}"#,
+        r#"{"pattern": "x"}"#,
+    ] {
+        assert!(
+            serde_json::from_str::<EncodingRule>(invalid).is_err(),
+            "{invalid} should be rejected"
+        );
+    }
+}
+
+#[test]
+fn glob_match_table() {
+    // (pattern, text, expected)
+    let cases: &[(&str, &str, bool)] = &[
+        ("", "", true),
+        ("", "a", false),
+        ("*", "", true),
+        ("*", "anything at all", true),
+        ("**", "", true),
+        ("gpt-4", "gpt-4", true),
+        ("gpt-4", "gpt-4o", false),
+        ("gpt-4", "GPT-4", false),
+        ("gpt-4o*", "gpt-4o", true),
+        ("gpt-4o*", "gpt-4o-mini", true),
+        ("gpt-4o*", "gpt-4", false),
+        ("gpt-4o*", "xgpt-4o", false),
+        ("*-instruct", "mistral-7b-instruct", true),
+        ("*-instruct", "-instruct", true),
+        ("*-instruct", "mistral-7b-instruct-v2", false),
+        ("*mini*", "o3-mini", true),
+        ("*mini*", "gpt-4o-mini-2024", true),
+        ("*mini*", "gpt-4o", false),
+        ("a*b*c", "abc", true),
+        ("a*b*c", "a-b-c", true),
+        ("a*b*c", "acb", false),
+        ("a*b*c", "abcbc", true),
+        ("a*b*c", "abcb", false),
+        // Prefix and suffix must not overlap.
+        ("ab*ba", "aba", false),
+        ("ab*ba", "abba", true),
+        ("a*a", "a", false),
+        ("a*a", "aa", true),
+        ("a**b", "ab", true),
+        ("*a*a*a*", "aaa", true),
+        ("*a*a*a*", "aa", false),
+        // Only `*` is special.
+        ("gpt-?", "gpt-4", false),
+        ("gpt-?", "gpt-?", true),
+        ("[a-z]*", "abc", false),
+        ("[a-z]*", "[a-z]", true),
+        ("a.c", "abc", false),
+        // Multi-byte text and patterns.
+        ("模型*", "模型-大", true),
+        ("*大", "模型-大", true),
+        ("*é*", "café au lait", true),
+        ("*é", "cafe\u{301}", false),
+    ];
+    for &(pattern, text, expected) in cases {
+        assert_eq!(glob_match(pattern, text), expected, "glob_match({pattern:?}, {text:?})");
+    }
+}
+
+/// The classic exponential-backtracking input for naive globbers; the
+/// segment-search algorithm answers it after one substring search per `*`.
+#[test]
+fn glob_match_does_not_backtrack_exponentially() {
+    let text = "a".repeat(10_000);
+    let pattern = format!("{}b", "a*".repeat(50));
+    assert!(!glob_match(&pattern, &text));
+    assert!(glob_match(&"a*".repeat(50), &text));
+}

@@ -1,0 +1,5 @@
+//! Shared test fixtures: tollgate in-process, real processes (Envoy, the tollgate binary, the
+//! example upstream), and a scripted ext_proc client.
+
+pub mod envoy;
+pub mod server;

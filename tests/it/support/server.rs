@@ -1,0 +1,244 @@
+//! tollgate in-process on port 0, and a scripted ext_proc client that plays Envoy.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::ReceiverStream;
+use tollgate::config::Config;
+
+/// A tollgate server running inside the test process.
+pub struct TestServer {
+    pub grpc: SocketAddr,
+    pub admin: SocketAddr,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), tollgate::Error>>,
+}
+
+impl TestServer {
+    pub async fn start(config: Config) -> TestServer {
+        let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (grpc_addr, admin_addr) = (grpc.local_addr().unwrap(), admin.local_addr().unwrap());
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(tollgate::run(
+            config,
+            tollgate::Listeners { grpc, admin },
+            async move {
+                let _ = rx.await;
+            },
+        ));
+        TestServer {
+            grpc: grpc_addr,
+            admin: admin_addr,
+            shutdown: Some(tx),
+            task,
+        }
+    }
+
+    pub async fn client(&self) -> ExternalProcessorClient<tonic::transport::Channel> {
+        let url = format!("http://{}", self.grpc);
+        for _ in 0..100 {
+            if let Ok(client) = ExternalProcessorClient::connect(url.clone()).await {
+                return client.max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("tollgate did not accept gRPC connections on {url}");
+    }
+
+    /// Opens one ext_proc stream, as Envoy does per HTTP request.
+    pub async fn stream(&self) -> ExtProcStream {
+        ExtProcStream::open(&mut self.client().await).await
+    }
+
+    pub async fn metrics(&self) -> Metrics {
+        Metrics(http_get(self.admin, "/metrics").await.1)
+    }
+
+    /// Begins shutdown (as SIGTERM does) without waiting for it to finish.
+    pub fn begin_shutdown(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    /// Shuts down and returns what `run` returned.
+    pub async fn stop(mut self) -> Result<(), tollgate::Error> {
+        self.begin_shutdown();
+        tokio::time::timeout(Duration::from_secs(30), &mut self.task)
+            .await
+            .expect("run() returned within 30 s of shutdown")
+            .expect("run() did not panic")
+    }
+}
+
+/// A minimal HTTP/1.1 GET: (status, body).
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let response = reqwest::get(format!("http://{addr}{path}")).await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.text().await.unwrap())
+}
+
+/// The Prometheus text exposition, with lookups.
+pub struct Metrics(pub String);
+
+impl Metrics {
+    /// The value of the series `name{labels}` (labels as written, e.g. `outcome="admitted"`, in
+    /// any order); panics if the series does not exist, since every series is pre-created.
+    pub fn value(&self, name: &str, labels: &[&str]) -> f64 {
+        self.find(name, labels)
+            .unwrap_or_else(|| panic!("no series {name}{labels:?} in:\n{}", self.0))
+    }
+
+    pub fn find(&self, name: &str, labels: &[&str]) -> Option<f64> {
+        self.0.lines().find_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let (series_name, series_labels) = match series.split_once('{') {
+                Some((n, l)) => (n, l.trim_end_matches('}')),
+                None => (series, ""),
+            };
+            (series_name == name && labels.iter().all(|l| series_labels.split(',').any(|s| s == *l)))
+                .then(|| value.parse().ok())
+                .flatten()
+        })
+    }
+}
+
+/// One ext_proc stream driven message by message.
+pub struct ExtProcStream {
+    tx: Option<mpsc::Sender<ProcessingRequest>>,
+    rx: tonic::Streaming<ProcessingResponse>,
+}
+
+impl ExtProcStream {
+    pub async fn open(client: &mut ExternalProcessorClient<tonic::transport::Channel>) -> Self {
+        let (tx, rx) = mpsc::channel(16);
+        let response = client
+            .process(ReceiverStream::new(rx))
+            .await
+            .expect("stream opens");
+        ExtProcStream {
+            tx: Some(tx),
+            rx: response.into_inner(),
+        }
+    }
+
+    pub async fn send(&mut self, request: ProcessingRequest) {
+        self.tx
+            .as_ref()
+            .expect("stream not closed")
+            .send(request)
+            .await
+            .expect("stream accepts messages");
+    }
+
+    /// The next answer; `Ok(None)` when tollgate closed the stream with OK.
+    pub async fn recv(&mut self) -> Result<Option<ProcessingResponse>, tonic::Status> {
+        tokio::time::timeout(Duration::from_secs(10), self.rx.message())
+            .await
+            .expect("tollgate answered within 10 s")
+    }
+
+    /// Sends and waits for the answer, which must not be an error.
+    pub async fn exchange(&mut self, request: ProcessingRequest) -> ProcessingResponse {
+        self.send(request).await;
+        self.recv()
+            .await
+            .expect("answer is not an error")
+            .expect("stream still open")
+    }
+
+    /// Half-closes the stream from the Envoy side (as Envoy does at the end of a request).
+    pub fn close(&mut self) {
+        self.tx = None;
+    }
+}
+
+pub fn header_map(headers: &[(&str, &str)]) -> HeaderMap {
+    HeaderMap {
+        headers: headers
+            .iter()
+            .map(|(k, v)| HeaderValue {
+                key: (*k).to_owned(),
+                value: String::new(),
+                raw_value: v.as_bytes().to_vec(),
+            })
+            .collect(),
+    }
+}
+
+pub fn request_headers(headers: &[(&str, &str)], end_of_stream: bool) -> ProcessingRequest {
+    message(Request::RequestHeaders(HttpHeaders {
+        headers: Some(header_map(headers)),
+        end_of_stream,
+        ..HttpHeaders::default()
+    }))
+}
+
+/// Headers of a chat request from `user` (tier from `x-user-tier` if given).
+pub fn chat_headers(user: &str) -> ProcessingRequest {
+    request_headers(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("content-type", "application/json"),
+            ("x-user-id", user),
+        ],
+        false,
+    )
+}
+
+pub fn request_body(body: &[u8]) -> ProcessingRequest {
+    message(Request::RequestBody(HttpBody {
+        body: body.to_vec(),
+        end_of_stream: true,
+        ..HttpBody::default()
+    }))
+}
+
+pub fn response_headers(status: u16, content_type: &str) -> ProcessingRequest {
+    message(Request::ResponseHeaders(HttpHeaders {
+        headers: Some(header_map(&[
+            (":status", &status.to_string()),
+            ("content-type", content_type),
+        ])),
+        end_of_stream: false,
+        ..HttpHeaders::default()
+    }))
+}
+
+pub fn response_body(body: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    message(Request::ResponseBody(HttpBody {
+        body: body.to_vec(),
+        end_of_stream,
+        ..HttpBody::default()
+    }))
+}
+
+pub fn message(request: Request) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(request),
+        ..ProcessingRequest::default()
+    }
+}
+
+/// A small valid chat body.
+pub fn chat_body(extra: serde_json::Value) -> Vec<u8> {
+    let mut body = serde_json::json!({
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "Say hello to the world."}],
+    });
+    if let (Some(body), Some(extra)) = (body.as_object_mut(), extra.as_object()) {
+        for (k, v) in extra {
+            body.insert(k.clone(), v.clone());
+        }
+    }
+    serde_json::to_vec(&body).unwrap()
+}
