@@ -52,7 +52,10 @@ fn body_set_headers(response: &ProcessingResponse) -> Vec<(String, String)> {
         .flat_map(|m| &m.set_headers)
         .map(|h| {
             let h = h.header.as_ref().unwrap();
-            (h.key.clone(), String::from_utf8(h.raw_value.clone()).unwrap())
+            (
+                h.key.clone(),
+                String::from_utf8(h.raw_value.clone()).unwrap(),
+            )
         })
         .collect()
 }
@@ -61,7 +64,14 @@ fn body_rewrite(response: &ProcessingResponse) -> Option<Value> {
     let Some(Response::RequestBody(body)) = &response.response else {
         panic!("expected a request_body answer, got {response:?}");
     };
-    match body.response.as_ref()?.body_mutation.as_ref()?.mutation.as_ref()? {
+    match body
+        .response
+        .as_ref()?
+        .body_mutation
+        .as_ref()?
+        .mutation
+        .as_ref()?
+    {
         Mutation::Body(bytes) => Some(serde_json::from_slice(bytes).unwrap()),
         other => panic!("unexpected mutation {other:?}"),
     }
@@ -102,10 +112,25 @@ async fn chat_request_is_admitted_and_its_stream_observed() {
     let Some(Response::RequestHeaders(headers)) = &answer.response else {
         panic!("expected CONTINUE on headers, got {answer:?}");
     };
-    let removed = &headers.response.as_ref().unwrap().header_mutation.as_ref().unwrap().remove_headers;
-    assert_eq!(removed, &["x-tollgate-tenant"], "client copies of tollgate headers are removed");
+    let removed = &headers
+        .response
+        .as_ref()
+        .unwrap()
+        .header_mutation
+        .as_ref()
+        .unwrap()
+        .remove_headers;
+    assert_eq!(
+        removed,
+        &["x-tollgate-tenant"],
+        "client copies of tollgate headers are removed"
+    );
 
-    let answer = stream.exchange(request_body(&chat_body(serde_json::json!({"stream": true})))).await;
+    let answer = stream
+        .exchange(request_body(&chat_body(
+            serde_json::json!({"stream": true}),
+        )))
+        .await;
     let set = body_set_headers(&answer);
     let get = |name: &str| set.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
     assert_eq!(get("x-tollgate-tenant"), Some("alice"));
@@ -113,12 +138,17 @@ async fn chat_request_is_admitted_and_its_stream_observed() {
     // "Say hello to the world." is 6 o200k tokens + "user" 1 + 3 framing + 3 priming.
     assert_eq!(get("x-tollgate-input-tokens"), Some("13"));
     let rewritten = body_rewrite(&answer).expect("the body is rewritten");
-    assert_eq!(rewritten["max_tokens"], 4096, "the tier default is written in");
+    assert_eq!(
+        rewritten["max_tokens"], 4096,
+        "the tier default is written in"
+    );
     assert_eq!(rewritten["stream_options"]["include_usage"], true);
     let new_len = serde_json::to_vec(&rewritten).unwrap().len();
     assert_eq!(get("content-length"), Some(new_len.to_string().as_str()));
 
-    stream.exchange(response_headers(200, "text/event-stream")).await;
+    stream
+        .exchange(response_headers(200, "text/event-stream"))
+        .await;
     for chunk in [
         &b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n"[..],
         b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":13,\"completion_tokens\":2,\"total_tokens\":15}}\n\ndata: [DONE]\n\n",
@@ -128,21 +158,45 @@ async fn chat_request_is_admitted_and_its_stream_observed() {
     }
     stream.exchange(response_body(b"", true)).await;
     stream.close();
-    assert!(stream.recv().await.unwrap().is_none(), "tollgate closes with OK after Envoy");
+    assert!(
+        stream.recv().await.unwrap().is_none(),
+        "tollgate closes with OK after Envoy"
+    );
 
     wait_for_metric(&server, "tollgate_held_streams", &[], 0.0).await;
     let m = server.metrics().await;
-    assert_eq!(m.value("tollgate_requests_total", &["outcome=\"admitted\""]), 1.0);
-    assert_eq!(m.value("tollgate_stream_completions_total", &["result=\"complete\""]), 1.0);
     assert_eq!(
-        m.value("tollgate_usage_tokens_total", &["tier=\"premium\"", "kind=\"completion\""]),
+        m.value("tollgate_requests_total", &["outcome=\"admitted\""]),
+        1.0
+    );
+    assert_eq!(
+        m.value(
+            "tollgate_stream_completions_total",
+            &["result=\"complete\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        m.value(
+            "tollgate_usage_tokens_total",
+            &["tier=\"premium\"", "kind=\"completion\""]
+        ),
         2.0
     );
     assert_eq!(
-        m.value("tollgate_time_to_first_token_seconds_count", &["tier=\"premium\""]),
+        m.value(
+            "tollgate_time_to_first_token_seconds_count",
+            &["tier=\"premium\""]
+        ),
         1.0
     );
-    assert_eq!(m.value("tollgate_request_duration_seconds_count", &["tier=\"premium\""]), 1.0);
+    assert_eq!(
+        m.value(
+            "tollgate_request_duration_seconds_count",
+            &["tier=\"premium\""]
+        ),
+        1.0
+    );
     server.stop().await.unwrap();
 }
 
@@ -150,21 +204,58 @@ async fn chat_request_is_admitted_and_its_stream_observed() {
 async fn local_replies_are_openai_shaped_with_a_reason() {
     let server = TestServer::start(Config::default()).await;
     let cases: Vec<(Vec<u8>, &[(&str, &str)], i32, &str)> = vec![
-        (chat_body(serde_json::json!({})), &[("x-user-id", "")], 401, "missing_identity"),
+        (
+            chat_body(serde_json::json!({})),
+            &[("x-user-id", "")],
+            401,
+            "missing_identity",
+        ),
         (b"{not json".to_vec(), &[], 400, "malformed_json"),
         (b"[1,2]".to_vec(), &[], 400, "invalid_request"),
-        (chat_body(serde_json::json!({"max_tokens": 1_000_000})), &[], 400, "output_tokens_exceeded"),
-        (chat_body(serde_json::json!({"max_tokens": "many"})), &[], 400, "invalid_max_tokens"),
-        (chat_body(serde_json::json!({"messages": []})), &[], 400, "invalid_request"),
         (
-            chat_body(serde_json::json!({"messages": [{"role": "user", "content": "word ".repeat(20_000)}]})),
+            chat_body(serde_json::json!({"max_tokens": 1_000_000})),
+            &[],
+            400,
+            "output_tokens_exceeded",
+        ),
+        (
+            chat_body(serde_json::json!({"max_tokens": "many"})),
+            &[],
+            400,
+            "invalid_max_tokens",
+        ),
+        (
+            chat_body(serde_json::json!({"messages": []})),
+            &[],
+            400,
+            "invalid_request",
+        ),
+        (
+            chat_body(
+                serde_json::json!({"messages": [{"role": "user", "content": "word ".repeat(20_000)}]}),
+            ),
             &[],
             400,
             "input_tokens_exceeded",
         ),
-        (chat_body(serde_json::json!({})), &[("x-user-tier", "platinum")], 401, "unknown_tier"),
-        (chat_body(serde_json::json!({})), &[("content-type", "text/plain")], 400, "invalid_content_type"),
-        (chat_body(serde_json::json!({})), &[("content-encoding", "gzip")], 415, "unsupported_content_encoding"),
+        (
+            chat_body(serde_json::json!({})),
+            &[("x-user-tier", "platinum")],
+            401,
+            "unknown_tier",
+        ),
+        (
+            chat_body(serde_json::json!({})),
+            &[("content-type", "text/plain")],
+            400,
+            "invalid_content_type",
+        ),
+        (
+            chat_body(serde_json::json!({})),
+            &[("content-encoding", "gzip")],
+            415,
+            "unsupported_content_encoding",
+        ),
     ];
     for (body, header_overrides, want_status, want_reason) in cases {
         let mut headers = vec![
@@ -187,20 +278,39 @@ async fn local_replies_are_openai_shaped_with_a_reason() {
             stream.exchange(request_body(&body)).await
         };
         let (status, reason, json) = immediate_json(&answer);
-        assert_eq!((status, reason.as_str()), (want_status, want_reason), "{json}");
+        assert_eq!(
+            (status, reason.as_str()),
+            (want_status, want_reason),
+            "{json}"
+        );
         let error = &json["error"];
-        assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()), "{json}");
-        assert!(error["type"].is_string() && error["code"].is_string(), "{json}");
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{json}"
+        );
+        assert!(
+            error["type"].is_string() && error["code"].is_string(),
+            "{json}"
+        );
         assert!(error.as_object().unwrap().contains_key("param"), "{json}");
     }
     let m = server.metrics().await;
-    assert_eq!(m.value("tollgate_requests_total", &["outcome=\"rejected\""]), 10.0);
     assert_eq!(
-        m.value("tollgate_rejections_total", &["reason=\"missing_identity\"", "tier=\"none\""]),
+        m.value("tollgate_requests_total", &["outcome=\"rejected\""]),
+        10.0
+    );
+    assert_eq!(
+        m.value(
+            "tollgate_rejections_total",
+            &["reason=\"missing_identity\"", "tier=\"none\""]
+        ),
         1.0
     );
     assert_eq!(
-        m.value("tollgate_rejections_total", &["reason=\"malformed_json\"", "tier=\"free\""]),
+        m.value(
+            "tollgate_rejections_total",
+            &["reason=\"malformed_json\"", "tier=\"free\""]
+        ),
         1.0
     );
     server.stop().await.unwrap();
@@ -217,23 +327,37 @@ async fn clamp_policy_rewrites_max_tokens() {
     let mut stream = server.stream().await;
     stream.exchange(chat_headers("carol")).await;
     let answer = stream
-        .exchange(request_body(&chat_body(serde_json::json!({"max_completion_tokens": 5000}))))
+        .exchange(request_body(&chat_body(
+            serde_json::json!({"max_completion_tokens": 5000}),
+        )))
         .await;
     let rewritten = body_rewrite(&answer).expect("clamped body");
     assert_eq!(rewritten["max_completion_tokens"], 100);
-    assert!(rewritten.get("max_tokens").is_none(), "only the field the client used changes");
+    assert!(
+        rewritten.get("max_tokens").is_none(),
+        "only the field the client used changes"
+    );
     server.stop().await.unwrap();
 }
 
 #[tokio::test]
 async fn non_inference_paths_pass_through_and_skip_later_phases() {
     let server = TestServer::start(Config::default()).await;
-    for (method, path) in [("GET", "/v1/models"), ("POST", "/echo"), ("GET", "/v1/chat/completions")] {
+    for (method, path) in [
+        ("GET", "/v1/models"),
+        ("POST", "/echo"),
+        ("GET", "/v1/chat/completions"),
+    ] {
         let mut stream = server.stream().await;
         let answer = stream
-            .exchange(request_headers(&[(":method", method), (":path", path)], method == "GET"))
+            .exchange(request_headers(
+                &[(":method", method), (":path", path)],
+                method == "GET",
+            ))
             .await;
-        let mode = answer.mode_override.expect("mode_override skips the body phases");
+        let mode = answer
+            .mode_override
+            .expect("mode_override skips the body phases");
         assert_eq!(mode.request_body_mode, 0, "NONE");
         assert_eq!(mode.response_body_mode, 0, "NONE");
         // If Envoy ignores the override (allow_mode_override off), later phases still pass.
@@ -242,7 +366,10 @@ async fn non_inference_paths_pass_through_and_skip_later_phases() {
         assert!(body_rewrite(&answer).is_none());
     }
     let m = server.metrics().await;
-    assert_eq!(m.value("tollgate_requests_total", &["outcome=\"passed_through\""]), 3.0);
+    assert_eq!(
+        m.value("tollgate_requests_total", &["outcome=\"passed_through\""]),
+        3.0
+    );
     server.stop().await.unwrap();
 }
 
@@ -265,9 +392,13 @@ async fn messages_out_of_order_get_a_grpc_error_not_a_panic() {
             if i < last {
                 answer.expect("valid prefix").expect("open");
             } else {
-                let status = answer.expect_err("a protocol violation ends the stream with an error");
+                let status =
+                    answer.expect_err("a protocol violation ends the stream with an error");
                 assert!(
-                    matches!(status.code(), tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument),
+                    matches!(
+                        status.code(),
+                        tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument
+                    ),
                     "{status:?}"
                 );
             }
@@ -275,8 +406,17 @@ async fn messages_out_of_order_get_a_grpc_error_not_a_panic() {
     }
     wait_for_metric(&server, "tollgate_held_streams", &[], 0.0).await;
     let m = server.metrics().await;
-    assert_eq!(m.value("tollgate_protocol_errors_total", &["kind=\"out_of_order\""]), 4.0);
-    assert_eq!(m.value("tollgate_protocol_errors_total", &["kind=\"empty_message\""]), 1.0);
+    assert_eq!(
+        m.value("tollgate_protocol_errors_total", &["kind=\"out_of_order\""]),
+        4.0
+    );
+    assert_eq!(
+        m.value(
+            "tollgate_protocol_errors_total",
+            &["kind=\"empty_message\""]
+        ),
+        1.0
+    );
     server.stop().await.unwrap();
 }
 
@@ -289,18 +429,39 @@ async fn a_stream_that_ends_without_done_is_truncated_and_released() {
     let server = TestServer::start(Config::default()).await;
     let mut stream = server.stream().await;
     stream.exchange(chat_headers("erin")).await;
-    stream.exchange(request_body(&chat_body(serde_json::json!({"stream": true})))).await;
-    stream.exchange(response_headers(200, "text/event-stream")).await;
     stream
-        .exchange(response_body(b"data: {\"choices\":[{\"delta\":{\"content\":\"partial\"}}]}\n\n", false))
+        .exchange(request_body(&chat_body(
+            serde_json::json!({"stream": true}),
+        )))
+        .await;
+    stream
+        .exchange(response_headers(200, "text/event-stream"))
+        .await;
+    stream
+        .exchange(response_body(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"partial\"}}]}\n\n",
+            false,
+        ))
         .await;
     wait_for_metric(&server, "tollgate_held_streams", &[], 1.0).await;
     // The client goes away: Envoy resets the side stream.
     drop(stream);
     wait_for_metric(&server, "tollgate_held_streams", &[], 0.0).await;
     let m = server.metrics().await;
-    assert_eq!(m.value("tollgate_stream_completions_total", &["result=\"truncated\""]), 1.0);
-    assert_eq!(m.value("tollgate_stream_completions_total", &["result=\"complete\""]), 0.0);
+    assert_eq!(
+        m.value(
+            "tollgate_stream_completions_total",
+            &["result=\"truncated\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        m.value(
+            "tollgate_stream_completions_total",
+            &["result=\"complete\""]
+        ),
+        0.0
+    );
     server.stop().await.unwrap();
 }
 
@@ -332,8 +493,12 @@ async fn shutdown_ends_undecided_streams_with_an_error_and_decided_ones_with_ok(
     undecided.exchange(chat_headers("gina")).await;
     let mut decided = server.stream().await;
     decided.exchange(chat_headers("hank")).await;
-    decided.exchange(request_body(&chat_body(serde_json::json!({})))).await;
-    decided.exchange(response_headers(200, "application/json")).await;
+    decided
+        .exchange(request_body(&chat_body(serde_json::json!({}))))
+        .await;
+    decided
+        .exchange(response_headers(200, "application/json"))
+        .await;
 
     server.begin_shutdown();
     // While draining, /readyz says so.
@@ -347,8 +512,14 @@ async fn shutdown_ends_undecided_streams_with_an_error_and_decided_ones_with_ok(
     }
     assert_eq!(ready, 503);
 
-    let status = undecided.recv().await.expect_err("never a silent OK for an undecided request");
+    let status = undecided
+        .recv()
+        .await
+        .expect_err("never a silent OK for an undecided request");
     assert_eq!(status.code(), tonic::Code::Unavailable);
-    assert!(decided.recv().await.expect("OK close").is_none(), "decided streams end with OK");
+    assert!(
+        decided.recv().await.expect("OK close").is_none(),
+        "decided streams end with OK"
+    );
     server.stop().await.unwrap();
 }

@@ -2,4 +2,5 @@
 //! example upstream), and a scripted ext_proc client.
 
 pub mod envoy;
+pub mod process;
 pub mod server;

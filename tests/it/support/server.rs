@@ -46,7 +46,9 @@ impl TestServer {
         let url = format!("http://{}", self.grpc);
         for _ in 0..100 {
             if let Ok(client) = ExternalProcessorClient::connect(url.clone()).await {
-                return client.max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
+                return client
+                    .max_decoding_message_size(64 << 20)
+                    .max_encoding_message_size(64 << 20);
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -104,9 +106,12 @@ impl Metrics {
                 Some((n, l)) => (n, l.trim_end_matches('}')),
                 None => (series, ""),
             };
-            (series_name == name && labels.iter().all(|l| series_labels.split(',').any(|s| s == *l)))
-                .then(|| value.parse().ok())
-                .flatten()
+            (series_name == name
+                && labels
+                    .iter()
+                    .all(|l| series_labels.split(',').any(|s| s == *l)))
+            .then(|| value.parse().ok())
+            .flatten()
         })
     }
 }

@@ -1,0 +1,1052 @@
+//! `upstream`: a small, fast, deterministic OpenAI-compatible server that stands in for
+//! vLLM / TGI behind tollgate in tests and the quickstart demo.
+//!
+//! It does no inference. Each request is answered by a tiny [`Engine`] that decides how many
+//! "tokens" to emit and when each becomes ready; everything else in this file is HTTP and
+//! OpenAI wire format. The engine is the piece to replace when this grows into a simulated
+//! vLLM (continuous batching, KV-cache pressure, vLLM metric names).
+//!
+//! The example deliberately does not use the `tollgate` library, so it can be copied or moved
+//! on its own.
+//!
+//! ```text
+//! cargo run --example upstream -- --addr 127.0.0.1:8000
+//! ```
+//!
+//! Once the socket is bound it prints exactly one line to stdout, `upstream listening on ADDR`,
+//! with the real address (so `--addr 127.0.0.1:0` reports the port it picked).
+//!
+//! # Flags
+//!
+//! | flag                      | default          | meaning                                              |
+//! |---------------------------|------------------|------------------------------------------------------|
+//! | `--addr`                  | `127.0.0.1:8000` | listen address (host names are resolved)             |
+//! | `--ttft-ms`               | `0`              | delay before the first token                         |
+//! | `--itl-ms`                | `0`              | delay between later tokens                           |
+//! | `--default-output-tokens` | `16`             | output length when the request sets no token limit   |
+//!
+//! # Endpoints
+//!
+//! * `POST /v1/chat/completions`, `POST /v1/completions`: OpenAI request bodies. The output
+//!   length is `max_completion_tokens`, else `max_tokens` (capped at 100,000; `finish_reason`
+//!   `"length"`), else `--default-output-tokens` (`finish_reason` `"stop"`). The text is
+//!   `tok0 tok1 tok2 ...`: one whitespace-separated word per token, so a client can count
+//!   tokens by splitting on whitespace. `"stream": true` gives SSE: one chunk per token, a
+//!   final chunk with `finish_reason`, a `"choices": []` usage chunk only when
+//!   `stream_options.include_usage` is true, then `data: [DONE]`. Non-streaming requests
+//!   wait for the same per-token delays before the whole answer is sent.
+//!   `usage.prompt_tokens` is an *estimate*, not a real tokenizer: the number of
+//!   whitespace-separated words in the message contents or prompt strings, plus one per token
+//!   id when the completions prompt is given as token ids.
+//! * `GET /health`: `200 ok`. `GET /v1/models`: one model, `upstream-sim`.
+//! * `POST` to any other path: `200`, echoing the request body back unchanged with the
+//!   request's `content-type`, so tests can check that non-inference traffic passes through
+//!   tollgate unchanged.
+//! * Anything else: `404` (unknown path) or `405` (known path, wrong method), with an
+//!   OpenAI-shaped error body (`{"error":{"message","type","param","code"}}`).
+//!   Malformed JSON, and a token limit that is not a positive integer, get `400`.
+//!
+//! # Test-control request headers
+//!
+//! | request header                 | effect                                                       |
+//! |--------------------------------|--------------------------------------------------------------|
+//! | `x-upstream-status: NNN`       | answer status NNN (200..=999) at once with an error body, on any path |
+//! | `x-upstream-truncate-after: N` | streaming only: send min(N, output) token chunks, then abort the connection (no final chunk, no `[DONE]`, no chunked-encoding terminator) |
+//! | `x-upstream-ttft-ms: MS`       | this request's delay before the first token                  |
+//! | `x-upstream-itl-ms: MS`        | this request's delay between tokens                          |
+//!
+//! An unparsable control header value gets `400`.
+//!
+//! # Response headers for tests
+//!
+//! * every response: `x-upstream-saw-<name>: <value>` for each request header whose name
+//!   starts with `x-tollgate-` (so tests can see what tollgate injected), and
+//!   `x-upstream-body-bytes: N` (length of the request body as received);
+//! * completion responses: `x-upstream-request-max-tokens: N` (the output length actually
+//!   used, after the default and the cap) and `x-upstream-include-usage: true|false`.
+
+use std::{
+    io,
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use axum::{
+    Router,
+    body::{Body, Bytes},
+    extract::{DefaultBodyLimit, Request, State},
+    http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+    serve::ListenerExt,
+};
+use clap::Parser;
+use futures_util::{Stream, StreamExt, stream};
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+use tokio::net::{TcpListener, TcpSocket};
+
+/// Largest output one request may ask for; larger limits are clamped, not rejected, so a
+/// test asking for "effectively unlimited" does not make us stream for hours.
+const MAX_OUTPUT_TOKENS: u32 = 100_000;
+
+/// Largest request body accepted (long-context prompts can be several megabytes).
+const MAX_REQUEST_BODY_BYTES: usize = 64 * 1024 * 1024;
+
+/// Pending-connection queue length. Load tests open thousands of connections at once; the
+/// usual 1024 would make some of them wait for a SYN retransmit (~1 s).
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// The model name used when the request names none, and listed by `/v1/models`.
+const DEFAULT_MODEL: &str = "upstream-sim";
+
+const ECHO_HEADER_SOURCE_PREFIX: &str = "x-tollgate-";
+const ECHO_HEADER_PREFIX: &str = "x-upstream-saw-";
+
+const STATUS_HEADER: &str = "x-upstream-status";
+const TRUNCATE_AFTER_HEADER: &str = "x-upstream-truncate-after";
+const TTFT_HEADER: &str = "x-upstream-ttft-ms";
+const ITL_HEADER: &str = "x-upstream-itl-ms";
+
+const BODY_BYTES_HEADER: &str = "x-upstream-body-bytes";
+const MAX_TOKENS_USED_HEADER: &str = "x-upstream-request-max-tokens";
+const INCLUDE_USAGE_HEADER: &str = "x-upstream-include-usage";
+
+#[derive(Debug, Parser)]
+#[command(about = "Deterministic OpenAI-compatible upstream for tollgate tests and demos")]
+struct Args {
+    /// Address to listen on. Port 0 picks a free port; the real address is printed.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    addr: String,
+
+    /// Delay before the first token, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    ttft_ms: u64,
+
+    /// Delay between consecutive tokens, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    itl_ms: u64,
+
+    /// Output length when the request sets neither `max_completion_tokens` nor `max_tokens`.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_OUTPUT_TOKENS)))]
+    default_output_tokens: u32,
+}
+
+#[tokio::main]
+async fn main() -> io::Result<()> {
+    let args = Args::parse();
+    let engine = Engine {
+        default_output_tokens: args.default_output_tokens,
+        pacing: Pacing {
+            ttft: Duration::from_millis(args.ttft_ms),
+            itl: Duration::from_millis(args.itl_ms),
+        },
+    };
+
+    let listener = bind(&args.addr).await?;
+    // Tests wait for this exact line; println! flushes on the newline.
+    println!("upstream listening on {}", listener.local_addr()?);
+
+    // Token chunks are tiny; without TCP_NODELAY Nagle's algorithm would hold them back and
+    // distort inter-token latency.
+    let listener = listener.tap_io(|stream| {
+        let _ = stream.set_nodelay(true);
+    });
+    axum::serve(listener, router(engine)).await
+}
+
+/// Binds the first address `addr` resolves to, with a large accept backlog.
+async fn bind(addr: &str) -> io::Result<TcpListener> {
+    let mut last_error = None;
+    for socket_addr in tokio::net::lookup_host(addr).await? {
+        match bind_socket(socket_addr) {
+            Ok(listener) => return Ok(listener),
+            Err(error) => last_error = Some(error),
+        }
+    }
+    Err(last_error.unwrap_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{addr} resolved to no addresses"),
+        )
+    }))
+}
+
+fn bind_socket(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    // Lets a test restart us on the same port while old connections sit in TIME_WAIT.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+#[derive(Clone)]
+struct AppState {
+    engine: Engine,
+    /// Source of unique response ids. An atomic, not a lock: it is on every request's path.
+    next_response_id: Arc<AtomicU64>,
+}
+
+impl AppState {
+    fn new_response_id(&self, endpoint: Endpoint) -> String {
+        let n = self.next_response_id.fetch_add(1, Ordering::Relaxed);
+        format!("{}-upstream-{n}", endpoint.id_prefix())
+    }
+}
+
+fn router(engine: Engine) -> Router {
+    let state = AppState {
+        engine,
+        next_response_id: Arc::new(AtomicU64::new(1)),
+    };
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .fallback(echo_post_or_not_found)
+        // Must come after the routes: it applies to the routes registered so far.
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+        // `layer` (unlike `route_layer`) also covers the fallbacks, so *every* response
+        // gets the test-control treatment.
+        .layer(middleware::from_fn(apply_test_controls))
+        .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES))
+}
+
+// ---------------------------------------------------------------------------------------
+// Test controls that apply to every request
+// ---------------------------------------------------------------------------------------
+
+/// Handles `x-upstream-status`, and adds `x-upstream-saw-*` and `x-upstream-body-bytes` to
+/// every response. The body is read here (and handed on) because its size must be reported
+/// even when the route never looks at it.
+async fn apply_test_controls(request: Request, next: Next) -> Response {
+    let (parts, body) = request.into_parts();
+    let echoed_headers = echoed_tollgate_headers(&parts.headers);
+
+    let (mut response, body_bytes) = match read_body(&parts.headers, body).await {
+        Err(error) => (error.into_response(), None),
+        Ok(bytes) => {
+            let body_bytes = bytes.len();
+            let response = match forced_status(&parts.headers) {
+                Err(error) => error.into_response(),
+                Ok(Some(status)) => ApiError::forced(status).into_response(),
+                Ok(None) => {
+                    next.run(Request::from_parts(parts, Body::from(bytes)))
+                        .await
+                }
+            };
+            (response, Some(body_bytes))
+        }
+    };
+
+    let response_headers = response.headers_mut();
+    for (name, value) in echoed_headers {
+        response_headers.append(name, value);
+    }
+    if let Some(body_bytes) = body_bytes {
+        response_headers.insert(BODY_BYTES_HEADER, HeaderValue::from(body_bytes));
+    }
+    response
+}
+
+async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let declared_length = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<usize>().ok());
+    if declared_length.is_some_and(|length| length > MAX_REQUEST_BODY_BYTES) {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body is larger than {MAX_REQUEST_BODY_BYTES} bytes"),
+        ));
+    }
+    axum::body::to_bytes(body, MAX_REQUEST_BODY_BYTES)
+        .await
+        .map_err(|error| ApiError::bad_request(format!("could not read request body: {error}")))
+}
+
+/// `x-tollgate-foo: v` on the request becomes `x-upstream-saw-x-tollgate-foo: v` on the
+/// response (every value, if the header is repeated).
+fn echoed_tollgate_headers(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+    headers
+        .iter()
+        .filter(|(name, _)| name.as_str().starts_with(ECHO_HEADER_SOURCE_PREFIX))
+        .filter_map(|(name, value)| {
+            // A valid header name with a valid prefix is always a valid header name.
+            let echoed_name = HeaderName::try_from(format!("{ECHO_HEADER_PREFIX}{name}")).ok()?;
+            Some((echoed_name, value.clone()))
+        })
+        .collect()
+}
+
+fn forced_status(headers: &HeaderMap) -> Result<Option<StatusCode>, ApiError> {
+    let Some(code) = header_u64(headers, STATUS_HEADER)? else {
+        return Ok(None);
+    };
+    // 1xx are not final responses; hyper cannot send them as the answer.
+    u16::try_from(code)
+        .ok()
+        .filter(|code| *code >= 200)
+        .and_then(|code| StatusCode::from_u16(code).ok())
+        .map(Some)
+        .ok_or_else(|| ApiError::bad_request(format!("{STATUS_HEADER} must be 200..=999")))
+}
+
+/// A control header parsed as a non-negative integer; absent is `None`, garbage is a 400.
+fn header_u64(headers: &HeaderMap, name: &str) -> Result<Option<u64>, ApiError> {
+    let Some(value) = headers.get(name) else {
+        return Ok(None);
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(|text| text.trim().parse::<u64>().ok())
+        .map(Some)
+        .ok_or_else(|| ApiError::bad_request(format!("{name} must be a non-negative integer")))
+}
+
+/// Per-request controls read by the completion endpoints.
+struct CompletionControls {
+    pacing: PacingOverride,
+    truncate_after: Option<u32>,
+}
+
+impl CompletionControls {
+    fn from_headers(headers: &HeaderMap) -> Result<Self, ApiError> {
+        let millis =
+            |name| Ok::<_, ApiError>(header_u64(headers, name)?.map(Duration::from_millis));
+        Ok(Self {
+            pacing: PacingOverride {
+                ttft: millis(TTFT_HEADER)?,
+                itl: millis(ITL_HEADER)?,
+            },
+            truncate_after: header_u64(headers, TRUNCATE_AFTER_HEADER)?
+                .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Handlers
+// ---------------------------------------------------------------------------------------
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    complete(Endpoint::Chat, &state, &headers, &body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn completions(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    complete(Endpoint::Completions, &state, &headers, &body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Shared by both completion endpoints: parse, plan the generation, then answer as one JSON
+/// object or as an SSE stream.
+async fn complete(
+    endpoint: Endpoint,
+    state: &AppState,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Response, ApiError> {
+    let controls = CompletionControls::from_headers(headers)?;
+    let request = CompletionRequest::parse(endpoint, body)?;
+    let generation = state.engine.plan(request.max_tokens, controls.pacing);
+    let shape = ResponseShape {
+        endpoint,
+        id: state.new_response_id(endpoint),
+        created: unix_seconds(),
+        model: request.model,
+        include_usage: request.include_usage,
+        prompt_tokens: request.prompt_tokens,
+    };
+
+    let mut response = if request.stream {
+        streaming_response(shape, generation, controls.truncate_after)
+    } else {
+        complete_response(shape, generation).await
+    };
+    let response_headers = response.headers_mut();
+    response_headers.insert(
+        MAX_TOKENS_USED_HEADER,
+        HeaderValue::from(generation.output_tokens),
+    );
+    let include_usage = if request.include_usage {
+        "true"
+    } else {
+        "false"
+    };
+    response_headers.insert(
+        INCLUDE_USAGE_HEADER,
+        HeaderValue::from_static(include_usage),
+    );
+    Ok(response)
+}
+
+async fn models() -> Response {
+    let body = json!({
+        "object": "list",
+        "data": [{
+            "id": DEFAULT_MODEL,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tollgate-upstream",
+        }],
+    });
+    json_response(StatusCode::OK, body.to_string())
+}
+
+async fn health() -> &'static str {
+    "ok"
+}
+
+/// `POST` to an unknown path echoes the body (pass-through checks); anything else is 404.
+async fn echo_post_or_not_found(
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if method != Method::POST {
+        return ApiError::not_found(&method, &uri).into_response();
+    }
+    let mut response = Response::new(Body::from(body));
+    if let Some(content_type) = headers.get(header::CONTENT_TYPE) {
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, content_type.clone());
+    }
+    response
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("Method not allowed ({method} {})", uri.path()),
+    )
+    .into_response()
+}
+
+// ---------------------------------------------------------------------------------------
+// Request parsing
+// ---------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Completions,
+}
+
+impl Endpoint {
+    fn id_prefix(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chatcmpl",
+            Endpoint::Completions => "cmpl",
+        }
+    }
+}
+
+/// The parts of an OpenAI request body this server acts on. Everything else is ignored
+/// (including `n`: there is always exactly one choice).
+#[derive(Debug)]
+struct CompletionRequest {
+    model: String,
+    max_tokens: Option<u32>,
+    stream: bool,
+    include_usage: bool,
+    prompt_tokens: u64,
+}
+
+impl CompletionRequest {
+    fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, ApiError> {
+        let value: Value = serde_json::from_slice(body).map_err(|error| {
+            ApiError::bad_request(format!(
+                "could not parse the JSON body of the request: {error}"
+            ))
+        })?;
+        let Value::Object(fields) = value else {
+            return Err(ApiError::bad_request(
+                "the request body must be a JSON object",
+            ));
+        };
+        let include_usage = match fields.get("stream_options") {
+            Some(Value::Object(options)) => optional_bool(options, "include_usage")?,
+            _ => false,
+        };
+        let prompt_tokens = match endpoint {
+            Endpoint::Chat => estimate_chat_prompt_tokens(fields.get("messages")),
+            Endpoint::Completions => estimate_completion_prompt_tokens(fields.get("prompt")),
+        };
+        Ok(Self {
+            model: match fields.get("model") {
+                Some(Value::String(model)) => model.clone(),
+                _ => DEFAULT_MODEL.to_owned(),
+            },
+            max_tokens: requested_max_tokens(&fields)?,
+            stream: optional_bool(&fields, "stream")?,
+            include_usage,
+            prompt_tokens,
+        })
+    }
+}
+
+/// `max_completion_tokens` (the current chat name) wins over the deprecated `max_tokens`.
+/// Zero, negative or fractional is a 400, as on vLLM and OpenAI.
+fn requested_max_tokens(fields: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
+    let Some((key, value)) = ["max_completion_tokens", "max_tokens"]
+        .into_iter()
+        .find_map(|key| Some((key, fields.get(key).filter(|value| !value.is_null())?)))
+    else {
+        return Ok(None);
+    };
+    match value.as_u64() {
+        // Saturate here; the engine applies MAX_OUTPUT_TOKENS.
+        Some(n) if n >= 1 => Ok(Some(u32::try_from(n).unwrap_or(u32::MAX))),
+        _ => {
+            Err(ApiError::bad_request(format!("{key} must be a positive integer")).with_param(key))
+        }
+    }
+}
+
+fn optional_bool(fields: &Map<String, Value>, key: &'static str) -> Result<bool, ApiError> {
+    match fields.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(flag)) => Ok(*flag),
+        Some(_) => Err(ApiError::bad_request(format!("{key} must be a boolean")).with_param(key)),
+    }
+}
+
+/// Word count of every message's text (plain string content or `{"type":"text"}` parts).
+/// Deliberately not a real tokenizer: cheap, deterministic, and easy to predict in tests.
+fn estimate_chat_prompt_tokens(messages: Option<&Value>) -> u64 {
+    let Some(Value::Array(messages)) = messages else {
+        return 0;
+    };
+    messages
+        .iter()
+        .map(|message| match message.get("content") {
+            Some(Value::String(text)) => word_count(text),
+            Some(Value::Array(parts)) => parts
+                .iter()
+                .filter_map(|part| part.get("text").and_then(Value::as_str))
+                .map(word_count)
+                .sum(),
+            _ => 0,
+        })
+        .sum()
+}
+
+/// Word count of a completions `prompt`: a string, a list of strings, a list of token ids
+/// (one token each) or a list of token-id lists.
+fn estimate_completion_prompt_tokens(prompt: Option<&Value>) -> u64 {
+    match prompt {
+        Some(Value::String(text)) => word_count(text),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|item| match item {
+                Value::String(text) => word_count(text),
+                Value::Number(_) => 1,
+                Value::Array(token_ids) => token_ids.len() as u64,
+                _ => 0,
+            })
+            .sum(),
+        _ => 0,
+    }
+}
+
+fn word_count(text: &str) -> u64 {
+    text.split_whitespace().count() as u64
+}
+
+// ---------------------------------------------------------------------------------------
+// Engine: how many tokens a request gets and when each is ready.
+// This is the part to replace with a simulated vLLM (batching, KV cache) later.
+// ---------------------------------------------------------------------------------------
+
+/// Per-token timing of one generation.
+#[derive(Debug, Clone, Copy)]
+struct Pacing {
+    /// Time to first token.
+    ttft: Duration,
+    /// Inter-token latency.
+    itl: Duration,
+}
+
+impl Pacing {
+    /// How long token `index` takes after the previous one (after the request, for the first).
+    fn delay_before(self, index: u32) -> Duration {
+        if index == 0 { self.ttft } else { self.itl }
+    }
+}
+
+/// Per-request replacements for the server-wide pacing.
+#[derive(Debug, Clone, Copy, Default)]
+struct PacingOverride {
+    ttft: Option<Duration>,
+    itl: Option<Duration>,
+}
+
+/// A stateless engine: every request runs alone, at fixed pacing.
+#[derive(Debug, Clone, Copy)]
+struct Engine {
+    default_output_tokens: u32,
+    pacing: Pacing,
+}
+
+impl Engine {
+    fn plan(&self, requested_max_tokens: Option<u32>, overrides: PacingOverride) -> Generation {
+        let pacing = Pacing {
+            ttft: overrides.ttft.unwrap_or(self.pacing.ttft),
+            itl: overrides.itl.unwrap_or(self.pacing.itl),
+        };
+        match requested_max_tokens {
+            // The "model" never emits end-of-sequence, so a client limit is always reached.
+            Some(limit) => Generation {
+                output_tokens: limit.min(MAX_OUTPUT_TOKENS),
+                finish_reason: FinishReason::Length,
+                pacing,
+            },
+            // Without a limit the "model" stops on its own after the default length.
+            None => Generation {
+                output_tokens: self.default_output_tokens,
+                finish_reason: FinishReason::Stop,
+                pacing,
+            },
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum FinishReason {
+    Stop,
+    Length,
+}
+
+impl FinishReason {
+    fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// What the engine will produce for one request.
+#[derive(Debug, Clone, Copy)]
+struct Generation {
+    output_tokens: u32,
+    finish_reason: FinishReason,
+    pacing: Pacing,
+}
+
+impl Generation {
+    /// The tokens, each yielded once its delay has passed. Lazy: nothing is produced (and
+    /// no time passes) until the HTTP layer asks for the next token.
+    fn tokens(self) -> impl Stream<Item = Token> + Send + 'static {
+        stream::unfold(0_u32, move |index| async move {
+            if index >= self.output_tokens {
+                return None;
+            }
+            let delay = self.pacing.delay_before(index);
+            // A zero sleep still goes through the timer wheel; skip it to stay fast.
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            Some((Token { index }, index + 1))
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Token {
+    index: u32,
+}
+
+impl Token {
+    /// One word per token. Tokens after the first carry their leading space (as BPE tokens
+    /// do), so concatenating them gives `tok0 tok1 tok2`.
+    fn text(self) -> String {
+        if self.index == 0 {
+            "tok0".to_owned()
+        } else {
+            format!(" tok{}", self.index)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// OpenAI response shapes
+// ---------------------------------------------------------------------------------------
+
+/// Everything needed to build the JSON objects of one response.
+struct ResponseShape {
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    prompt_tokens: u64,
+}
+
+impl ResponseShape {
+    fn usage(&self, completion_tokens: u32) -> Usage {
+        let completion_tokens = u64::from(completion_tokens);
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens,
+            total_tokens: self.prompt_tokens + completion_tokens,
+        }
+    }
+
+    /// The non-streaming answer: a `chat.completion` or `text_completion` object.
+    fn complete_object(&self, text: &str, generation: Generation) -> String {
+        let finish_reason = Some(generation.finish_reason.as_str());
+        let (object, choice) = match self.endpoint {
+            Endpoint::Chat => (
+                "chat.completion",
+                Choice {
+                    message: Some(Message {
+                        role: "assistant",
+                        content: text,
+                    }),
+                    finish_reason,
+                    ..Choice::default()
+                },
+            ),
+            Endpoint::Completions => (
+                "text_completion",
+                Choice {
+                    text: Some(text),
+                    finish_reason,
+                    ..Choice::default()
+                },
+            ),
+        };
+        let usage = UsageField::Counts(self.usage(generation.output_tokens));
+        serde_json::to_string(&self.envelope(object, &[choice], usage))
+            .expect("plain structs with string keys always serialize")
+    }
+
+    /// The event for one streamed token. The first chat chunk also carries
+    /// `"role": "assistant"`, so every chunk before the final one holds exactly one token.
+    fn token_event(&self, token: Token) -> Bytes {
+        let text = token.text();
+        let choice = match self.endpoint {
+            Endpoint::Chat => Choice {
+                delta: Some(Delta {
+                    role: (token.index == 0).then_some("assistant"),
+                    content: Some(&text),
+                }),
+                ..Choice::default()
+            },
+            Endpoint::Completions => Choice {
+                text: Some(&text),
+                ..Choice::default()
+            },
+        };
+        self.chunk_event(&[choice], self.usage_on_content_chunks())
+    }
+
+    /// The event that closes the choice: no content, just `finish_reason`.
+    fn finish_event(&self, finish_reason: FinishReason) -> Bytes {
+        let finish_reason = Some(finish_reason.as_str());
+        let choice = match self.endpoint {
+            Endpoint::Chat => Choice {
+                delta: Some(Delta::default()),
+                finish_reason,
+                ..Choice::default()
+            },
+            Endpoint::Completions => Choice {
+                text: Some(""),
+                finish_reason,
+                ..Choice::default()
+            },
+        };
+        self.chunk_event(&[choice], self.usage_on_content_chunks())
+    }
+
+    /// The extra event sent only with `stream_options.include_usage`: no choices, just usage.
+    fn usage_event(&self, completion_tokens: u32) -> Bytes {
+        self.chunk_event(&[], UsageField::Counts(self.usage(completion_tokens)))
+    }
+
+    /// With `include_usage`, OpenAI sends `"usage": null` on every chunk but the usage one;
+    /// without it, chunks have no `usage` field at all.
+    fn usage_on_content_chunks(&self) -> UsageField {
+        if self.include_usage {
+            UsageField::Null
+        } else {
+            UsageField::Omitted
+        }
+    }
+
+    fn chunk_event(&self, choices: &[Choice<'_>], usage: UsageField) -> Bytes {
+        let object = match self.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completions => "text_completion",
+        };
+        sse_event(&self.envelope(object, choices, usage))
+    }
+
+    fn envelope<'a>(
+        &'a self,
+        object: &'static str,
+        choices: &'a [Choice<'a>],
+        usage: UsageField,
+    ) -> Envelope<'a> {
+        Envelope {
+            id: &self.id,
+            object,
+            created: self.created,
+            model: &self.model,
+            choices,
+            usage,
+        }
+    }
+}
+
+// Typed rather than `serde_json::Value` so fields come out in OpenAI's order and each
+// chunk costs one pass of serialization, not a tree of allocations.
+
+/// A response object or stream chunk.
+#[derive(Serialize)]
+struct Envelope<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: &'a [Choice<'a>],
+    #[serde(skip_serializing_if = "UsageField::is_omitted")]
+    usage: UsageField,
+}
+
+/// One choice; exactly one of `message` (chat), `delta` (chat chunk) or `text`
+/// (completions) is set.
+#[derive(Default, Serialize)]
+struct Choice<'a> {
+    index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<Message<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    delta: Option<Delta<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    /// Always `null`: log probabilities are never produced.
+    logprobs: Option<()>,
+    finish_reason: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct Message<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
+/// A chat chunk's increment; both fields absent (`{}`) on the finishing chunk.
+#[derive(Default, Serialize)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct Usage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    total_tokens: u64,
+}
+
+/// The three forms the `usage` field takes: absent, `null`, or the counts.
+enum UsageField {
+    Omitted,
+    Null,
+    Counts(Usage),
+}
+
+impl UsageField {
+    fn is_omitted(&self) -> bool {
+        matches!(self, UsageField::Omitted)
+    }
+}
+
+impl Serialize for UsageField {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            UsageField::Counts(usage) => usage.serialize(serializer),
+            UsageField::Omitted | UsageField::Null => serializer.serialize_none(),
+        }
+    }
+}
+
+async fn complete_response(shape: ResponseShape, generation: Generation) -> Response {
+    let text: String = generation.tokens().map(Token::text).collect().await;
+    json_response(StatusCode::OK, shape.complete_object(&text, generation))
+}
+
+/// An SSE response that produces each event as its token becomes ready, one body frame per
+/// event.
+fn streaming_response(
+    shape: ResponseShape,
+    generation: Generation,
+    truncate_after: Option<u32>,
+) -> Response {
+    let shape = Arc::new(shape);
+    let token_events = {
+        let shape = Arc::clone(&shape);
+        generation
+            .tokens()
+            .map(move |token| shape.token_event(token))
+    };
+    let body = match truncate_after {
+        Some(limit) => Body::from_stream(
+            token_events
+                .take(limit as usize)
+                .map(Ok)
+                .chain(stream::once(abort_connection())),
+        ),
+        None => Body::from_stream(
+            token_events
+                .chain(stream::iter(closing_events(&shape, generation)))
+                .map(Ok::<_, io::Error>),
+        ),
+    };
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(body)
+        .expect("static status and valid header values always build a response")
+}
+
+/// The last item of a truncated stream. A body error makes hyper cut the connection
+/// without the chunked-encoding terminator, so the client sees an incomplete response,
+/// exactly like an upstream that crashed mid-stream.
+async fn abort_connection() -> Result<Bytes, io::Error> {
+    // hyper writes buffered frames out only once the body stops being ready, and discards
+    // them on error. Yield once so the headers and token chunks reach the client first.
+    tokio::task::yield_now().await;
+    Err(io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        format!("stream truncated by {TRUNCATE_AFTER_HEADER}"),
+    ))
+}
+
+/// What follows the last token: the finish chunk, the usage chunk if asked for, `[DONE]`.
+fn closing_events(shape: &ResponseShape, generation: Generation) -> Vec<Bytes> {
+    let mut events = vec![shape.finish_event(generation.finish_reason)];
+    if shape.include_usage {
+        events.push(shape.usage_event(generation.output_tokens));
+    }
+    events.push(Bytes::from_static(b"data: [DONE]\n\n"));
+    events
+}
+
+fn sse_event(data: &impl Serialize) -> Bytes {
+    let mut event = b"data: ".to_vec();
+    serde_json::to_writer(&mut event, data)
+        .expect("plain structs with string keys always serialize into memory");
+    event.extend_from_slice(b"\n\n");
+    Bytes::from(event)
+}
+
+fn json_response(status: StatusCode, body: String) -> Response {
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_secs())
+}
+
+// ---------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------
+
+/// An error answered as OpenAI does: `{"error":{"message","type","param","code"}}`.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
+    param: Option<&'static str>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    fn not_found(method: &Method, uri: &Uri) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            format!("Invalid URL ({method} {})", uri.path()),
+        )
+    }
+
+    fn forced(status: StatusCode) -> Self {
+        Self::new(
+            status,
+            format!(
+                "upstream answered {} because of {STATUS_HEADER}",
+                status.as_u16()
+            ),
+        )
+    }
+
+    fn with_param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
+    }
+
+    /// OpenAI's `type` and `code` for a status, so clients that branch on them behave as
+    /// they would against the real API.
+    fn type_and_code(&self) -> (&'static str, Option<&'static str>) {
+        match self.status.as_u16() {
+            401 => ("invalid_request_error", Some("invalid_api_key")),
+            404 => ("invalid_request_error", Some("unknown_url")),
+            429 => ("rate_limit_error", Some("rate_limit_exceeded")),
+            500.. => ("server_error", None),
+            _ => ("invalid_request_error", None),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (kind, code) = self.type_and_code();
+        let body = json!({
+            "error": {
+                "message": self.message,
+                "type": kind,
+                "param": self.param,
+                "code": code,
+            }
+        });
+        json_response(self.status, body.to_string())
+    }
+}

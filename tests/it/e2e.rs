@@ -1,0 +1,389 @@
+//! Level 4: a client → real Envoy (envoy/front-proxy.yaml) → the example upstream, with the
+//! tollgate binary as Envoy's ext_proc service. What a platform engineer's users would see.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+
+use crate::support::process::Stack;
+
+/// The built-in defaults, as `tollgate` with no config runs.
+const DEFAULTS: &str = "{}\n";
+
+fn chat(extra: Value) -> Value {
+    let mut body = json!({
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "Write a haiku about fair queues."}],
+        "max_tokens": 8,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// The response as the client received it: status, headers, body text.
+async fn send(
+    stack: &Stack,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> (u16, reqwest::header::HeaderMap, String) {
+    let mut request = stack.client.post(stack.url(path)).body(body);
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let response = request.send().await.expect("Envoy answers");
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    (status, headers, response.text().await.expect("body"))
+}
+
+fn header<'a>(headers: &'a reqwest::header::HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+const USER: [(&str, &str); 2] = [("content-type", "application/json"), ("x-user-id", "alice")];
+
+/// Drops the fields that differ between two answers by the upstream (id, created).
+fn stable(mut response: Value) -> Value {
+    for field in ["id", "created"] {
+        response.as_object_mut().unwrap().remove(field);
+    }
+    response
+}
+
+#[tokio::test]
+async fn chat_json_passes_and_reaches_the_client_unchanged() {
+    let stack = Stack::start(DEFAULTS, &[]).await;
+    let body = serde_json::to_vec(&chat(json!({}))).unwrap();
+    let (status, headers, text) = send(&stack, "/v1/chat/completions", &USER, body.clone()).await;
+    assert_eq!(status, 200, "{text}");
+    // What tollgate told the upstream, echoed back by it.
+    assert_eq!(
+        header(&headers, "x-upstream-saw-x-tollgate-tenant"),
+        Some("alice")
+    );
+    assert_eq!(
+        header(&headers, "x-upstream-saw-x-tollgate-tier"),
+        Some("free")
+    );
+    let counted: u32 = header(&headers, "x-upstream-saw-x-tollgate-input-tokens")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(counted > 10, "input tokens counted: {counted}");
+    assert_eq!(
+        header(&headers, "x-upstream-body-bytes"),
+        Some(body.len().to_string().as_str())
+    );
+
+    // The same request straight to the upstream gives the same answer.
+    let direct = stack
+        .client
+        .post(stack.upstream_url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let direct: Value = direct.json().await.unwrap();
+    let via_envoy: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(stable(via_envoy.clone()), stable(direct));
+    assert_eq!(via_envoy["usage"]["completion_tokens"], 8);
+
+    stack
+        .tollgate
+        .wait_for_metric(
+            "tollgate_stream_completions_total",
+            &["result=\"complete\""],
+            1.0,
+        )
+        .await;
+    let m = stack.tollgate.metrics().await;
+    assert_eq!(
+        m.value(
+            "tollgate_usage_tokens_total",
+            &["tier=\"free\"", "kind=\"completion\""]
+        ),
+        8.0
+    );
+    assert_eq!(
+        m.value(
+            "tollgate_time_to_first_token_seconds_count",
+            &["tier=\"free\""]
+        ),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn streamed_chat_passes_with_usage_requested_and_observed() {
+    let stack = Stack::start(DEFAULTS, &[]).await;
+    let body = serde_json::to_vec(&chat(json!({"stream": true, "max_tokens": 5}))).unwrap();
+    let (status, headers, text) = send(&stack, "/v1/chat/completions", &USER, body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(header(&headers, "content-type"), Some("text/event-stream"));
+    // tollgate asked the upstream for a usage chunk; the body was rewritten and its length fixed.
+    assert_eq!(header(&headers, "x-upstream-include-usage"), Some("true"));
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.last(), Some(&"data: [DONE]"));
+    let usage: Value =
+        serde_json::from_str(events[events.len() - 2].trim_start_matches("data: ")).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 5);
+    let content: String = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e.trim_start_matches("data: ")).ok())
+        .filter_map(|chunk| {
+            chunk["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(
+        content.split_whitespace().count(),
+        5,
+        "every token arrived: {content:?}"
+    );
+
+    stack
+        .tollgate
+        .wait_for_metric(
+            "tollgate_stream_completions_total",
+            &["result=\"complete\""],
+            1.0,
+        )
+        .await;
+    let m = stack.tollgate.metrics().await;
+    assert_eq!(
+        m.value(
+            "tollgate_usage_tokens_total",
+            &["tier=\"free\"", "kind=\"completion\""]
+        ),
+        5.0
+    );
+    assert_eq!(m.value("tollgate_held_streams", &[]), 0.0);
+}
+
+#[tokio::test]
+async fn refusals_reach_the_client_as_openai_errors() {
+    let stack = Stack::start(DEFAULTS, &[]).await;
+    let cases: [(&[(&str, &str)], Vec<u8>, u16, &str); 4] = [
+        (
+            &[("content-type", "application/json")],
+            serde_json::to_vec(&chat(json!({}))).unwrap(),
+            401,
+            "missing_identity",
+        ),
+        (
+            &USER,
+            b"{\"model\": \"gpt-4o\", \"messages\": [".to_vec(),
+            400,
+            "malformed_json",
+        ),
+        (
+            &USER,
+            serde_json::to_vec(&chat(json!({"max_tokens": 50_000}))).unwrap(),
+            400,
+            "output_tokens_exceeded",
+        ),
+        (
+            &USER,
+            serde_json::to_vec(&chat(json!({"max_tokens": -3}))).unwrap(),
+            400,
+            "invalid_max_tokens",
+        ),
+    ];
+    for (headers, body, want_status, want_reason) in cases {
+        let (status, response_headers, text) =
+            send(&stack, "/v1/chat/completions", headers, body).await;
+        assert_eq!(status, want_status, "{text}");
+        assert_eq!(
+            header(&response_headers, "x-tollgate-reason"),
+            Some(want_reason)
+        );
+        assert_eq!(
+            header(&response_headers, "content-type"),
+            Some("application/json")
+        );
+        let error: Value = serde_json::from_str(&text).unwrap();
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{text}"
+        );
+        // The upstream never saw it.
+        assert!(header(&response_headers, "x-upstream-body-bytes").is_none());
+    }
+    let m = stack.tollgate.metrics().await;
+    assert_eq!(
+        m.value("tollgate_requests_total", &["outcome=\"rejected\""]),
+        4.0
+    );
+}
+
+#[tokio::test]
+async fn oversized_max_tokens_is_clamped_under_the_clamp_policy() {
+    let config = "tiers:\n  free:\n    max_output_tokens: 64\n    output_limit: clamp\n";
+    let stack = Stack::start(config, &[]).await;
+    let body = serde_json::to_vec(&chat(json!({"max_tokens": 50_000}))).unwrap();
+    let (status, headers, text) = send(&stack, "/v1/chat/completions", &USER, body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(
+        header(&headers, "x-upstream-request-max-tokens"),
+        Some("64")
+    );
+    let response: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(response["usage"]["completion_tokens"], 64);
+}
+
+#[tokio::test]
+async fn non_inference_paths_pass_through_untouched() {
+    let stack = Stack::start(DEFAULTS, &[]).await;
+    // Not JSON, no identity: tollgate has no business with it.
+    let body = b"\x00\x01 arbitrary bytes, not an OpenAI request".to_vec();
+    let (status, headers, text) = send(
+        &stack,
+        "/echo",
+        &[
+            ("content-type", "application/octet-stream"),
+            ("x-tollgate-tenant", "spoofed"),
+        ],
+        body.clone(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(text.as_bytes(), body.as_slice());
+    assert_eq!(
+        header(&headers, "x-upstream-saw-x-tollgate-tenant"),
+        Some("spoofed")
+    );
+    let health = stack.client.get(stack.url("/health")).send().await.unwrap();
+    assert_eq!(health.status().as_u16(), 200);
+    let m = stack.tollgate.metrics().await;
+    assert_eq!(
+        m.value("tollgate_requests_total", &["outcome=\"passed_through\""]),
+        2.0
+    );
+    assert_eq!(
+        m.value("tollgate_requests_total", &["outcome=\"admitted\""]),
+        0.0
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_disconnects_mid_stream_leaves_no_held_stream() {
+    let stack = Stack::start(DEFAULTS, &["--itl-ms", "200"]).await;
+    let body = serde_json::to_vec(&chat(json!({"stream": true, "max_tokens": 100}))).unwrap();
+    let mut request = stack
+        .client
+        .post(stack.url("/v1/chat/completions"))
+        .body(body);
+    for (k, v) in USER {
+        request = request.header(k, v);
+    }
+    let response = request.send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let mut chunks = response.bytes_stream();
+    let first = chunks.next().await.expect("a first chunk").unwrap();
+    assert!(!first.is_empty());
+    stack
+        .tollgate
+        .wait_for_metric("tollgate_held_streams", &[], 1.0)
+        .await;
+    drop(chunks);
+
+    stack
+        .tollgate
+        .wait_for_metric("tollgate_held_streams", &[], 0.0)
+        .await;
+    stack
+        .tollgate
+        .wait_for_metric(
+            "tollgate_stream_completions_total",
+            &["result=\"truncated\""],
+            1.0,
+        )
+        .await;
+    let m = stack.tollgate.metrics().await;
+    assert_eq!(
+        m.value(
+            "tollgate_stream_completions_total",
+            &["result=\"complete\""]
+        ),
+        0.0
+    );
+    assert_eq!(
+        m.value(
+            "tollgate_time_to_first_token_seconds_count",
+            &["tier=\"free\""]
+        ),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn an_upstream_that_cuts_the_stream_is_counted_as_truncated() {
+    // Tokens 50 ms apart, so the 200 reaches the client before the upstream aborts (an abort
+    // before Envoy forwarded the headers becomes Envoy's own 502).
+    let stack = Stack::start(DEFAULTS, &["--itl-ms", "50"]).await;
+    let body = serde_json::to_vec(&chat(json!({"stream": true, "max_tokens": 20}))).unwrap();
+    let mut request = stack
+        .client
+        .post(stack.url("/v1/chat/completions"))
+        .body(body);
+    for (k, v) in USER.iter().chain(&[("x-upstream-truncate-after", "3")]) {
+        request = request.header(*k, *v);
+    }
+    let response = request.send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 200, "the 200 was already sent");
+    assert!(
+        response.text().await.is_err(),
+        "the client sees an incomplete body"
+    );
+    stack
+        .tollgate
+        .wait_for_metric(
+            "tollgate_stream_completions_total",
+            &["result=\"truncated\""],
+            1.0,
+        )
+        .await;
+    stack
+        .tollgate
+        .wait_for_metric("tollgate_held_streams", &[], 0.0)
+        .await;
+}
+
+#[tokio::test]
+async fn sigterm_drains_and_exits_zero() {
+    let mut stack = Stack::start(
+        "shutdown:\n  drain_deadline_ms: 3000\n",
+        &["--itl-ms", "100"],
+    )
+    .await;
+    let body = serde_json::to_vec(&chat(json!({"stream": true, "max_tokens": 10}))).unwrap();
+    let mut request = stack
+        .client
+        .post(stack.url("/v1/chat/completions"))
+        .body(body);
+    for (k, v) in USER {
+        request = request.header(k, v);
+    }
+    let response = request.send().await.unwrap();
+    stack
+        .tollgate
+        .wait_for_metric("tollgate_held_streams", &[], 1.0)
+        .await;
+    stack.tollgate.terminate();
+    // The admitted stream finishes normally while tollgate drains.
+    let text = response
+        .text()
+        .await
+        .expect("the in-flight response completes");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let status = stack.tollgate.wait_exit(Duration::from_secs(10)).await;
+    assert!(status.success(), "exit status {status}");
+}

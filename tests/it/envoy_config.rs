@@ -1,0 +1,477 @@
+//! The Envoy configs in `envoy/`, checked against real Envoy (see `support::envoy`).
+//!
+//! These tests need no tollgate: they prove what the *config* does. A trivial ext_proc server that
+//! continues everything stands in where one is needed.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyResponse, CommonResponse, HeadersResponse, ProcessingRequest, ProcessingResponse,
+    processing_request, processing_response,
+};
+use futures_util::Stream;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::support::envoy::{ENVOY_VERSION, Envoy, EnvoyPorts, envoy_binary, free_port};
+
+const MIB: usize = 1024 * 1024;
+
+fn envoy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy")
+}
+
+fn front_proxy_config() -> PathBuf {
+    envoy_dir().join("front-proxy.yaml")
+}
+
+/// Every `*.yaml` under `envoy/` must load in Envoy's validate mode (strict: unknown fields, bad
+/// enum values and wrong types fail), so no config in the repo rots unnoticed.
+#[test]
+fn every_envoy_config_validates() {
+    let binary = envoy_binary(ENVOY_VERSION);
+    let mut configs: Vec<PathBuf> = std::fs::read_dir(envoy_dir())
+        .expect("read envoy/")
+        .map(|entry| entry.expect("read envoy/ entry").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "yaml"))
+        .collect();
+    configs.sort();
+    assert!(
+        configs.contains(&front_proxy_config()),
+        "envoy/front-proxy.yaml is missing; found {configs:?}"
+    );
+
+    let mut failures = Vec::new();
+    for config in &configs {
+        let output = Command::new(&binary)
+            .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+            .arg(config)
+            .output()
+            .unwrap_or_else(|err| panic!("run {}: {err}", binary.display()));
+        if !output.status.success() {
+            failures.push(format!(
+                "{} ({}):\n{}{}",
+                config.display(),
+                output.status,
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "Envoy {ENVOY_VERSION} rejects {} of {} configs:\n{}",
+        failures.len(),
+        configs.len(),
+        failures.join("\n")
+    );
+}
+
+/// Proves: the rendered front proxy starts, and with no ext_proc server reachable it FAILS CLOSED.
+/// Every request, inference or not, gets Envoy's local reply with `status_on_error` (503) and
+/// never reaches the upstream. A dead tollgate must not turn admission off.
+#[tokio::test]
+async fn front_proxy_fails_closed_without_tollgate() {
+    let upstream = Upstream::spawn().await;
+    // Nothing listens on this port: the ext_proc connection is refused.
+    let extproc_port = free_port();
+    let envoy = Envoy::start(
+        ENVOY_VERSION,
+        &front_proxy_config(),
+        EnvoyPorts::free(upstream.port(), extproc_port),
+    )
+    .await;
+    let client = client();
+
+    let chat = client
+        .post(format!("http://{}/v1/chat/completions", envoy.listen))
+        .header("content-type", "application/json")
+        .body(r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#)
+        .send()
+        .await
+        .expect("POST through Envoy");
+    assert_eq!(
+        chat.status(),
+        503,
+        "inference request without tollgate; Envoy log:\n{}",
+        envoy.log_tail(30)
+    );
+
+    let other = client
+        .get(format!("http://{}/healthz", envoy.listen))
+        .send()
+        .await
+        .expect("GET through Envoy");
+    assert_eq!(
+        other.status(),
+        503,
+        "non-inference request without tollgate (tollgate decides by path, so it must be asked)"
+    );
+
+    assert_eq!(
+        upstream.bodies(),
+        Vec::<usize>::new(),
+        "no request may reach the upstream"
+    );
+    assert_eq!(
+        envoy.stat("http.ingress.ext_proc.streams_failed").await,
+        Some(2),
+        "both ext_proc streams failed"
+    );
+    assert_eq!(
+        envoy
+            .stat("http.ingress.ext_proc.failure_mode_allowed")
+            .await,
+        Some(0),
+        "failure_mode_allow must stay off: no request may pass without tollgate"
+    );
+}
+
+/// Proves the body limits documented in `envoy/front-proxy.yaml`: a 4 MiB prompt reaches ext_proc
+/// whole, as ONE buffered `request_body` message, and then the upstream; a 20 MiB body gets Envoy's
+/// own 413 and reaches neither the ext_proc body stage nor the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn front_proxy_buffers_multi_mb_prompts_and_rejects_oversize_with_413() {
+    let upstream = Upstream::spawn().await;
+    let extproc = ContinueAll::spawn().await;
+    let envoy = Envoy::start(
+        ENVOY_VERSION,
+        &front_proxy_config(),
+        EnvoyPorts::free(upstream.port(), extproc.port),
+    )
+    .await;
+    let client = client();
+
+    let big = chat_body(4 * MIB);
+    let response = client
+        .post(format!("http://{}/v1/chat/completions", envoy.listen))
+        .header("content-type", "application/json")
+        .body(big)
+        .send()
+        .await
+        .expect("POST 4 MiB through Envoy");
+    assert_eq!(
+        response.status(),
+        200,
+        "4 MiB prompt; ext_proc saw {:?}; Envoy log:\n{}",
+        extproc.events(),
+        envoy.log_tail(30)
+    );
+    assert_eq!(upstream.bodies(), vec![4 * MIB]);
+    let bodies: Vec<String> = extproc
+        .events()
+        .into_iter()
+        .filter(|event| event.starts_with("request_body"))
+        .collect();
+    assert_eq!(
+        bodies,
+        vec![format!("request_body {} end_of_stream=true", 4 * MIB)],
+        "BUFFERED mode delivers the whole body in one message"
+    );
+
+    let oversize = chat_body(20 * MIB);
+    let response = client
+        .post(format!("http://{}/v1/chat/completions", envoy.listen))
+        .header("content-type", "application/json")
+        .body(oversize)
+        .send()
+        .await
+        .expect("POST 20 MiB through Envoy");
+    assert_eq!(
+        response.status(),
+        413,
+        "20 MiB body is over the 8 MiB limit"
+    );
+    assert_eq!(
+        upstream.bodies(),
+        vec![4 * MIB],
+        "the oversize body reached the upstream"
+    );
+    let bodies = extproc
+        .events()
+        .into_iter()
+        .filter(|event| event.starts_with("request_body"))
+        .count();
+    assert_eq!(
+        bodies, 1,
+        "the oversize body reached the ext_proc body stage"
+    );
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .expect("build HTTP client")
+}
+
+/// An OpenAI chat request of exactly `len` bytes (the prompt is padding).
+fn chat_body(len: usize) -> String {
+    let head = r#"{"model":"m","messages":[{"role":"user","content":""#;
+    let tail = r#""}]}"#;
+    let mut body = String::with_capacity(len);
+    body.push_str(head);
+    body.push_str(&"a".repeat(len - head.len() - tail.len()));
+    body.push_str(tail);
+    body
+}
+
+/// A minimal HTTP/1.1 upstream: reads one request per connection (Content-Length or chunked body),
+/// records the body size, answers a fixed JSON 200 and closes.
+struct Upstream {
+    addr: SocketAddr,
+    bodies: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Upstream {
+    async fn spawn() -> Self {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .await
+            .expect("bind upstream");
+        let addr = listener.local_addr().expect("upstream address");
+        let bodies = Arc::new(Mutex::new(Vec::new()));
+        let recorded = Arc::clone(&bodies);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let recorded = Arc::clone(&recorded);
+                tokio::spawn(async move {
+                    if let Ok(len) = serve_one(stream).await {
+                        recorded.lock().unwrap().push(len);
+                    }
+                });
+            }
+        });
+        Self { addr, bodies }
+    }
+
+    fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    /// Body sizes of the requests served so far.
+    fn bodies(&self) -> Vec<usize> {
+        self.bodies.lock().unwrap().clone()
+    }
+}
+
+async fn serve_one(mut stream: TcpStream) -> std::io::Result<usize> {
+    let mut buf = Vec::new();
+    let head_end = loop {
+        if let Some(pos) = buf.windows(4).position(|window| window == b"\r\n\r\n") {
+            break pos + 4;
+        }
+        read_more(&mut stream, &mut buf).await?;
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let header = |name: &str| {
+        head.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+            .map(|value| value.trim().to_owned())
+    };
+    let body_len = if let Some(len) = header("content-length") {
+        let len: usize = len.parse().map_err(std::io::Error::other)?;
+        while buf.len() < head_end + len {
+            read_more(&mut stream, &mut buf).await?;
+        }
+        len
+    } else if header("transfer-encoding").is_some_and(|te| te.contains("chunked")) {
+        read_chunked(&mut stream, &mut buf, head_end).await?
+    } else {
+        0
+    };
+    let reply = r#"{"ok":true}"#;
+    let response = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         connection: close\r\n\r\n{reply}",
+        reply.len()
+    );
+    stream.write_all(response.as_bytes()).await?;
+    stream.shutdown().await?;
+    Ok(body_len)
+}
+
+/// Decodes a chunked body starting at `pos` in `buf`; returns its decoded length.
+async fn read_chunked(
+    stream: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    mut pos: usize,
+) -> std::io::Result<usize> {
+    let mut total = 0;
+    loop {
+        let line_end = loop {
+            if let Some(end) = buf[pos..].windows(2).position(|window| window == b"\r\n") {
+                break pos + end;
+            }
+            read_more(stream, buf).await?;
+        };
+        let size_text = String::from_utf8_lossy(&buf[pos..line_end]);
+        let size_text = size_text.split(';').next().unwrap_or_default().trim();
+        let size = usize::from_str_radix(size_text, 16).map_err(std::io::Error::other)?;
+        // chunk data + CRLF (for the last chunk: no trailers, just CRLF).
+        let chunk_end = line_end + 2 + size + 2;
+        while buf.len() < chunk_end {
+            read_more(stream, buf).await?;
+        }
+        total += size;
+        pos = chunk_end;
+        if size == 0 {
+            return Ok(total);
+        }
+    }
+}
+
+async fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<()> {
+    let mut chunk = [0u8; 64 * 1024];
+    let n = stream.read(&mut chunk).await?;
+    if n == 0 {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    buf.extend_from_slice(&chunk[..n]);
+    Ok(())
+}
+
+/// A trivial ext_proc server: answers every message with CONTINUE and records what it saw.
+struct ContinueAll {
+    port: u16,
+    events: Arc<Mutex<Vec<String>>>,
+}
+
+impl ContinueAll {
+    async fn spawn() -> Self {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .await
+            .expect("bind ext_proc");
+        let port = listener.local_addr().expect("ext_proc address").port();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let service = ExternalProcessorServer::new(ContinueAllService {
+            events: Arc::clone(&events),
+        })
+        // A buffered body arrives as one gRPC message: allow more than the 8 MiB body limit
+        // (tonic's default is 4 MiB).
+        .max_decoding_message_size(16 * MIB);
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        Self { port, events }
+    }
+
+    fn events(&self) -> Vec<String> {
+        self.events.lock().unwrap().clone()
+    }
+}
+
+struct ContinueAllService {
+    events: Arc<Mutex<Vec<String>>>,
+}
+
+type ResponseStream =
+    Pin<Box<dyn Stream<Item = Result<ProcessingResponse, tonic::Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl ExternalProcessor for ContinueAllService {
+    type ProcessStream = ResponseStream;
+
+    async fn process(
+        &self,
+        request: tonic::Request<tonic::Streaming<ProcessingRequest>>,
+    ) -> Result<tonic::Response<Self::ProcessStream>, tonic::Status> {
+        let mut inbound = request.into_inner();
+        let events = Arc::clone(&self.events);
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(async move {
+            loop {
+                let message = match inbound.message().await {
+                    Ok(Some(message)) => message,
+                    Ok(None) => {
+                        events.lock().unwrap().push("stream ended".to_owned());
+                        return;
+                    }
+                    Err(status) => {
+                        events
+                            .lock()
+                            .unwrap()
+                            .push(format!("stream error {:?}", status.code()));
+                        return;
+                    }
+                };
+                let Some((event, response)) = continue_response(message.request) else {
+                    continue;
+                };
+                events.lock().unwrap().push(event);
+                let response = ProcessingResponse {
+                    response: Some(response),
+                    ..Default::default()
+                };
+                if tx.send(Ok(response)).await.is_err() {
+                    events
+                        .lock()
+                        .unwrap()
+                        .push("response channel closed".to_owned());
+                    return;
+                }
+            }
+        });
+        Ok(tonic::Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+}
+
+/// The CONTINUE answer of the same kind as `request`, and a line describing the request.
+fn continue_response(
+    request: Option<processing_request::Request>,
+) -> Option<(String, processing_response::Response)> {
+    use processing_request::Request;
+    use processing_response::Response;
+    let headers = || HeadersResponse {
+        response: Some(CommonResponse::default()),
+    };
+    let body = || BodyResponse {
+        response: Some(CommonResponse::default()),
+    };
+    Some(match request? {
+        Request::RequestHeaders(headers_msg) => (
+            format!(
+                "request_headers end_of_stream={}",
+                headers_msg.end_of_stream
+            ),
+            Response::RequestHeaders(headers()),
+        ),
+        Request::RequestBody(body_msg) => (
+            format!(
+                "request_body {} end_of_stream={}",
+                body_msg.body.len(),
+                body_msg.end_of_stream
+            ),
+            Response::RequestBody(body()),
+        ),
+        Request::ResponseHeaders(headers_msg) => (
+            format!(
+                "response_headers end_of_stream={}",
+                headers_msg.end_of_stream
+            ),
+            Response::ResponseHeaders(headers()),
+        ),
+        Request::ResponseBody(body_msg) => (
+            format!(
+                "response_body {} end_of_stream={}",
+                body_msg.body.len(),
+                body_msg.end_of_stream
+            ),
+            Response::ResponseBody(body()),
+        ),
+        // Trailers are SKIPped in the front proxy's processing mode.
+        Request::RequestTrailers(_) | Request::ResponseTrailers(_) => return None,
+    })
+}
