@@ -9,26 +9,44 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use tokio::sync::watch;
 
+use std::sync::Arc;
+
 use crate::extproc::Lifecycle;
 use crate::observe::Metrics;
+use crate::scheduler::Scheduler;
 
 #[derive(Clone)]
 struct AdminState {
     metrics: Metrics,
+    scheduler: Arc<Scheduler>,
     lifecycle: watch::Receiver<Lifecycle>,
 }
 
-pub fn router(metrics: Metrics, lifecycle: watch::Receiver<Lifecycle>) -> Router {
+pub fn router(
+    metrics: Metrics,
+    scheduler: Arc<Scheduler>,
+    lifecycle: watch::Receiver<Lifecycle>,
+) -> Router {
     Router::new()
         .route("/metrics", get(metrics_text))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .with_state(AdminState { metrics, lifecycle })
+        .with_state(AdminState {
+            metrics,
+            scheduler,
+            lifecycle,
+        })
 }
 
 async fn metrics_text(State(state): State<AdminState>) -> impl IntoResponse {
+    // The budget's gauges are read at scrape time: exact, and nothing on the request path
+    // has to keep them current.
+    state.metrics.scheduler_load(state.scheduler.load());
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         state.metrics.render(),
     )
 }

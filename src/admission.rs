@@ -162,11 +162,10 @@ fn request_stream_usage(json: &mut Map<String, Value>) -> Result<bool, LocalRepl
         *options = Value::Object(Map::new());
     }
     let Value::Object(options) = options else {
-        return Err(LocalReply::new(
-            Reason::InvalidRequest,
-            "stream_options: must be an object",
-        )
-        .with_param("stream_options"));
+        return Err(
+            LocalReply::new(Reason::InvalidRequest, "stream_options: must be an object")
+                .with_param("stream_options"),
+        );
     };
     if options.get("include_usage") == Some(&Value::Bool(true)) {
         return Ok(false);

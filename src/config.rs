@@ -26,6 +26,8 @@ pub struct Config {
     /// set as a whole, so no tier exists that the operator did not write down.
     pub tiers: BTreeMap<String, TierConfig>,
     pub response: ResponseConfig,
+    pub scheduler: SchedulerConfig,
+    pub control: ControlConfig,
     pub shutdown: ShutdownConfig,
 }
 
@@ -105,6 +107,17 @@ pub struct TierConfig {
     /// it the upstream would generate until the model's context runs out and the ceiling would
     /// mean nothing. Absent means `max_output_tokens`.
     pub default_output_tokens: Option<u32>,
+    /// Share of the global in-flight budget under contention, relative to other tiers' weights.
+    pub weight: u32,
+    /// Strict priority: band 0 is served before band 1, and so on; weights apply within a band.
+    pub priority_band: u8,
+    /// Requests of one tenant that may wait for a slot; one more is refused at once (503).
+    /// Small on purpose: a deep queue turns into queue wait, which the controller sees as TTFT
+    /// and answers by shrinking the budget (seed 001's death spiral).
+    pub queue_max: u32,
+    /// How long a request may wait for a slot before a 503. About 1 s: a request that waited
+    /// longer is a lost cause, and serving it feeds a chain reaction (seed 001).
+    pub queue_deadline_ms: u64,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -122,6 +135,56 @@ pub struct ResponseConfig {
     pub inject_stream_usage: bool,
     /// Most bytes of a non-streamed JSON response kept to read its `usage`.
     pub max_buffered_json_bytes: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SchedulerConfig {
+    /// The global in-flight budget at start-up (and for good, if the controller is off).
+    pub initial_limit: u32,
+    /// What a request costs for fairness: `requests` (1 each) or `tokens` (its worst case:
+    /// input + max output), fairer when output lengths differ (seed 000).
+    pub cost: FairnessCost,
+    /// Tenants with a reserved share of the budget, in percent: while a tenant has demand it gets
+    /// at least that share as slots free up; the rest is the unreserved pool (seed 004).
+    pub reservations: BTreeMap<String, u32>,
+    /// Envoy's `max_message_timeout` (ext_proc filter). A queued request asks Envoy to wait up to
+    /// its deadline plus a margin, which must fit under this bound or Envoy ignores the request.
+    pub envoy_max_message_timeout_ms: u64,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FairnessCost {
+    #[default]
+    Requests,
+    Tokens,
+}
+
+/// The AIMD controller that sizes the global budget against a p99 time-to-first-token target.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ControlConfig {
+    /// Off: the budget stays at `scheduler.initial_limit`.
+    pub enabled: bool,
+    pub target_p99_ttft_ms: u64,
+    pub tick_ms: u64,
+    /// The p99 is taken over this sliding window.
+    pub window_ms: u64,
+    /// Deadband: no action while p99 is within target x (1 ± band).
+    pub band: f64,
+    pub increase_step: u32,
+    /// Multiplicative decrease factor on a breach (0 < factor < 1)...
+    pub decrease_factor: f64,
+    /// ...or, if set, a subtractive step instead.
+    pub decrease_step: Option<u32>,
+    pub floor: u32,
+    pub ceiling: u32,
+    /// Ticks to hold after a decrease, while the window flushes samples from before it.
+    pub cooldown_ticks: u32,
+    /// Demand gate: grow only while peak in-flight reached this fraction of the limit (or
+    /// requests are queued), so an idle system does not drift upward.
+    pub demand_fraction: f64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -183,6 +246,42 @@ impl Default for TierConfig {
             max_output_tokens: 4_096,
             output_limit: OutputLimitPolicy::Reject,
             default_output_tokens: None,
+            weight: 1,
+            priority_band: 0,
+            queue_max: 2,
+            queue_deadline_ms: 1_000,
+        }
+    }
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            initial_limit: 128,
+            cost: FairnessCost::Requests,
+            reservations: BTreeMap::new(),
+            envoy_max_message_timeout_ms: 30_000,
+        }
+    }
+}
+
+/// Seed 001's final configuration: start at 128 within [32, 256], p99 TTFT target 2 s, 5 s
+/// ticks over a 30 s window, ±20 % deadband, 3 ticks of cooldown.
+impl Default for ControlConfig {
+    fn default() -> Self {
+        ControlConfig {
+            enabled: true,
+            target_p99_ttft_ms: 2_000,
+            tick_ms: 5_000,
+            window_ms: 30_000,
+            band: 0.2,
+            increase_step: 1,
+            decrease_factor: 0.9,
+            decrease_step: None,
+            floor: 32,
+            ceiling: 256,
+            cooldown_ticks: 3,
+            demand_fraction: 0.8,
         }
     }
 }
@@ -204,12 +303,21 @@ impl Default for ShutdownConfig {
     }
 }
 
-/// The built-in tiers, from seed 003: free, standard, premium; requests without a tier are free.
+/// The built-in tiers, from seeds 001 and 003: free, standard, premium with weights 1, 2, 4;
+/// paying tiers queue up to 8 requests for 2 s, free ones 2 for 1 s. Requests without a tier
+/// are free.
 pub fn default_tiers() -> BTreeMap<String, TierConfig> {
-    ["free", "standard", "premium"]
-        .into_iter()
-        .map(|name| (name.to_owned(), TierConfig::default()))
-        .collect()
+    let paying = |weight| TierConfig {
+        weight,
+        queue_max: 8,
+        queue_deadline_ms: 2_000,
+        ..TierConfig::default()
+    };
+    BTreeMap::from([
+        ("free".to_owned(), TierConfig::default()),
+        ("standard".to_owned(), paying(2)),
+        ("premium".to_owned(), paying(4)),
+    ])
 }
 
 /// Built-in defaults: what `tollgate` with no arguments runs.
@@ -223,6 +331,8 @@ impl Default for Config {
             default_tier: "free".to_owned(),
             tiers: default_tiers(),
             response: ResponseConfig::default(),
+            scheduler: SchedulerConfig::default(),
+            control: ControlConfig::default(),
             shutdown: ShutdownConfig::default(),
         }
     }

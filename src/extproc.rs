@@ -5,11 +5,17 @@
 //! message, of the same kind. A stream's story: request headers (who, which route) → request
 //! body (the decision) → response headers and body (observation: first byte, usage, proper
 //! end). Whatever way the stream ends, `Exchange::finish` records the outcome once.
+//!
+//! An admitted body asks the scheduler for a slot. If none is free the request waits in its
+//! tenant's queue: tollgate first tells Envoy to extend its message timeout
+//! (`override_message_timeout`, once per processing state, as Envoy allows), then answers when
+//! the slot comes, the queue deadline passes (503), the client goes away (nothing taken), or
+//! the server starts shutting down (503).
 
 mod convert;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
@@ -23,11 +29,14 @@ use tonic::{Status, Streaming};
 pub use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 
 use crate::admission::{self, Admission, BodyVerdict};
+use crate::config::FairnessCost;
 use crate::observe::response::{ResponseEnd, ResponseObserver};
-use crate::observe::{Metrics, ProtocolError, RequestOutcome};
-use crate::policy::Policy;
-use crate::reply::LocalReply;
+use crate::observe::window::LatencyWindow;
+use crate::observe::{GaugeGuard, Metrics, ProtocolError, RequestOutcome, SchedulerOutcome};
+use crate::policy::{ENVOY_TIMEOUT_MARGIN, Policy, TierId};
+use crate::reply::{LocalReply, Reason};
 use crate::request::{self, HeadVerdict, InferenceHead};
+use crate::scheduler::{Admit, FlowClass, Permit, Scheduler, Ticket};
 use convert::Phase as Answer;
 
 /// Bodies above this size are parsed and counted on the blocking pool, so a multi-megabyte
@@ -35,10 +44,12 @@ use convert::Phase as Answer;
 const INLINE_BODY_BYTES: usize = 256 * 1024;
 
 /// Where the server is in its life; stream tasks watch it to end deliberately at shutdown.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Ordered: each state follows the one before.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Lifecycle {
     Serving,
-    /// SIGTERM received: health says NOT_SERVING; streams already open carry on.
+    /// SIGTERM received: health says NOT_SERVING; queued requests get 503; streams already
+    /// admitted carry on.
     Draining,
     /// The drain deadline passed: every stream still open ends now.
     Closing,
@@ -50,6 +61,9 @@ pub struct Shared {
     pub metrics: Metrics,
     pub lifecycle: watch::Receiver<Lifecycle>,
     pub open_streams: OpenStreams,
+    pub scheduler: Arc<Scheduler>,
+    /// Time to first token over the controller's window, fed by every admitted response.
+    pub ttft_window: Arc<Mutex<LatencyWindow>>,
 }
 
 /// Counts open streams so shutdown can wait for them to finish.
@@ -141,7 +155,22 @@ async fn serve_stream(
             Ok(Some(message)) => message,
             Ok(None) | Err(_) => break StreamEnd::Envoy,
         };
-        let answer = exchange.on_message(&shared, message).await;
+        let answer = match exchange.on_message(&shared, message).await {
+            Step::Answer(answer) => answer,
+            Step::Wait(waiting) => {
+                let extend = convert::override_message_timeout(waiting.envoy_timeout);
+                if tx.send(Ok(extend)).await.is_err() {
+                    break StreamEnd::Envoy;
+                }
+                match exchange
+                    .wait_for_slot(&shared, waiting, &mut inbound, &mut lifecycle)
+                    .await
+                {
+                    Some(answer) => answer,
+                    None => break StreamEnd::Envoy,
+                }
+            }
+        };
         let stop = answer.is_err();
         if tx.send(answer).await.is_err() {
             break StreamEnd::Envoy;
@@ -153,16 +182,34 @@ async fn serve_stream(
     exchange.finish(&shared, end);
 }
 
-/// Resolves once the server's lifecycle is at `state`.
+/// What a message leads to: an answer now, or a wait for a slot first.
+enum Step {
+    Answer(Result<ProcessingResponse, Status>),
+    Wait(Waiting),
+}
+
+/// A request admitted by every check, waiting in its tenant's queue for a slot.
+struct Waiting {
+    ticket: Ticket,
+    admission: Admission,
+    arrived: Instant,
+    enqueued: Instant,
+    deadline: Instant,
+    /// How long Envoy is asked to wait for the answer.
+    envoy_timeout: std::time::Duration,
+    _queued: GaugeGuard,
+}
+
+/// Resolves once the server's lifecycle is at `state` or past it.
 pub async fn reached(lifecycle: &mut watch::Receiver<Lifecycle>, state: Lifecycle) {
     // The borrow guard wait_for returns is not Send; drop it before anything else awaits.
-    let _ = lifecycle.wait_for(|s| *s == state).await.is_ok();
+    let _ = lifecycle.wait_for(|s| *s >= state).await.is_ok();
 }
 
 /// Counts the stream as open (metric and shutdown counter) until dropped.
 struct StreamGuard {
     shared: Arc<Shared>,
-    _gauge: crate::observe::HeldStream,
+    _gauge: GaugeGuard,
 }
 
 impl StreamGuard {
@@ -190,7 +237,10 @@ enum Exchange {
     #[default]
     Start,
     /// An inference request whose body has not arrived yet.
-    AwaitingBody { head: InferenceHead, arrived: Instant },
+    AwaitingBody {
+        head: InferenceHead,
+        arrived: Instant,
+    },
     /// A route tollgate does not govern.
     PassedThrough,
     /// Answered with a local reply; Envoy sends nothing more.
@@ -203,6 +253,9 @@ struct Watched {
     admission: Admission,
     arrived: Instant,
     response: Option<ResponseObserver>,
+    /// The request's slot in the global budget, freed when the response ends (or, at the
+    /// latest, when this drops with the stream).
+    permit: Option<Permit>,
 }
 
 impl Exchange {
@@ -210,25 +263,34 @@ impl Exchange {
         !matches!(self, Exchange::Start | Exchange::AwaitingBody { .. })
     }
 
-    async fn on_message(
-        &mut self,
-        shared: &Shared,
-        message: ProcessingRequest,
-    ) -> Result<ProcessingResponse, Status> {
+    async fn on_message(&mut self, shared: &Shared, message: ProcessingRequest) -> Step {
         let now = Instant::now();
         let Some(message) = message.request else {
             shared.metrics.protocol_error(ProtocolError::EmptyMessage);
-            return Err(Status::invalid_argument(
+            return Step::Answer(Err(Status::invalid_argument(
                 "ProcessingRequest carries no request_headers/request_body/... message",
-            ));
+            )));
         };
         match (std::mem::take(self), message) {
             (Exchange::Start, Message::RequestHeaders(headers)) => {
-                Ok(self.on_request_headers(shared, &headers, now))
+                Step::Answer(Ok(self.on_request_headers(shared, &headers, now)))
             }
             (Exchange::AwaitingBody { head, arrived }, Message::RequestBody(body)) => {
-                Ok(self.on_request_body(shared, head, arrived, body).await)
+                self.on_request_body(shared, head, arrived, body).await
             }
+            (state, message) => Step::Answer(self.on_later_message(shared, state, message, now)),
+        }
+    }
+
+    /// Messages after the decision: response observation, trailers, and protocol errors.
+    fn on_later_message(
+        &mut self,
+        shared: &Shared,
+        state: Exchange,
+        message: Message,
+        now: Instant,
+    ) -> Result<ProcessingResponse, Status> {
+        match (state, message) {
             (Exchange::Admitted(mut watched), Message::ResponseHeaders(headers)) => {
                 watched.on_response_headers(shared, &headers);
                 *self = Exchange::Admitted(watched);
@@ -244,9 +306,26 @@ impl Exchange {
                 *self = state;
                 Ok(convert::continue_unchanged(Answer::RequestTrailers))
             }
-            (state @ (Exchange::Admitted(_) | Exchange::PassedThrough), Message::ResponseTrailers(_)) => {
+            (
+                state @ (Exchange::Admitted(_) | Exchange::PassedThrough),
+                Message::ResponseTrailers(_),
+            ) => {
                 *self = state;
                 Ok(convert::continue_unchanged(Answer::ResponseTrailers))
+            }
+            // Envoy answered the request itself before its body reached tollgate (e.g. its own
+            // 413 for a body over the buffer limit); since 1.40 that local reply goes through the
+            // response phases. Nothing was decided or taken: let it through.
+            (
+                Exchange::AwaitingBody { .. },
+                later @ (Message::ResponseHeaders(_) | Message::ResponseBody(_)),
+            ) => {
+                shared.metrics.request(RequestOutcome::AnsweredByEnvoy);
+                *self = Exchange::PassedThrough;
+                Ok(convert::continue_unchanged(match later {
+                    Message::ResponseHeaders(_) => Answer::ResponseHeaders,
+                    _ => Answer::ResponseBody,
+                }))
             }
             // Envoy ignores mode_override unless the filter allows it; then the later phases
             // of a passed-through request still arrive and are let through unchanged.
@@ -300,7 +379,7 @@ impl Exchange {
         head: InferenceHead,
         arrived: Instant,
         body: HttpBody,
-    ) -> ProcessingResponse {
+    ) -> Step {
         let started = Instant::now();
         let tier = head.identity.tier;
         if !body.end_of_stream {
@@ -312,7 +391,7 @@ impl Exchange {
                     body.body.len()
                 ),
             );
-            return self.reject(shared, &reply, Some(tier), started);
+            return Step::Answer(Ok(self.reject(shared, &reply, Some(tier), started)));
         }
         let verdict = if body.body.len() <= INLINE_BODY_BYTES {
             admission::decide_body(&shared.policy, &head, &body.body)
@@ -320,8 +399,10 @@ impl Exchange {
             let policy = shared.policy.clone();
             let head = head.clone();
             let bytes = body.body;
-            match tokio::task::spawn_blocking(move || admission::decide_body(&policy, &head, &bytes))
-                .await
+            match tokio::task::spawn_blocking(move || {
+                admission::decide_body(&policy, &head, &bytes)
+            })
+            .await
             {
                 Ok(verdict) => verdict,
                 // Only a panic in counting gets here; refuse rather than pass unchecked.
@@ -331,35 +412,177 @@ impl Exchange {
                 )),
             }
         };
-        match verdict {
-            BodyVerdict::Admit(admission) => {
-                let answer = convert::request_body_admit(&admission);
-                shared.metrics.request(RequestOutcome::Admitted);
+        let admission = match verdict {
+            BodyVerdict::Admit(admission) => admission,
+            BodyVerdict::Reject(reply) => {
+                return Step::Answer(Ok(self.reject(shared, &reply, Some(tier), started)));
+            }
+        };
+        let policy = &shared.policy;
+        let tier_policy = &policy.tiers[tier];
+        let tenant = &admission.identity.tenant;
+        let limit = shared.scheduler.load().limit;
+        let class = FlowClass {
+            weight: tier_policy.weight,
+            band: tier_policy.priority_band,
+            queue_max: tier_policy.queue_max,
+            reserved_slots: policy
+                .scheduling
+                .reservations
+                .get(tenant)
+                .map_or(0, |&percent| reserved_slots(limit, percent)),
+        };
+        let cost = match policy.scheduling.cost {
+            FairnessCost::Requests => 1,
+            FairnessCost::Tokens => admission.worst_case_tokens(),
+        };
+        shared.metrics.scheduler_submitted(tier);
+        match shared.scheduler.submit(tenant, class, cost) {
+            Admit::Now(permit) => {
                 shared
                     .metrics
-                    .estimated_input_tokens(tier, admission.input_tokens);
+                    .scheduler_outcome(tier, SchedulerOutcome::AdmittedNow);
+                let answer = self.admit(shared, admission, arrived, permit);
                 shared
                     .metrics
                     .decision_duration(started.elapsed().as_secs_f64());
-                *self = Exchange::Admitted(Box::new(Watched {
+                Step::Answer(Ok(answer))
+            }
+            Admit::Full => {
+                shared
+                    .metrics
+                    .scheduler_outcome(tier, SchedulerOutcome::QueueFull);
+                let reply = LocalReply::new(
+                    Reason::QueueFull,
+                    format!(
+                        "the service is at capacity and tenant {tenant:?} already has {} requests \
+                         waiting; retry shortly",
+                        tier_policy.queue_max
+                    ),
+                )
+                .with_header("retry-after", "1");
+                Step::Answer(Ok(self.reject(shared, &reply, Some(tier), started)))
+            }
+            Admit::Queued(ticket) => {
+                let deadline = started + tier_policy.queue_deadline;
+                let envoy_timeout = (tier_policy.queue_deadline + ENVOY_TIMEOUT_MARGIN)
+                    .min(policy.scheduling.envoy_max_message_timeout);
+                Step::Wait(Waiting {
+                    ticket,
                     admission,
                     arrived,
-                    response: None,
-                }));
-                answer
+                    enqueued: started,
+                    deadline,
+                    envoy_timeout,
+                    _queued: shared.metrics.hold_queued(tier),
+                })
             }
-            BodyVerdict::Reject(reply) => self.reject(shared, &reply, Some(tier), started),
         }
+    }
+
+    /// Waits for a queued request's slot; `None` if Envoy gave up on the stream (the client
+    /// went away), in which case nothing was taken.
+    async fn wait_for_slot(
+        &mut self,
+        shared: &Shared,
+        waiting: Waiting,
+        inbound: &mut Streaming<ProcessingRequest>,
+        lifecycle: &mut watch::Receiver<Lifecycle>,
+    ) -> Option<Result<ProcessingResponse, Status>> {
+        let Waiting {
+            mut ticket,
+            admission,
+            arrived,
+            enqueued,
+            deadline,
+            _queued,
+            ..
+        } = waiting;
+        let tier = admission.identity.tier;
+        let shed = |exchange: &mut Exchange, outcome, reason, message: String| {
+            shared.metrics.scheduler_outcome(tier, outcome);
+            let reply = LocalReply::new(reason, message).with_header("retry-after", "1");
+            Some(Ok(exchange.reject(shared, &reply, Some(tier), enqueued)))
+        };
+        tokio::select! {
+            biased;
+            permit = ticket.granted() => {
+                let now = Instant::now();
+                shared.metrics.queue_wait(tier, now.duration_since(enqueued).as_secs_f64());
+                shared.metrics.scheduler_outcome(tier, SchedulerOutcome::AdmittedAfterWait);
+                shared.metrics.decision_duration(now.duration_since(enqueued).as_secs_f64());
+                Some(Ok(self.admit(shared, admission, arrived, permit)))
+            }
+            message = inbound.message() => match message {
+                // Envoy sends nothing while it waits for this answer.
+                Ok(Some(message)) => {
+                    *self = Exchange::Rejected;
+                    let phase = "waiting in the queue for a slot";
+                    Some(Err(match message.request {
+                        Some(message) => out_of_order(shared, phase, &message),
+                        None => Status::invalid_argument("empty ProcessingRequest while queued"),
+                    }))
+                }
+                Ok(None) | Err(_) => {
+                    shared.metrics.scheduler_outcome(tier, SchedulerOutcome::Cancelled);
+                    shared.metrics.request(RequestOutcome::Abandoned);
+                    *self = Exchange::Rejected;
+                    None
+                }
+            },
+            () = tokio::time::sleep_until(deadline) => shed(
+                self,
+                SchedulerOutcome::QueueTimeout,
+                Reason::QueueTimeout,
+                format!(
+                    "the service is at capacity: no slot freed within the {} ms queue deadline; \
+                     retry shortly",
+                    shared.policy.tiers[tier].queue_deadline.as_millis()
+                ),
+            ),
+            () = reached(lifecycle, Lifecycle::Draining) => shed(
+                self,
+                SchedulerOutcome::ShuttingDown,
+                Reason::ShuttingDown,
+                "this tollgate replica is shutting down; retry shortly".to_owned(),
+            ),
+        }
+    }
+
+    /// Lets an admitted request through, holding `permit` until its response ends.
+    fn admit(
+        &mut self,
+        shared: &Shared,
+        admission: Admission,
+        arrived: Instant,
+        permit: Permit,
+    ) -> ProcessingResponse {
+        let answer = convert::request_body_admit(&admission);
+        shared.metrics.request(RequestOutcome::Admitted);
+        shared
+            .metrics
+            .estimated_input_tokens(admission.identity.tier, admission.input_tokens);
+        *self = Exchange::Admitted(Box::new(Watched {
+            admission,
+            arrived,
+            response: None,
+            permit: Some(permit),
+        }));
+        answer
     }
 
     fn reject(
         &mut self,
         shared: &Shared,
         reply: &LocalReply,
-        tier: Option<usize>,
+        tier: Option<TierId>,
         started: Instant,
     ) -> ProcessingResponse {
-        shared.metrics.request(RequestOutcome::Rejected);
+        shared.metrics.request(if reply.status() == 503 {
+            RequestOutcome::Shed
+        } else {
+            RequestOutcome::Rejected
+        });
         shared.metrics.rejection(reply.reason, tier);
         shared
             .metrics
@@ -402,6 +625,7 @@ impl Watched {
         );
         if headers.end_of_stream {
             observer.on_end_of_stream();
+            self.permit = None;
         }
         self.response = Some(observer);
     }
@@ -416,6 +640,15 @@ impl Watched {
             let tier = self.admission.identity.tier;
             let ttft = now.duration_since(self.arrived).as_secs_f64();
             shared.metrics.time_to_first_token(tier, ttft);
+            shared
+                .ttft_window
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .record(now, ttft);
+        }
+        if body.end_of_stream {
+            // The upstream is done with this request: its slot is free for the next one.
+            self.permit = None;
         }
     }
 
@@ -437,6 +670,12 @@ impl Watched {
                 .usage(tier, usage.prompt_tokens, usage.completion_tokens);
         }
     }
+}
+
+/// Slots a tenant's reserved percentage is worth at `limit`, rounded up so a small reservation
+/// still guarantees one slot.
+fn reserved_slots(limit: u32, percent: u32) -> u32 {
+    (u64::from(limit) * u64::from(percent)).div_ceil(100) as u32
 }
 
 fn out_of_order(shared: &Shared, phase: &str, message: &Message) -> Status {

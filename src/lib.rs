@@ -10,15 +10,17 @@
 pub mod admin;
 pub mod admission;
 pub mod config;
+pub mod control;
 pub mod extproc;
 pub mod observe;
 pub mod policy;
 pub mod reply;
 pub mod request;
+pub mod scheduler;
 pub mod tokens;
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::net::TcpListener;
@@ -28,7 +30,9 @@ use tokio_stream::wrappers::TcpListenerStream;
 use crate::config::Config;
 use crate::extproc::{ExtProc, ExternalProcessorServer, Lifecycle, OpenStreams, Shared};
 use crate::observe::Metrics;
+use crate::observe::window::LatencyWindow;
 use crate::policy::Policy;
+use crate::scheduler::Scheduler;
 
 /// The sockets `run` serves on, bound by the caller (so tests can bind port 0 and read the
 /// port before the server starts).
@@ -53,35 +57,79 @@ pub enum Error {
 const GRPC_CLOSE_GRACE: Duration = Duration::from_secs(5);
 /// How often histogram samples are folded into buckets between scrapes.
 const METRICS_UPKEEP_PERIOD: Duration = Duration::from_secs(5);
+/// Sub-windows of the TTFT window: expiry granularity is window / slots.
+const TTFT_WINDOW_SLOTS: u32 = 30;
 
-/// Runs tollgate until `shutdown` resolves, then drains:
+/// Runs tollgate on TCP listeners until `shutdown` resolves; see `serve`.
+pub async fn run(
+    config: Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Error> {
+    serve(
+        config,
+        TcpListenerStream::new(listeners.grpc),
+        listeners.admin,
+        shutdown,
+    )
+    .await
+}
+
+/// Runs tollgate with gRPC connections from `grpc_incoming` (TCP in production; an in-memory
+/// transport in tests that pause time) until `shutdown` resolves, then drains:
 /// 1. health and /readyz turn NOT_SERVING; the gRPC listener stops accepting and sends GOAWAY;
 /// 2. streams already open carry on until they end or `shutdown.drain_deadline_ms` passes;
 /// 3. then every stream still open ends deliberately: undecided ones with an error status (so
 ///    Envoy answers its `status_on_error`, never a silent pass), decided ones with OK (so Envoy
 ///    finishes the response without tollgate);
 /// 4. returns `Ok(())`.
-pub async fn run(
+pub async fn serve<I, IO, IE>(
     config: Config,
-    listeners: Listeners,
+    grpc_incoming: I,
+    admin_listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), Error> {
+) -> Result<(), Error>
+where
+    I: tokio_stream::Stream<Item = Result<IO, IE>> + Send + 'static,
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + tonic::transport::server::Connected
+        + Unpin
+        + Send
+        + 'static,
+    IE: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
+{
     let policy = Arc::new(Policy::from_config(&config)?);
     // Build the BPE tables now, off the async workers, so no request pays for them.
-    let encodings = [
-        tokens::Encoding::Cl100kBase,
-        tokens::Encoding::O200kBase,
-    ];
+    let encodings = [tokens::Encoding::Cl100kBase, tokens::Encoding::O200kBase];
     let _ = tokio::task::spawn_blocking(move || encodings.iter().for_each(|e| e.warm_up())).await;
 
     let metrics = Metrics::new(&policy);
     let (lifecycle_tx, lifecycle) = watch::channel(Lifecycle::Serving);
+    let scheduler = Scheduler::new(policy.scheduling.initial_limit);
+    metrics.scheduler_load(scheduler.load());
+    let ttft_window = Arc::new(Mutex::new(LatencyWindow::new(
+        Duration::from_millis(policy.control.window_ms),
+        TTFT_WINDOW_SLOTS,
+    )));
     let shared = Arc::new(Shared {
         policy: policy.clone(),
         metrics: metrics.clone(),
         lifecycle: lifecycle.clone(),
         open_streams: OpenStreams::default(),
+        scheduler: scheduler.clone(),
+        ttft_window: ttft_window.clone(),
     });
+    if policy.control.enabled {
+        tokio::spawn(control::tick::run(
+            policy.control.clone(),
+            policy.scheduling.initial_limit,
+            scheduler.clone(),
+            ttft_window,
+            metrics.clone(),
+            lifecycle.clone(),
+        ));
+    }
 
     let upkeep = {
         let metrics = metrics.clone();
@@ -98,7 +146,9 @@ pub async fn run(
     health
         .set_serving::<ExternalProcessorServer<ExtProc>>()
         .await;
-    health.set_service_status("", tonic_health::ServingStatus::Serving).await;
+    health
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
 
     // Envoy sends the whole buffered body in one message; tonic's default 4 MiB cap would
     // reject large prompts before tollgate could answer them with a proper 413.
@@ -119,7 +169,7 @@ pub async fn run(
         .http2_adaptive_window(Some(true))
         .add_service(health_service)
         .add_service(ext_proc)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.grpc), grpc_stopping);
+        .serve_with_incoming_shutdown(grpc_incoming, grpc_stopping);
     let mut grpc_server = tokio::spawn(grpc_server);
 
     let admin_stopping = {
@@ -128,8 +178,11 @@ pub async fn run(
             let _ = lifecycle.wait_for(|s| *s == Lifecycle::Closing).await;
         }
     };
-    let admin_server = axum::serve(listeners.admin, admin::router(metrics.clone(), lifecycle))
-        .with_graceful_shutdown(admin_stopping);
+    let admin_server = axum::serve(
+        admin_listener,
+        admin::router(metrics.clone(), scheduler.clone(), lifecycle),
+    )
+    .with_graceful_shutdown(admin_stopping);
     let admin_server = tokio::spawn(async move { admin_server.await });
 
     tracing::info!("tollgate serving");

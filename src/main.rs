@@ -84,7 +84,10 @@ fn main() -> ExitCode {
     }
 }
 
-fn effective_config(cli: &Cli, file: Option<&std::path::Path>) -> Result<Config, config::ConfigError> {
+fn effective_config(
+    cli: &Cli,
+    file: Option<&std::path::Path>,
+) -> Result<Config, config::ConfigError> {
     let mut config = config::load(file, std::env::vars())?;
     if let Some(addr) = cli.grpc_addr {
         config.listen.grpc_addr = addr.to_string();
@@ -97,7 +100,10 @@ fn effective_config(cli: &Cli, file: Option<&std::path::Path>) -> Result<Config,
 }
 
 fn serve(config: Config) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("tollgate: cannot start the async runtime: {e}");
@@ -120,7 +126,10 @@ fn serve(config: Config) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        for (name, listener) in [("ext_proc gRPC", &listeners.grpc), ("admin HTTP", &listeners.admin)] {
+        for (name, listener) in [
+            ("ext_proc gRPC", &listeners.grpc),
+            ("admin HTTP", &listeners.admin),
+        ] {
             if let Ok(addr) = listener.local_addr() {
                 tracing::info!(%addr, "{name} listening");
             }
@@ -140,14 +149,15 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(term) => term,
-            Err(e) => {
-                tracing::warn!("cannot watch SIGTERM ({e}); only SIGINT stops tollgate");
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(e) => {
+                    tracing::warn!("cannot watch SIGTERM ({e}); only SIGINT stops tollgate");
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}

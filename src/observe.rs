@@ -9,12 +9,14 @@
 //! counts.
 
 pub mod response;
+pub mod window;
 
 use std::sync::Arc;
 
 use metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+use crate::control::Action;
 use crate::policy::{Policy, TierId};
 use crate::reply::Reason;
 use response::ResponseEnd;
@@ -29,6 +31,14 @@ pub const STREAM_COMPLETIONS: &str = "tollgate_stream_completions_total";
 pub const HELD_STREAMS: &str = "tollgate_held_streams";
 pub const DECISION_DURATION: &str = "tollgate_decision_duration_seconds";
 pub const PROTOCOL_ERRORS: &str = "tollgate_protocol_errors_total";
+pub const INFLIGHT_LIMIT: &str = "tollgate_inflight_limit";
+pub const INFLIGHT: &str = "tollgate_inflight_requests";
+pub const QUEUED: &str = "tollgate_queued_requests";
+pub const QUEUE_WAIT: &str = "tollgate_queue_wait_seconds";
+pub const SCHEDULER_SUBMITTED: &str = "tollgate_scheduler_submitted_total";
+pub const SCHEDULER_OUTCOMES: &str = "tollgate_scheduler_outcomes_total";
+pub const CONTROLLER_ACTIONS: &str = "tollgate_controller_actions_total";
+pub const CONTROLLER_P99: &str = "tollgate_controller_observed_p99_ttft_seconds";
 
 /// Seconds from first token targets of tens of ms up to the 30 s+ of an overloaded vLLM.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -37,6 +47,10 @@ const LATENCY_BUCKETS: &[f64] = &[
 /// A decision is tens of microseconds; a multi-MB prompt's count is tens of milliseconds.
 const DECISION_BUCKETS: &[f64] = &[
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+];
+/// Queue waits: deadlines are around 1-2 s, and never beyond Envoy's max_message_timeout.
+const QUEUE_WAIT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0,
 ];
 /// Powers of four from a one-line prompt to a long-context one.
 const TOKEN_BUCKETS: &[f64] = &[
@@ -48,30 +62,75 @@ const TOKEN_BUCKETS: &[f64] = &[
 pub enum RequestOutcome {
     /// An inference request let through to the upstream.
     Admitted,
-    /// An inference request answered locally with an error.
+    /// An inference request answered locally with an error (4xx).
     Rejected,
+    /// An inference request shed with a 503 (queue full or timed out, shutting down).
+    Shed,
     /// An inference request whose stream ended before a decision (client gone).
     Abandoned,
     /// A non-inference request passed through untouched.
     PassedThrough,
+    /// An inference request Envoy answered itself before tollgate decided (e.g. its 413).
+    AnsweredByEnvoy,
 }
 
 impl RequestOutcome {
-    const ALL: [RequestOutcome; 4] = [
+    const ALL: [RequestOutcome; 6] = [
         RequestOutcome::Admitted,
         RequestOutcome::Rejected,
+        RequestOutcome::Shed,
         RequestOutcome::Abandoned,
         RequestOutcome::PassedThrough,
+        RequestOutcome::AnsweredByEnvoy,
     ];
 
     fn labels(self) -> [(&'static str, &'static str); 2] {
         let (class, outcome) = match self {
             RequestOutcome::Admitted => ("inference", "admitted"),
             RequestOutcome::Rejected => ("inference", "rejected"),
+            RequestOutcome::Shed => ("inference", "shed"),
             RequestOutcome::Abandoned => ("inference", "abandoned"),
             RequestOutcome::PassedThrough => ("passthrough", "passed_through"),
+            RequestOutcome::AnsweredByEnvoy => ("inference", "answered_by_envoy"),
         };
         [("route_class", class), ("outcome", outcome)]
+    }
+}
+
+/// What became of a request that asked the scheduler for a slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SchedulerOutcome {
+    /// A slot was free.
+    AdmittedNow,
+    /// Admitted after waiting in its tenant's queue.
+    AdmittedAfterWait,
+    QueueFull,
+    QueueTimeout,
+    /// Answered 503 because tollgate began shutting down while it waited.
+    ShuttingDown,
+    /// The client went away while it waited.
+    Cancelled,
+}
+
+impl SchedulerOutcome {
+    const ALL: [SchedulerOutcome; 6] = [
+        SchedulerOutcome::AdmittedNow,
+        SchedulerOutcome::AdmittedAfterWait,
+        SchedulerOutcome::QueueFull,
+        SchedulerOutcome::QueueTimeout,
+        SchedulerOutcome::ShuttingDown,
+        SchedulerOutcome::Cancelled,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            SchedulerOutcome::AdmittedNow => "admitted_now",
+            SchedulerOutcome::AdmittedAfterWait => "admitted_after_wait",
+            SchedulerOutcome::QueueFull => "queue_full",
+            SchedulerOutcome::QueueTimeout => "queue_timeout",
+            SchedulerOutcome::ShuttingDown => "shutting_down",
+            SchedulerOutcome::Cancelled => "cancelled",
+        }
     }
 }
 
@@ -116,6 +175,15 @@ struct Inner {
     held_streams: Gauge,
     decision_duration: Histogram,
     protocol_errors: Vec<Counter>,
+    inflight_limit: Gauge,
+    inflight: Gauge,
+    queued: Vec<Gauge>,
+    queue_wait: Vec<Histogram>,
+    scheduler_submitted: Vec<Counter>,
+    /// `[tier][SchedulerOutcome]`.
+    scheduler_outcomes: Vec<Vec<Counter>>,
+    controller_actions: Vec<Counter>,
+    controller_p99: Gauge,
 }
 
 impl Metrics {
@@ -126,6 +194,7 @@ impl Metrics {
             (REQUEST_DURATION, LATENCY_BUCKETS),
             (DECISION_DURATION, DECISION_BUCKETS),
             (ESTIMATED_INPUT_TOKENS, TOKEN_BUCKETS),
+            (QUEUE_WAIT, QUEUE_WAIT_BUCKETS),
         ]
         .into_iter()
         .fold(builder, |b, (name, buckets)| {
@@ -137,7 +206,11 @@ impl Metrics {
             recorder: &recorder,
         };
 
-        r.describe_counter(REQUESTS, Unit::Count, "Requests seen, by route class and outcome.");
+        r.describe_counter(
+            REQUESTS,
+            Unit::Count,
+            "Requests seen, by route class and outcome.",
+        );
         r.describe_counter(
             REJECTIONS,
             Unit::Count,
@@ -184,6 +257,47 @@ impl Metrics {
             "ext_proc message sequences that broke the protocol, by kind.",
         );
 
+        r.describe_gauge(
+            INFLIGHT_LIMIT,
+            Unit::Count,
+            "The global in-flight budget now (set by the controller, or static).",
+        );
+        r.describe_gauge(
+            INFLIGHT,
+            Unit::Count,
+            "Requests holding a slot of the budget now.",
+        );
+        r.describe_gauge(
+            QUEUED,
+            Unit::Count,
+            "Requests waiting for a slot now, by tier.",
+        );
+        r.describe_histogram(
+            QUEUE_WAIT,
+            Unit::Seconds,
+            "Time admitted requests waited for a slot, by tier.",
+        );
+        r.describe_counter(
+            SCHEDULER_SUBMITTED,
+            Unit::Count,
+            "Requests that asked the scheduler for a slot, by tier.",
+        );
+        r.describe_counter(
+            SCHEDULER_OUTCOMES,
+            Unit::Count,
+            "What became of requests that asked for a slot, by tier and outcome.",
+        );
+        r.describe_counter(
+            CONTROLLER_ACTIONS,
+            Unit::Count,
+            "AIMD controller ticks, by action (increase, decrease, hold_*).",
+        );
+        r.describe_gauge(
+            CONTROLLER_P99,
+            Unit::Seconds,
+            "The p99 time to first token the controller saw at its last tick (NaN: no samples).",
+        );
+
         let tier_names: Vec<&str> = policy.tiers.iter().map(|t| t.name.as_str()).collect();
         let per_tier = |f: &dyn Fn(&str) -> Histogram| tier_names.iter().map(|t| f(t)).collect();
         let inner = Inner {
@@ -222,12 +336,39 @@ impl Metrics {
                 .iter()
                 .map(|e| r.counter(STREAM_COMPLETIONS, &[("result", e.as_str())]))
                 .collect(),
-            held_streams: r.gauge(HELD_STREAMS),
+            held_streams: r.gauge(HELD_STREAMS, &[]),
             decision_duration: r.histogram(DECISION_DURATION, &[]),
             protocol_errors: ProtocolError::ALL
                 .iter()
                 .map(|k| r.counter(PROTOCOL_ERRORS, &[("kind", k.as_str())]))
                 .collect(),
+            inflight_limit: r.gauge(INFLIGHT_LIMIT, &[]),
+            inflight: r.gauge(INFLIGHT, &[]),
+            queued: tier_names
+                .iter()
+                .map(|t| r.gauge(QUEUED, &[("tier", t)]))
+                .collect(),
+            queue_wait: per_tier(&|t| r.histogram(QUEUE_WAIT, &[("tier", t)])),
+            scheduler_submitted: tier_names
+                .iter()
+                .map(|t| r.counter(SCHEDULER_SUBMITTED, &[("tier", t)]))
+                .collect(),
+            scheduler_outcomes: tier_names
+                .iter()
+                .map(|t| {
+                    SchedulerOutcome::ALL
+                        .iter()
+                        .map(|o| {
+                            r.counter(SCHEDULER_OUTCOMES, &[("tier", t), ("outcome", o.as_str())])
+                        })
+                        .collect()
+                })
+                .collect(),
+            controller_actions: Action::ALL
+                .iter()
+                .map(|a| r.counter(CONTROLLER_ACTIONS, &[("action", a.as_str())]))
+                .collect(),
+            controller_p99: r.gauge(CONTROLLER_P99, &[]),
             handle: recorder.handle(),
         };
         Metrics {
@@ -301,22 +442,65 @@ impl Metrics {
         self.inner.protocol_errors[index].increment(1);
     }
 
+    /// Publishes the scheduler's budget, in-flight count and limit.
+    pub fn scheduler_load(&self, load: crate::scheduler::Load) {
+        self.inner.inflight_limit.set(f64::from(load.limit));
+        self.inner.inflight.set(f64::from(load.in_flight));
+    }
+
+    pub fn scheduler_submitted(&self, tier: TierId) {
+        self.inner.scheduler_submitted[tier].increment(1);
+    }
+
+    pub fn scheduler_outcome(&self, tier: TierId, outcome: SchedulerOutcome) {
+        let index = SchedulerOutcome::ALL
+            .iter()
+            .position(|&o| o == outcome)
+            .expect("ALL lists every outcome");
+        self.inner.scheduler_outcomes[tier][index].increment(1);
+    }
+
+    pub fn queue_wait(&self, tier: TierId, seconds: f64) {
+        self.inner.queue_wait[tier].record(seconds);
+    }
+
+    /// Counts a request of `tier` as queued until the returned guard drops.
+    pub fn hold_queued(&self, tier: TierId) -> GaugeGuard {
+        GaugeGuard::new(self.inner.queued[tier].clone())
+    }
+
+    /// Counts one controller tick by its action, and the p99 it saw.
+    pub fn controller_tick(&self, action: Action, p99_seconds: Option<f64>) {
+        let index = Action::ALL
+            .iter()
+            .position(|&a| a == action)
+            .expect("ALL lists every action");
+        self.inner.controller_actions[index].increment(1);
+        self.inner
+            .controller_p99
+            .set(p99_seconds.unwrap_or(f64::NAN));
+    }
+
     /// Counts a held ext_proc stream until the returned guard drops, whichever way the stream
     /// task ends.
-    pub fn hold_stream(&self) -> HeldStream {
-        self.inner.held_streams.increment(1.0);
-        HeldStream {
-            gauge: self.inner.held_streams.clone(),
-        }
+    pub fn hold_stream(&self) -> GaugeGuard {
+        GaugeGuard::new(self.inner.held_streams.clone())
     }
 }
 
-/// Decrements the held-streams gauge on drop.
-pub struct HeldStream {
+/// Adds one to a gauge while it lives.
+pub struct GaugeGuard {
     gauge: Gauge,
 }
 
-impl Drop for HeldStream {
+impl GaugeGuard {
+    fn new(gauge: Gauge) -> GaugeGuard {
+        gauge.increment(1.0);
+        GaugeGuard { gauge }
+    }
+}
+
+impl Drop for GaugeGuard {
     fn drop(&mut self) {
         self.gauge.decrement(1.0);
     }
@@ -337,20 +521,25 @@ impl Registrar<'_> {
     }
 
     fn counter(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Counter {
-        let counter = self.recorder.register_counter(&Self::key(name, labels), &METADATA);
+        let counter = self
+            .recorder
+            .register_counter(&Self::key(name, labels), &METADATA);
         // Registering alone does not make the series render; a zero increment does.
         counter.increment(0);
         counter
     }
 
-    fn gauge(&self, name: &'static str) -> Gauge {
-        let gauge = self.recorder.register_gauge(&Self::key(name, &[]), &METADATA);
+    fn gauge(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Gauge {
+        let gauge = self
+            .recorder
+            .register_gauge(&Self::key(name, labels), &METADATA);
         gauge.set(0.0);
         gauge
     }
 
     fn histogram(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Histogram {
-        self.recorder.register_histogram(&Self::key(name, labels), &METADATA)
+        self.recorder
+            .register_histogram(&Self::key(name, labels), &METADATA)
     }
 
     fn describe_counter(&self, name: &'static str, unit: Unit, help: &'static str) {
@@ -359,7 +548,8 @@ impl Registrar<'_> {
     }
 
     fn describe_gauge(&self, name: &'static str, unit: Unit, help: &'static str) {
-        self.recorder.describe_gauge(name.into(), Some(unit), help.into());
+        self.recorder
+            .describe_gauge(name.into(), Some(unit), help.into());
     }
 
     fn describe_histogram(&self, name: &'static str, unit: Unit, help: &'static str) {

@@ -8,7 +8,9 @@ use std::collections::HashMap;
 
 use sha2::{Digest, Sha256};
 
-use crate::config::{Config, ConfigError, OutputLimitPolicy};
+use std::time::Duration;
+
+use crate::config::{Config, ConfigError, ControlConfig, FairnessCost, OutputLimitPolicy};
 use crate::tokens::{Encoding, EncodingRule};
 
 /// Index of a tier in `Policy::tiers`; also the index of its pre-created metric series.
@@ -25,6 +27,8 @@ pub struct Policy {
     pub counting: CountingPolicy,
     pub inject_stream_usage: bool,
     pub max_buffered_json_bytes: usize,
+    pub scheduling: SchedulingPolicy,
+    pub control: ControlConfig,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,6 +38,19 @@ pub struct Tier {
     pub max_output_tokens: u32,
     pub output_limit: OutputLimitPolicy,
     pub default_output_tokens: u32,
+    pub weight: u32,
+    pub priority_band: u8,
+    pub queue_max: u32,
+    pub queue_deadline: Duration,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SchedulingPolicy {
+    pub initial_limit: u32,
+    pub cost: FairnessCost,
+    /// Tenant → reserved percent of the budget.
+    pub reservations: HashMap<String, u32>,
+    pub envoy_max_message_timeout: Duration,
 }
 
 #[derive(Clone, Debug)]
@@ -59,6 +76,13 @@ pub struct CountingPolicy {
     pub per_image: u32,
     pub max_body_bytes: usize,
 }
+
+/// How much longer than a queued request's deadline tollgate asks Envoy to wait, so tollgate's
+/// own 503 always beats Envoy's message timeout (a 504 with no body).
+pub const ENVOY_TIMEOUT_MARGIN: Duration = Duration::from_millis(500);
+
+/// Weights above this make one tenant's share indistinguishable from all of it.
+const MAX_WEIGHT: u32 = 10_000;
 
 /// Output ceilings above this are almost certainly a typo (no model generates a million tokens
 /// in one response) and would make budget arithmetic meaningless.
@@ -88,12 +112,29 @@ impl Policy {
                     ));
                 }
             }
-            let default_output_tokens = tier.default_output_tokens.unwrap_or(tier.max_output_tokens);
+            let default_output_tokens =
+                tier.default_output_tokens.unwrap_or(tier.max_output_tokens);
             if default_output_tokens == 0 || default_output_tokens > tier.max_output_tokens {
                 problems.push(format!(
                     "tiers.{name}.default_output_tokens: {default_output_tokens} must be between 1 and \
                      tiers.{name}.max_output_tokens ({})",
                     tier.max_output_tokens
+                ));
+            }
+            if tier.weight == 0 || tier.weight > MAX_WEIGHT {
+                problems.push(format!(
+                    "tiers.{name}.weight: {} is out of range 1..={MAX_WEIGHT}",
+                    tier.weight
+                ));
+            }
+            let envoy_bound = config.scheduler.envoy_max_message_timeout_ms;
+            let margin = ENVOY_TIMEOUT_MARGIN.as_millis() as u64;
+            if tier.queue_deadline_ms == 0 || tier.queue_deadline_ms + margin > envoy_bound {
+                problems.push(format!(
+                    "tiers.{name}.queue_deadline_ms: {} must be positive and, plus {margin} ms of \
+                     margin, within scheduler.envoy_max_message_timeout_ms ({envoy_bound}), or \
+                     Envoy would time the request out first",
+                    tier.queue_deadline_ms
                 ));
             }
             tier_by_name.insert(name.clone(), tiers.len());
@@ -103,6 +144,10 @@ impl Policy {
                 max_output_tokens: tier.max_output_tokens,
                 output_limit: tier.output_limit,
                 default_output_tokens,
+                weight: tier.weight,
+                priority_band: tier.priority_band,
+                queue_max: tier.queue_max,
+                queue_deadline: Duration::from_millis(tier.queue_deadline_ms),
             });
         }
         let default_tier = match tier_by_name.get(&config.default_tier) {
@@ -193,6 +238,26 @@ impl Policy {
             }
         }
 
+        let scheduler = &config.scheduler;
+        if scheduler.initial_limit == 0 {
+            problems.push("scheduler.initial_limit: must be at least 1".to_owned());
+        }
+        let mut reserved_total = 0u64;
+        for (tenant, &percent) in &scheduler.reservations {
+            if !(1..=100).contains(&percent) {
+                problems.push(format!(
+                    "scheduler.reservations.{tenant}: {percent} is not a percentage in 1..=100"
+                ));
+            }
+            reserved_total += u64::from(percent);
+        }
+        if reserved_total > 100 {
+            problems.push(format!(
+                "scheduler.reservations: the shares add up to {reserved_total}%, over 100%"
+            ));
+        }
+        problems.extend(control_problems(&config.control));
+
         if !problems.is_empty() {
             return Err(ConfigError(problems.join("\n")));
         }
@@ -217,6 +282,19 @@ impl Policy {
             },
             inject_stream_usage: config.response.inject_stream_usage,
             max_buffered_json_bytes: config.response.max_buffered_json_bytes,
+            scheduling: SchedulingPolicy {
+                initial_limit: scheduler.initial_limit,
+                cost: scheduler.cost,
+                reservations: scheduler
+                    .reservations
+                    .iter()
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect(),
+                envoy_max_message_timeout: Duration::from_millis(
+                    scheduler.envoy_max_message_timeout_ms,
+                ),
+            },
+            control: config.control.clone(),
         })
     }
 
@@ -239,6 +317,76 @@ impl IdentityPolicy {
         let hash: [u8; 32] = Sha256::digest(key).into();
         self.api_keys.get(&hash)
     }
+}
+
+fn control_problems(c: &ControlConfig) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut check = |ok: bool, field: &str, value: String, want: &str| {
+        if !ok {
+            problems.push(format!("control.{field}: {value} {want}"));
+        }
+    };
+    check(
+        c.target_p99_ttft_ms > 0,
+        "target_p99_ttft_ms",
+        c.target_p99_ttft_ms.to_string(),
+        "must be positive",
+    );
+    check(
+        c.tick_ms > 0,
+        "tick_ms",
+        c.tick_ms.to_string(),
+        "must be positive",
+    );
+    check(
+        c.window_ms >= c.tick_ms,
+        "window_ms",
+        c.window_ms.to_string(),
+        "must be at least control.tick_ms",
+    );
+    check(
+        (0.0..1.0).contains(&c.band),
+        "band",
+        c.band.to_string(),
+        "must be in [0, 1)",
+    );
+    check(
+        c.increase_step > 0,
+        "increase_step",
+        c.increase_step.to_string(),
+        "must be positive",
+    );
+    check(
+        c.decrease_factor > 0.0 && c.decrease_factor < 1.0,
+        "decrease_factor",
+        c.decrease_factor.to_string(),
+        "must be in (0, 1)",
+    );
+    check(
+        c.decrease_step != Some(0),
+        "decrease_step",
+        "0".to_owned(),
+        "must be positive when set",
+    );
+    check(
+        c.floor > 0,
+        "floor",
+        c.floor.to_string(),
+        "must be at least 1",
+    );
+    check(
+        c.floor <= c.ceiling,
+        "ceiling",
+        c.ceiling.to_string(),
+        "must be at least control.floor",
+    );
+    check(
+        c.demand_fraction > 0.0 && c.demand_fraction <= 1.0,
+        "demand_fraction",
+        c.demand_fraction.to_string(),
+        "must be in (0, 1]",
+    );
+    problems
 }
 
 fn parse_sha256(hex_digest: &str) -> Option<[u8; 32]> {

@@ -22,11 +22,13 @@ pub enum Reason {
     InvalidMaxTokens,
     InputTokensExceeded,
     OutputTokensExceeded,
+    QueueFull,
+    QueueTimeout,
     ShuttingDown,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 14] = [
+    pub const ALL: [Reason; 16] = [
         Reason::MissingIdentity,
         Reason::InvalidApiKey,
         Reason::UnknownTier,
@@ -40,6 +42,8 @@ impl Reason {
         Reason::InvalidMaxTokens,
         Reason::InputTokensExceeded,
         Reason::OutputTokensExceeded,
+        Reason::QueueFull,
+        Reason::QueueTimeout,
         Reason::ShuttingDown,
     ];
 
@@ -58,6 +62,8 @@ impl Reason {
             Reason::InvalidMaxTokens => "invalid_max_tokens",
             Reason::InputTokensExceeded => "input_tokens_exceeded",
             Reason::OutputTokensExceeded => "output_tokens_exceeded",
+            Reason::QueueFull => "queue_full",
+            Reason::QueueTimeout => "queue_timeout",
             Reason::ShuttingDown => "shutting_down",
         }
     }
@@ -68,7 +74,7 @@ impl Reason {
             Reason::MissingIdentity | Reason::InvalidApiKey | Reason::UnknownTier => 401,
             Reason::BodyTooLarge | Reason::IncompleteBody => 413,
             Reason::UnsupportedContentEncoding => 415,
-            Reason::ShuttingDown => 503,
+            Reason::QueueFull | Reason::QueueTimeout | Reason::ShuttingDown => 503,
             Reason::MissingBody
             | Reason::InvalidContentType
             | Reason::MalformedJson
@@ -181,7 +187,11 @@ mod tests {
         let table = [
             (Reason::MissingIdentity, 401, "authentication_error"),
             (Reason::BodyTooLarge, 413, "invalid_request_error"),
-            (Reason::UnsupportedContentEncoding, 415, "invalid_request_error"),
+            (
+                Reason::UnsupportedContentEncoding,
+                415,
+                "invalid_request_error",
+            ),
             (Reason::MalformedJson, 400, "invalid_request_error"),
             (Reason::ShuttingDown, 503, "server_error"),
         ];

@@ -70,12 +70,12 @@ pub fn classify_head(policy: &Policy, headers: &[Header<'_>], end_of_stream: boo
     else {
         return HeadVerdict::PassThrough;
     };
-    let api = if route.ends_with(&policy.completions_suffix) && !route.ends_with("/chat/completions")
-    {
-        ApiKind::Completions
-    } else {
-        ApiKind::Chat
-    };
+    let api =
+        if route.ends_with(&policy.completions_suffix) && !route.ends_with("/chat/completions") {
+            ApiKind::Completions
+        } else {
+            ApiKind::Chat
+        };
 
     let identity = match identify(policy, &find) {
         Ok(identity) => identity,
@@ -89,7 +89,9 @@ pub fn classify_head(policy: &Policy, headers: &[Header<'_>], end_of_stream: boo
     }
     if let Some(value) = find("content-type") {
         let media_type = value.split(|&b| b == b';').next().unwrap_or_default();
-        let media_type = String::from_utf8_lossy(media_type).trim().to_ascii_lowercase();
+        let media_type = String::from_utf8_lossy(media_type)
+            .trim()
+            .to_ascii_lowercase();
         if media_type != "application/json" && !media_type.ends_with("+json") {
             return HeadVerdict::Reject(LocalReply::new(
                 Reason::InvalidContentType,
@@ -126,19 +128,19 @@ fn identify<'a>(
     find: &impl Fn(&str) -> Option<&'a [u8]>,
 ) -> Result<Identity, LocalReply> {
     let rules = &policy.identity;
-    if rules.has_api_keys() {
-        if let Some(key) = find("authorization").and_then(bearer_token) {
-            return match rules.owner_of_key(key) {
-                Some(owner) => Ok(Identity {
-                    tenant: owner.tenant.clone(),
-                    tier: owner.tier,
-                }),
-                None => Err(LocalReply::new(
-                    Reason::InvalidApiKey,
-                    "the API key in the Authorization header is not known",
-                )),
-            };
-        }
+    if rules.has_api_keys()
+        && let Some(key) = find("authorization").and_then(bearer_token)
+    {
+        return match rules.owner_of_key(key) {
+            Some(owner) => Ok(Identity {
+                tenant: owner.tenant.clone(),
+                tier: owner.tier,
+            }),
+            None => Err(LocalReply::new(
+                Reason::InvalidApiKey,
+                "the API key in the Authorization header is not known",
+            )),
+        };
     }
     let missing = || {
         let mut ways = Vec::new();
@@ -160,7 +162,7 @@ fn identify<'a>(
         return Err(missing());
     };
     let tenant = match std::str::from_utf8(raw_tenant).map(str::trim) {
-        Ok(t) if t.is_empty() => return Err(missing()),
+        Ok("") => return Err(missing()),
         Ok(t) if t.len() <= MAX_TENANT_LEN && !t.chars().any(char::is_control) => t,
         _ => {
             return Err(LocalReply::new(
@@ -233,7 +235,10 @@ pub enum InputCount {
 pub enum MaxOutput {
     Absent,
     /// The effective value and the field(s) that carry it.
-    Given { tokens: u64, fields: OutputFields },
+    Given {
+        tokens: u64,
+        fields: OutputFields,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -429,19 +434,19 @@ fn count_chat(
             Some(_) => return Err(invalid("messages", &format!("[{i}].name must be a string"))),
         }
         // Tool calls an assistant made earlier are replayed to the model as text.
-        if let Some(calls) = message.get("tool_calls").filter(|v| !v.is_null()) {
-            if !counter.add_text(&calls.to_string()) {
-                return Ok(false);
-            }
+        if let Some(calls) = message.get("tool_calls").filter(|v| !v.is_null())
+            && !counter.add_text(&calls.to_string())
+        {
+            return Ok(false);
         }
     }
     // Tool and function definitions reach the model too; their JSON text is a close, slightly
     // high estimate of the model-specific rendering.
     for field in ["tools", "functions"] {
-        if let Some(defs) = json.get(field).filter(|v| !v.is_null()) {
-            if !counter.add_text(&defs.to_string()) {
-                return Ok(false);
-            }
+        if let Some(defs) = json.get(field).filter(|v| !v.is_null())
+            && !counter.add_text(&defs.to_string())
+        {
+            return Ok(false);
         }
     }
     Ok(counter.add_fixed(costs.reply_priming.into()))

@@ -140,8 +140,7 @@ pub fn glob_match(pattern: &str, text: &str) -> bool {
         return pattern == text;
     };
     let (middles, last) = rest.rsplit_once('*').unwrap_or(("", rest));
-    if text.len() < first.len() + last.len() || !text.starts_with(first) || !text.ends_with(last)
-    {
+    if text.len() < first.len() + last.len() || !text.starts_with(first) || !text.ends_with(last) {
         return false;
     }
     let mut unmatched = &text[first.len()..text.len() - last.len()];

@@ -7,11 +7,11 @@ use envoy_types::pb::envoy::config::core::v3::{
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::{
     ProcessingMode, processing_mode::BodySendMode, processing_mode::HeaderSendMode,
 };
-use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
     ProcessingResponse, TrailersResponse, body_mutation, processing_response::Response,
 };
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 
 use crate::admission::Admission;
 use crate::reply::LocalReply;
@@ -88,7 +88,10 @@ pub fn request_body_admit(admission: &Admission) -> ProcessingResponse {
     let body_mutation = admission.new_body.as_ref().map(|body| {
         // The rewritten body has a new length; a stale content-length would make the upstream
         // read too little or wait for bytes that never come.
-        set_headers.push(set_header("content-length", body.len().to_string().as_bytes()));
+        set_headers.push(set_header(
+            "content-length",
+            body.len().to_string().as_bytes(),
+        ));
         BodyMutation {
             mutation: Some(body_mutation::Mutation::Body(body.clone())),
         }
@@ -130,6 +133,20 @@ pub fn immediate(reply: &LocalReply) -> ProcessingResponse {
         // Shows up in Envoy's %RESPONSE_CODE_DETAILS% access-log field.
         details: format!("tollgate_{}", reply.reason.as_str()),
     }))
+}
+
+/// Asks Envoy to keep waiting for the answer to the message in flight (a queued request's
+/// body) for `timeout` instead of its `message_timeout`. Envoy acts on this field first and
+/// ignores the rest of the message; it allows one per processing state, up to
+/// `max_message_timeout`.
+pub fn override_message_timeout(timeout: std::time::Duration) -> ProcessingResponse {
+    ProcessingResponse {
+        override_message_timeout: Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: timeout.as_secs() as i64,
+            nanos: timeout.subsec_nanos() as i32,
+        }),
+        ..ProcessingResponse::default()
+    }
 }
 
 /// Which message a plain CONTINUE answers.

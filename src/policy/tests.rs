@@ -1,1 +1,504 @@
+//! Unit tests for `Policy::from_config`: the default is usable, every problem is reported with
+//! its field path (all of them at once, one per line), and API keys are found by their plaintext
+//! although only their hashes are configured.
+
+use std::collections::BTreeMap;
+
+use sha2::{Digest, Sha256};
+
 use super::*;
+use crate::config::{ApiKeyConfig, TierConfig};
+
+fn sha256_hex(key: &str) -> String {
+    hex::encode(Sha256::digest(key.as_bytes()))
+}
+
+fn api_key(key: &str, tenant: &str, tier: Option<&str>) -> ApiKeyConfig {
+    ApiKeyConfig {
+        sha256: sha256_hex(key),
+        tenant: tenant.to_owned(),
+        tier: tier.map(str::to_owned),
+    }
+}
+
+fn free(config: &mut Config) -> &mut TierConfig {
+    config
+        .tiers
+        .get_mut("free")
+        .expect("the built-in free tier")
+}
+
+/// The default config changed by `edit` is refused, with exactly one line per entry of
+/// `expected`, each line starting with that entry (the field path, and usually the value).
+#[track_caller]
+fn check_problems(edit: impl FnOnce(&mut Config), expected: &[&str]) {
+    let mut config = Config::default();
+    edit(&mut config);
+    let message = match Policy::from_config(&config) {
+        Ok(_) => panic!("expected {expected:?}, but the config was accepted"),
+        Err(ConfigError(message)) => message,
+    };
+    let lines: Vec<&str> = message.lines().collect();
+    for want in expected {
+        let matching = lines.iter().filter(|l| l.starts_with(want)).count();
+        assert_eq!(
+            matching, 1,
+            "expected one problem starting with {want:?} in:\n{message}"
+        );
+    }
+    assert_eq!(
+        lines.len(),
+        expected.len(),
+        "expected only {expected:?}, got:\n{message}"
+    );
+}
+
+/// The default config changed by `edit` is accepted.
+#[track_caller]
+fn check_valid(edit: impl FnOnce(&mut Config)) -> Policy {
+    let mut config = Config::default();
+    edit(&mut config);
+    match Policy::from_config(&config) {
+        Ok(policy) => policy,
+        Err(e) => panic!("expected a valid config, got:\n{e}"),
+    }
+}
+
+#[test]
+fn default_config_is_valid() {
+    let policy = check_valid(|_| {});
+    let names: Vec<&str> = policy.tiers.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["free", "premium", "standard"]);
+    assert_eq!(policy.tiers[policy.default_tier].name, "free");
+    assert_eq!(policy.tier_named("premium"), Some(1));
+    assert_eq!(policy.tier_named("gold"), None);
+    assert!(!policy.identity.has_api_keys());
+    assert_eq!(policy.identity.user_header, "x-user-id");
+    assert_eq!(policy.identity.tier_header, "x-user-tier");
+    assert_eq!(
+        policy.inference_paths,
+        ["/v1/chat/completions", "/v1/completions"]
+    );
+    assert_eq!(policy.counting.max_body_bytes, 8 * 1024 * 1024);
+    assert!(policy.inject_stream_usage);
+}
+
+#[test]
+fn default_output_tokens_defaults_to_the_output_ceiling() {
+    let policy = check_valid(|c| {
+        free(c).max_output_tokens = 300;
+        c.tiers.get_mut("premium").unwrap().default_output_tokens = Some(100);
+    });
+    let tier = |name| &policy.tiers[policy.tier_named(name).unwrap()];
+    assert_eq!(tier("free").default_output_tokens, 300);
+    assert_eq!(tier("premium").default_output_tokens, 100);
+    assert_eq!(tier("premium").max_output_tokens, 4_096);
+}
+
+#[test]
+fn header_names_are_lowercased() {
+    let policy = check_valid(|c| {
+        c.identity.user_header = "X-User-Id".to_owned();
+        c.identity.tier_header = "X-Plan".to_owned();
+    });
+    assert_eq!(policy.identity.user_header, "x-user-id");
+    assert_eq!(policy.identity.tier_header, "x-plan");
+}
+
+#[test]
+fn token_ceilings_must_be_positive_and_sane() {
+    check_problems(
+        |c| free(c).max_input_tokens = 0,
+        &["tiers.free.max_input_tokens: 0 is out of range"],
+    );
+    check_problems(
+        |c| free(c).max_input_tokens = 10_000_001,
+        &["tiers.free.max_input_tokens: 10000001 is out of range"],
+    );
+    check_problems(
+        |c| free(c).max_output_tokens = 10_000_001,
+        &["tiers.free.max_output_tokens: 10000001 is out of range"],
+    );
+    // A zero output ceiling also makes the implied default output zero.
+    check_problems(
+        |c| free(c).max_output_tokens = 0,
+        &[
+            "tiers.free.max_output_tokens: 0 is out of range",
+            "tiers.free.default_output_tokens: 0 must be between 1 and",
+        ],
+    );
+    check_valid(|c| {
+        free(c).max_input_tokens = 10_000_000;
+        free(c).max_output_tokens = 10_000_000;
+    });
+    check_valid(|c| {
+        free(c).max_input_tokens = 1;
+        free(c).max_output_tokens = 1;
+    });
+}
+
+#[test]
+fn default_output_tokens_must_fit_under_the_ceiling() {
+    check_problems(
+        |c| free(c).default_output_tokens = Some(4_097),
+        &[
+            "tiers.free.default_output_tokens: 4097 must be between 1 and tiers.free.max_output_tokens (4096)",
+        ],
+    );
+    check_problems(
+        |c| free(c).default_output_tokens = Some(0),
+        &["tiers.free.default_output_tokens: 0 must be between 1"],
+    );
+    check_valid(|c| free(c).default_output_tokens = Some(4_096));
+}
+
+#[test]
+fn default_tier_must_be_one_of_the_tiers() {
+    check_problems(
+        |c| c.default_tier = "gold".to_owned(),
+        &[r#"default_tier: "gold" is not one of the tiers (free, premium, standard)"#],
+    );
+    check_problems(
+        |c| c.tiers.clear(),
+        &[
+            "tiers: at least one tier is required",
+            r#"default_tier: "free" is not one of the tiers"#,
+        ],
+    );
+}
+
+#[test]
+fn tier_names_are_short_lowercase_words() {
+    let with_tier = |name: &str| {
+        let name = name.to_owned();
+        move |c: &mut Config| {
+            c.tiers.insert(name, TierConfig::default());
+        }
+    };
+    check_problems(with_tier("Gold"), &["tiers.Gold: tier names are"]);
+    check_problems(with_tier("gold tier"), &["tiers.gold tier: tier names are"]);
+    check_problems(with_tier(""), &["tiers.: tier names are"]);
+    check_problems(
+        with_tier(&"g".repeat(65)),
+        &[&format!("tiers.{}:", "g".repeat(65))],
+    );
+    check_problems(with_tier("géld"), &["tiers.géld: tier names are"]);
+    check_valid(with_tier(&"g".repeat(64)));
+    check_valid(with_tier("gold-2_b"));
+}
+
+#[test]
+fn api_key_hashes_are_64_lowercase_hex_digits() {
+    let with_hash = |sha256: String| {
+        move |c: &mut Config| {
+            c.identity.api_keys = vec![ApiKeyConfig {
+                sha256,
+                tenant: "alice".to_owned(),
+                tier: None,
+            }];
+        }
+    };
+    let good = sha256_hex("sk-alice");
+    check_problems(
+        with_hash(good.to_uppercase()),
+        &[&format!(
+            "identity.api_keys[0].sha256: {:?} is not 64 lowercase hex digits",
+            good.to_uppercase()
+        )],
+    );
+    check_problems(
+        with_hash(good[..63].to_owned()),
+        &["identity.api_keys[0].sha256: "],
+    );
+    check_problems(
+        with_hash(format!("{good}0")),
+        &["identity.api_keys[0].sha256: "],
+    );
+    check_problems(
+        with_hash(format!("{}g", &good[..63])),
+        &["identity.api_keys[0].sha256: "],
+    );
+    check_problems(
+        with_hash("sk-alice".to_owned()),
+        &["identity.api_keys[0].sha256: \"sk-alice\" is not 64 lowercase hex digits"],
+    );
+    check_valid(with_hash(good));
+}
+
+#[test]
+fn api_key_must_name_a_known_tier_and_a_tenant() {
+    check_problems(
+        |c| c.identity.api_keys = vec![api_key("sk-a", "alice", Some("gold"))],
+        &[r#"identity.api_keys[0].tier: "gold" is not one of the tiers"#],
+    );
+    check_problems(
+        |c| c.identity.api_keys = vec![api_key("sk-a", "", None)],
+        &["identity.api_keys[0].tenant: must not be empty"],
+    );
+}
+
+#[test]
+fn duplicate_api_key_hashes_are_refused() {
+    check_problems(
+        |c| {
+            c.identity.api_keys = vec![
+                api_key("sk-a", "alice", None),
+                api_key("sk-b", "bob", None),
+                api_key("sk-a", "mallory", Some("premium")),
+            ]
+        },
+        &["identity.api_keys[2].sha256: the same key hash appears twice"],
+    );
+}
+
+#[test]
+fn some_way_to_identify_a_request_is_required() {
+    check_problems(
+        |c| c.identity.user_header = String::new(),
+        &["identity: user_header is empty and there are no api_keys"],
+    );
+    check_valid(|c| {
+        c.identity.user_header = String::new();
+        c.identity.api_keys = vec![api_key("sk-a", "alice", None)];
+    });
+}
+
+#[test]
+fn header_names_must_be_tokens() {
+    check_problems(
+        |c| c.identity.user_header = "x user".to_owned(),
+        &[r#"identity.user_header: "x user" is not a valid header name"#],
+    );
+    check_problems(
+        |c| c.identity.tier_header = "x-tier:".to_owned(),
+        &[r#"identity.tier_header: "x-tier:" is not a valid header name"#],
+    );
+}
+
+#[test]
+fn inference_paths_are_absolute_and_carry_no_query() {
+    check_problems(
+        |c| c.routes.inference_paths = vec!["/v1/chat/completions".into(), "v1/completions".into()],
+        &[r#"routes.inference_paths[1]: "v1/completions" must start with '/'"#],
+    );
+    check_problems(
+        |c| c.routes.inference_paths = vec!["/v1/completions?x=1".into()],
+        &["routes.inference_paths[0]: "],
+    );
+    check_problems(
+        |c| c.routes.inference_paths = vec![String::new()],
+        &["routes.inference_paths[0]: "],
+    );
+    check_problems(
+        |c| c.routes.inference_paths.clear(),
+        &["routes.inference_paths: at least one path is required"],
+    );
+}
+
+#[test]
+fn listen_addresses_are_ip_and_port() {
+    check_problems(
+        |c| c.listen.grpc_addr = "0.0.0.0".to_owned(),
+        &[r#"listen.grpc_addr: "0.0.0.0" is not an IP:port address"#],
+    );
+    check_problems(
+        |c| c.listen.admin_addr = "localhost:9464".to_owned(),
+        &[r#"listen.admin_addr: "localhost:9464" is not an IP:port address"#],
+    );
+    check_valid(|c| c.listen.grpc_addr = "[::1]:0".to_owned());
+}
+
+#[test]
+fn sizes_and_encoding_patterns_must_be_usable() {
+    check_problems(
+        |c| c.tokens.max_body_bytes = 0,
+        &["tokens.max_body_bytes: must be positive"],
+    );
+    check_problems(
+        |c| c.response.max_buffered_json_bytes = 0,
+        &["response.max_buffered_json_bytes: must be positive"],
+    );
+    check_problems(
+        |c| {
+            c.tokens.encodings = vec![EncodingRule {
+                pattern: String::new(),
+                encoding: Encoding::O200kBase,
+            }]
+        },
+        &["tokens.encodings[0].pattern: must not be empty"],
+    );
+}
+
+#[test]
+fn tier_scheduling_fields_must_be_usable() {
+    check_problems(
+        |c| free(c).weight = 0,
+        &["tiers.free.weight: 0 is out of range"],
+    );
+    check_problems(
+        |c| free(c).weight = 10_001,
+        &["tiers.free.weight: 10001 is out of range"],
+    );
+    check_valid(|c| free(c).weight = 10_000);
+    check_problems(
+        |c| free(c).queue_deadline_ms = 0,
+        &["tiers.free.queue_deadline_ms: 0 must be positive"],
+    );
+    // The deadline plus Envoy's margin must fit under Envoy's max_message_timeout.
+    check_valid(|c| {
+        c.scheduler.envoy_max_message_timeout_ms = 3_000;
+        for tier in c.tiers.values_mut() {
+            tier.queue_deadline_ms = 2_500;
+        }
+    });
+    check_problems(
+        |c| {
+            c.scheduler.envoy_max_message_timeout_ms = 3_000;
+            for tier in c.tiers.values_mut() {
+                tier.queue_deadline_ms = 2_000;
+            }
+            free(c).queue_deadline_ms = 2_501;
+        },
+        &[
+            "tiers.free.queue_deadline_ms: 2501 must be positive and, plus 500 ms of margin, within scheduler.envoy_max_message_timeout_ms (3000)",
+        ],
+    );
+}
+
+#[test]
+fn absurd_queue_deadline_is_a_problem_not_a_panic() {
+    // BUG (see the report): `queue_deadline_ms + margin` overflows; debug builds panic, release
+    // builds wrap around to 499 and accept an endless queue deadline.
+    check_problems(
+        |c| free(c).queue_deadline_ms = u64::MAX,
+        &["tiers.free.queue_deadline_ms: 18446744073709551615 must be positive"],
+    );
+}
+
+#[test]
+fn scheduler_budget_and_reservations_must_be_usable() {
+    check_problems(
+        |c| c.scheduler.initial_limit = 0,
+        &["scheduler.initial_limit: must be at least 1"],
+    );
+    let reserve = |shares: &[(&str, u32)]| {
+        let shares: BTreeMap<String, u32> =
+            shares.iter().map(|(t, p)| (t.to_string(), *p)).collect();
+        move |c: &mut Config| c.scheduler.reservations = shares
+    };
+    check_valid(reserve(&[("alice", 60), ("bob", 40)]));
+    check_problems(
+        reserve(&[("alice", 60), ("bob", 41)]),
+        &["scheduler.reservations: the shares add up to 101%, over 100%"],
+    );
+    check_problems(
+        reserve(&[("alice", 0)]),
+        &["scheduler.reservations.alice: 0 is not a percentage in 1..=100"],
+    );
+    check_problems(
+        reserve(&[("alice", 101)]),
+        &[
+            "scheduler.reservations.alice: 101 is not a percentage",
+            "scheduler.reservations: the shares add up to 101%",
+        ],
+    );
+}
+
+#[test]
+fn control_loop_settings_must_be_usable() {
+    check_valid(|c| c.control.decrease_step = Some(4));
+    check_problems(
+        |c| c.control.tick_ms = 0,
+        &["control.tick_ms: 0 must be positive"],
+    );
+    check_problems(
+        |c| c.control.window_ms = c.control.tick_ms - 1,
+        &["control.window_ms: 4999 must be at least control.tick_ms"],
+    );
+    check_problems(
+        |c| c.control.band = 1.0,
+        &["control.band: 1 must be in [0, 1)"],
+    );
+    check_problems(|c| c.control.band = f64::NAN, &["control.band: NaN"]);
+    check_problems(
+        |c| c.control.decrease_factor = 1.0,
+        &["control.decrease_factor: 1 must be in (0, 1)"],
+    );
+    check_problems(
+        |c| c.control.decrease_step = Some(0),
+        &["control.decrease_step: 0 must be positive when set"],
+    );
+    check_problems(
+        |c| c.control.floor = 0,
+        &["control.floor: 0 must be at least 1"],
+    );
+    check_problems(
+        |c| c.control.ceiling = c.control.floor - 1,
+        &["control.ceiling: 31 must be at least control.floor"],
+    );
+    check_problems(
+        |c| c.control.demand_fraction = 0.0,
+        &["control.demand_fraction: 0 must be in (0, 1]"],
+    );
+    check_valid(|c| c.control.demand_fraction = 1.0);
+}
+
+#[test]
+fn every_problem_is_reported_at_once() {
+    check_problems(
+        |c| {
+            free(c).max_input_tokens = 0;
+            c.default_tier = "gold".to_owned();
+            c.identity.user_header = String::new();
+            c.routes.inference_paths = vec!["chat".into()];
+            c.listen.admin_addr = "nowhere".to_owned();
+        },
+        &[
+            "tiers.free.max_input_tokens: 0",
+            "default_tier: \"gold\"",
+            "identity: user_header is empty",
+            "routes.inference_paths[0]: \"chat\"",
+            "listen.admin_addr: \"nowhere\"",
+        ],
+    );
+}
+
+#[test]
+fn owner_of_key_finds_a_configured_key_by_its_plaintext() {
+    let policy = check_valid(|c| {
+        c.identity.api_keys = vec![
+            api_key("sk-alice", "alice", None),
+            api_key("sk-bob", "bob", Some("premium")),
+        ];
+    });
+    let premium = policy.tier_named("premium").unwrap();
+    let owner = |key: &str| policy.identity.owner_of_key(key.as_bytes()).cloned();
+    let owned = |tenant: &str, tier| {
+        Some(ApiKeyOwner {
+            tenant: tenant.to_owned(),
+            tier,
+        })
+    };
+    assert!(policy.identity.has_api_keys());
+    assert_eq!(owner("sk-alice"), owned("alice", policy.default_tier));
+    assert_eq!(owner("sk-bob"), owned("bob", premium));
+    assert_eq!(owner("sk-carol"), None);
+    assert_eq!(owner("sk-alice "), None);
+    assert_eq!(owner(""), None);
+    // The configured hash is not itself a key.
+    assert_eq!(owner(&sha256_hex("sk-alice")), None);
+}
+
+#[test]
+fn encoding_rules_from_the_config_come_before_the_built_in_table() {
+    let policy = check_valid(|c| {
+        c.tokens.encodings = vec![EncodingRule {
+            pattern: "llama*".to_owned(),
+            encoding: Encoding::O200kBase,
+        }];
+    });
+    assert_eq!(policy.encoding_for("llama-3-70b"), Encoding::O200kBase);
+    assert_eq!(policy.encoding_for("gpt-4o-mini"), Encoding::O200kBase);
+    assert_eq!(policy.encoding_for("gpt-4"), Encoding::Cl100kBase);
+    assert_eq!(policy.encoding_for("mistral"), Encoding::Cl100kBase);
+}

@@ -387,3 +387,97 @@ async fn sigterm_drains_and_exits_zero() {
     let status = stack.tollgate.wait_exit(Duration::from_secs(10)).await;
     assert!(status.success(), "exit status {status}");
 }
+
+#[tokio::test]
+async fn a_body_over_envoys_buffer_limit_gets_envoys_413() {
+    let stack = Stack::start(DEFAULTS, &[]).await;
+    // 9 MiB: over the front proxy's 8 MiB per-connection buffer.
+    let content = "x".repeat(9 * 1024 * 1024);
+    let body = serde_json::to_vec(&chat(
+        json!({"messages": [{"role": "user", "content": content}]}),
+    ))
+    .unwrap();
+    let (status, _, _) = send(&stack, "/v1/chat/completions", &USER, body).await;
+    assert_eq!(status, 413);
+    let m = stack.tollgate.metrics().await;
+    assert_eq!(
+        m.value("tollgate_protocol_errors_total", &["kind=\"out_of_order\""]),
+        0.0
+    );
+    assert_eq!(
+        m.value("tollgate_requests_total", &["outcome=\"admitted\""]),
+        0.0
+    );
+}
+
+/// One slot and no controller, so a second request must wait for the first.
+const ONE_SLOT: &str = "scheduler:\n  initial_limit: 1\ncontrol:\n  enabled: false\n\
+tiers:\n  free:\n    queue_max: 2\n    queue_deadline_ms: 1000\n  premium:\n    weight: 4\n    queue_max: 8\n    queue_deadline_ms: 5000\n";
+
+/// Starts a request that holds the only slot for `hold_ms` (the upstream's first token comes
+/// that late), and waits until tollgate has admitted it.
+async fn hold_the_slot(stack: &Stack, hold_ms: &str) -> tokio::task::JoinHandle<u16> {
+    let request = stack
+        .client
+        .post(stack.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("x-user-id", "holder")
+        .header("x-upstream-ttft-ms", hold_ms)
+        .body(serde_json::to_vec(&chat(json!({}))).unwrap());
+    let holder = tokio::spawn(async move { request.send().await.unwrap().status().as_u16() });
+    stack
+        .tollgate
+        .wait_for_metric("tollgate_requests_total", &["outcome=\"admitted\""], 1.0)
+        .await;
+    holder
+}
+
+#[tokio::test]
+async fn a_request_queued_longer_than_envoys_message_timeout_is_admitted_and_completes() {
+    let stack = Stack::start(ONE_SLOT, &[]).await;
+    // Envoy's message_timeout is 1 s; the slot is busy for 2.5 s.
+    let holder = hold_the_slot(&stack, "2500").await;
+    let headers = [
+        ("content-type", "application/json"),
+        ("x-user-id", "bob"),
+        ("x-user-tier", "premium"),
+    ];
+    let (status, _, text) = send(
+        &stack,
+        "/v1/chat/completions",
+        &headers,
+        serde_json::to_vec(&chat(json!({}))).unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(holder.await.unwrap(), 200);
+    let m = stack.tollgate.metrics().await;
+    assert_eq!(
+        m.value(
+            "tollgate_scheduler_outcomes_total",
+            &["tier=\"premium\"", "outcome=\"admitted_after_wait\""]
+        ),
+        1.0
+    );
+    // It cannot have waited less than the holder held the slot minus its head start.
+    assert!(m.value("tollgate_queue_wait_seconds_sum", &["tier=\"premium\""]) > 1.0);
+}
+
+#[tokio::test]
+async fn a_queue_timeout_reaches_the_client_as_503_with_retry_after() {
+    let stack = Stack::start(ONE_SLOT, &[]).await;
+    let holder = hold_the_slot(&stack, "3000").await;
+    let (status, headers, text) = send(
+        &stack,
+        "/v1/chat/completions",
+        &USER,
+        serde_json::to_vec(&chat(json!({}))).unwrap(),
+    )
+    .await;
+    assert_eq!(status, 503, "{text}");
+    assert_eq!(header(&headers, "x-tollgate-reason"), Some("queue_timeout"));
+    assert_eq!(header(&headers, "retry-after"), Some("1"));
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["type"], "server_error");
+    assert_eq!(holder.await.unwrap(), 200);
+}

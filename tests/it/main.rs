@@ -1,7 +1,9 @@
 //! The single integration-test binary: gRPC against the server on port 0, and end to end
 //! through real Envoy, the tollgate binary and the example upstream.
 
+mod cli;
 mod e2e;
 mod envoy_config;
 mod grpc;
+mod queue;
 mod support;

@@ -151,6 +151,11 @@ impl ExtProcStream {
             .expect("tollgate answered within 10 s")
     }
 
+    /// The next answer without the 10 s guard (for callers with their own timeout).
+    pub async fn recv_raw(&mut self) -> Result<Option<ProcessingResponse>, tonic::Status> {
+        self.rx.message().await
+    }
+
     /// Sends and waits for the answer, which must not be an error.
     pub async fn exchange(&mut self, request: ProcessingRequest) -> ProcessingResponse {
         self.send(request).await;

@@ -1,0 +1,1793 @@
+//! `bench_overhead`: how much latency and CPU tollgate adds to a request that goes through Envoy.
+//!
+//! Two Envoys run side by side in front of the same example upstream, and the same requests go
+//! to each in interleaved rounds:
+//!
+//! * **A**: Envoy alone, i.e. `envoy/front-proxy.yaml` with the ext_proc HTTP filter and the
+//!   `tollgate` cluster cut out (derived from the file at run time, so A can never drift from B);
+//! * **B**: `envoy/front-proxy.yaml` as shipped, with the release `tollgate` binary (built-in
+//!   default configuration) as its ext_proc service.
+//!
+//! Both Envoys run `--concurrency 1 --disable-hot-restart`; everything listens on 127.0.0.1
+//! ports picked at start-up, and no request leaves the machine.
+//!
+//! The load is open loop: request `i` of a run is *due* at `start + i / rate` whatever happened
+//! to the earlier ones, and its latency is measured from that due time to the last byte of the
+//! response. A slow response therefore cannot delay the next requests and hide itself
+//! (coordinated omission). Due times are kept by a dedicated thread with `std::thread::sleep`
+//! (tens of µs late at worst) rather than by tokio's millisecond timer wheel, whose up-to-1-ms
+//! rounding would be as large as the effect being measured. Requests go over a pool of HTTP/1.1
+//! keep-alive connections, one pool per Envoy. Every request is the same ~4 KB non-streaming
+//! `POST /v1/chat/completions` with `max_tokens: 16`, from one of a few `x-user-id`s in turn.
+//!
+//! For each rate: a warm-up run on A then on B (discarded), then rounds A, B, A, B, ... The
+//! headline is B − A at p50 and p99, taken per round (A and B of the same round are adjacent in
+//! time, so slow drifts of the machine cancel) and then the median over rounds. CPU per request
+//! comes from `/proc/PID/stat` (utime + stime) of every process before and after each run.
+//! tollgate's own `tollgate_decision_duration_seconds` histogram and Envoy's ext_proc counters
+//! are read around each B run, to tell time spent deciding from time spent getting there.
+//!
+//! Every response must be a 200; anything else is counted per kind, printed, and makes the
+//! program exit with status 3 after the report. Every child process is killed when the program
+//! ends, also on an error, a panic, Ctrl-C or SIGTERM.
+//!
+//! ```text
+//! cargo build --release --bin tollgate --example upstream
+//! cargo run --release --example bench_overhead -- --rates 500,2000 --seconds 10 --rounds 3
+//! ```
+//!
+//! `scripts/bench-overhead.sh` does both (and installs Envoy first); results and how to read them
+//! are in `docs/benchmarks.md`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+// The `bytes` crate through axum's re-export: reqwest takes it as a body without copying.
+use axum::body::Bytes;
+use clap::Parser;
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+/// The Envoy version the repository tests against (tests/it/support/envoy.rs, ENVOY_VERSION).
+const ENVOY_VERSION: &str = "1.40.0";
+/// Start-up budget for each child; generous because the machine may be compiling meanwhile.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// A request slower than this counts as an error: at these rates something is broken.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Quiet time between runs, so the previous run's connections and timers have settled.
+const PAUSE_BETWEEN_RUNS: Duration = Duration::from_millis(500);
+/// How far ahead of its first due time a run is scheduled, so the dispatcher starts on time.
+const SCHEDULE_LEAD: Duration = Duration::from_millis(20);
+
+/// Measures the latency and CPU that tollgate adds to requests through Envoy (see the file
+/// header of examples/bench_overhead.rs).
+#[derive(Parser, Debug)]
+#[command(name = "bench_overhead")]
+struct Args {
+    /// Offered request rates (requests per second), comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![500, 2000])]
+    rates: Vec<u32>,
+    /// Length of each measured run.
+    #[arg(long, default_value_t = 10.0)]
+    seconds: f64,
+    /// Measured rounds per rate (each round is one A run followed by one B run).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Length of each warm-up run (per configuration and rate; discarded).
+    #[arg(long, default_value_t = 3.0)]
+    warmup_seconds: f64,
+    /// Size of the request body in bytes (the prose is cut to make the JSON exactly this long).
+    #[arg(long, default_value_t = 4096)]
+    body_bytes: usize,
+    /// Number of distinct `x-user-id` values the requests cycle over.
+    #[arg(long, default_value_t = 8)]
+    users: usize,
+    /// Tokio worker threads of the load generator (the due-time thread comes on top).
+    #[arg(long, default_value_t = 1)]
+    client_threads: usize,
+    /// Also write the results as JSON to this file.
+    #[arg(long, value_name = "PATH")]
+    json: Option<PathBuf>,
+    /// The Envoy config B runs and A is derived from.
+    #[arg(long, value_name = "FILE")]
+    envoy_config: Option<PathBuf>,
+    /// Envoy binary [default: $ENVOY_BIN, else .tools/envoy-1.40.0/envoy/_bin/envoy].
+    #[arg(long, value_name = "FILE")]
+    envoy_bin: Option<PathBuf>,
+    /// tollgate binary [default: target/release/tollgate next to this example].
+    #[arg(long, value_name = "FILE")]
+    tollgate_bin: Option<PathBuf>,
+    /// Example upstream binary [default: target/release/examples/upstream].
+    #[arg(long, value_name = "FILE")]
+    upstream_bin: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.client_threads.max(1))
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("bench_overhead: cannot start the tokio runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        // Dropping `bench` on a signal drops the stack it owns, and with it every child.
+        tokio::select! {
+            result = bench(&args) => result,
+            signal = interrupted() => Err(anyhow!("interrupted by {signal}; children stopped")),
+        }
+    });
+    // Do not wait for a dispatcher thread that is still sleeping towards its next due time: it
+    // sees the cancel flag and stops on its own.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match result {
+        Ok(Verdict::Clean) => ExitCode::SUCCESS,
+        Ok(Verdict::HadErrors) => {
+            eprintln!("bench_overhead: some requests failed; see the flagged runs above");
+            ExitCode::from(3)
+        }
+        Err(error) => {
+            eprintln!("bench_overhead: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Resolves on Ctrl-C or SIGTERM, naming the signal.
+async fn interrupted() -> &'static str {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        // Without a SIGTERM handler the default action still ends the process; Ctrl-C is
+        // enough to wait for.
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return "SIGINT";
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    }
+}
+
+/// Whether every request of every run got its 200.
+enum Verdict {
+    Clean,
+    HadErrors,
+}
+
+async fn bench(args: &Args) -> Result<Verdict> {
+    ensure!(!args.rates.is_empty(), "--rates needs at least one rate");
+    ensure!(
+        args.rates.iter().all(|&rate| rate > 0),
+        "--rates must be positive"
+    );
+    ensure!(
+        args.seconds > 0.0 && args.warmup_seconds >= 0.0,
+        "--seconds must be positive"
+    );
+    ensure!(args.rounds > 0, "--rounds must be at least 1");
+    ensure!(args.users > 0, "--users must be at least 1");
+
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let binaries = Binaries::locate(args, root)?;
+    let stale = binaries.stale_warnings(root);
+    for warning in &stale {
+        eprintln!("WARNING: {warning}");
+    }
+
+    let front_proxy_path = args
+        .envoy_config
+        .clone()
+        .unwrap_or_else(|| root.join("envoy/front-proxy.yaml"));
+    let front_proxy = std::fs::read_to_string(&front_proxy_path)
+        .with_context(|| format!("read {}", front_proxy_path.display()))?;
+    let direct = without_ext_proc(&front_proxy).with_context(|| {
+        format!(
+            "derive the Envoy-alone config from {}",
+            front_proxy_path.display()
+        )
+    })?;
+
+    let machine = Machine::describe(&binaries);
+    let body = chat_body(args.body_bytes)?;
+    eprintln!(
+        "machine: {} CPUs ({}), load average {}; body {} B; starting processes...",
+        machine.cpus, machine.cpu_model, machine.loadavg_at_start, args.body_bytes
+    );
+
+    let stack = Stack::start(&binaries, &front_proxy, &direct).await?;
+    let targets = [
+        Target::new(Config::A, stack.envoy_a.listen, &body)?,
+        Target::new(Config::B, stack.envoy_b.listen, &body)?,
+    ];
+    for target in &targets {
+        sanity_check(target, &stack).await?;
+    }
+    let clock_ticks = clock_ticks_per_second();
+
+    let mut rates_json = Vec::new();
+    let mut had_errors = false;
+    let mut summaries = Vec::new();
+    for &rate in &args.rates {
+        eprintln!(
+            "rate {rate}/s: warm-up {}s per config, then {} rounds of A,B x {}s",
+            args.warmup_seconds, args.rounds, args.seconds
+        );
+        if args.warmup_seconds > 0.0 {
+            for target in &targets {
+                let warm =
+                    measure(target, &stack, rate, args, args.warmup_seconds, clock_ticks).await?;
+                // Warm-up errors would mean the stack is broken before measuring starts.
+                ensure!(
+                    warm.errors.is_empty(),
+                    "warm-up on {} at {rate}/s failed: {:?}; end of the logs:\n{}",
+                    target.config.name(),
+                    warm.errors,
+                    stack.log_tails()
+                );
+                tokio::time::sleep(PAUSE_BETWEEN_RUNS).await;
+            }
+        }
+        let mut rounds = Vec::new();
+        for round in 1..=args.rounds {
+            let mut pair = Vec::new();
+            for target in &targets {
+                let run = measure(target, &stack, rate, args, args.seconds, clock_ticks).await?;
+                eprintln!(
+                    "  round {round} {}: p50 {:.3} ms  p99 {:.3} ms  {} errors",
+                    target.config.name(),
+                    run.latency.p50,
+                    run.latency.p99,
+                    run.error_count()
+                );
+                pair.push(run);
+                tokio::time::sleep(PAUSE_BETWEEN_RUNS).await;
+            }
+            let b = pair.pop().context("B run")?;
+            let a = pair.pop().context("A run")?;
+            rounds.push(Round { a, b });
+        }
+        let summary = RateSummary::new(rate, rounds);
+        had_errors |= summary.errors() > 0;
+        print!("{}", summary.table(args));
+        rates_json.push(summary.json());
+        summaries.push(summary);
+    }
+    print!("{}", overall_table(&summaries, &machine, args));
+
+    if let Some(path) = &args.json {
+        let report = json!({
+            "command": std::env::args().collect::<Vec<_>>(),
+            "unix_time": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            "machine": machine.json(),
+            "stale_binaries": stale,
+            "settings": {
+                "seconds": args.seconds,
+                "rounds": args.rounds,
+                "warmup_seconds": args.warmup_seconds,
+                "body_bytes": args.body_bytes,
+                "users": args.users,
+                "client_threads": args.client_threads,
+                "envoy_config": front_proxy_path,
+            },
+            "rates": rates_json,
+            "flagged": had_errors,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("write {}", path.display()))?;
+        eprintln!("JSON written to {}", path.display());
+    }
+    Ok(if had_errors {
+        Verdict::HadErrors
+    } else {
+        Verdict::Clean
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Binaries and the machine
+
+struct Binaries {
+    envoy: PathBuf,
+    tollgate: PathBuf,
+    upstream: PathBuf,
+}
+
+impl Binaries {
+    fn locate(args: &Args, root: &Path) -> Result<Binaries> {
+        // This example runs from target/<profile>/examples/; the binaries it drives sit in the
+        // same profile directory, built by `cargo build --release --bin tollgate --example
+        // upstream` (cargo run --example does not build them).
+        let exe = std::env::current_exe().context("path of this executable")?;
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .context("this example should live in target/<profile>/examples")?
+            .to_path_buf();
+        let envoy = args
+            .envoy_bin
+            .clone()
+            .or_else(|| std::env::var_os("ENVOY_BIN").map(PathBuf::from))
+            .unwrap_or_else(|| root.join(format!(".tools/envoy-{ENVOY_VERSION}/envoy/_bin/envoy")));
+        let tollgate = args
+            .tollgate_bin
+            .clone()
+            .unwrap_or_else(|| profile_dir.join("tollgate"));
+        let upstream = args
+            .upstream_bin
+            .clone()
+            .unwrap_or_else(|| profile_dir.join("examples/upstream"));
+        ensure!(
+            envoy.is_file(),
+            "no Envoy binary at {}: run scripts/install-test-deps.sh (or pass --envoy-bin)",
+            envoy.display()
+        );
+        for (path, what) in [
+            (&tollgate, "--bin tollgate"),
+            (&upstream, "--example upstream"),
+        ] {
+            ensure!(
+                path.is_file(),
+                "{} is missing: run `cargo build --release {what}` first",
+                path.display()
+            );
+        }
+        Ok(Binaries {
+            envoy,
+            tollgate,
+            upstream,
+        })
+    }
+
+    /// Warns when a binary is older than the sources it is built from: `cargo run --example`
+    /// rebuilds only this example, so a stale tollgate would silently be measured.
+    fn stale_warnings(&self, root: &Path) -> Vec<String> {
+        let mut warnings = Vec::new();
+        let checks = [
+            (
+                &self.tollgate,
+                newest_mtime(&[root.join("src"), root.join("Cargo.lock")]),
+            ),
+            (
+                &self.upstream,
+                newest_mtime(&[root.join("examples/upstream.rs")]),
+            ),
+        ];
+        for (binary, sources) in checks {
+            let built = std::fs::metadata(binary).and_then(|m| m.modified()).ok();
+            if let (Some(built), Some(sources)) = (built, sources)
+                && sources > built
+            {
+                warnings.push(format!(
+                    "{} is older than its sources; rebuild with `cargo build --release --bin \
+                     tollgate --example upstream` to measure the current code",
+                    binary.display()
+                ));
+            }
+        }
+        warnings
+    }
+}
+
+/// Newest modification time of the files under `paths`.
+fn newest_mtime(paths: &[PathBuf]) -> Option<SystemTime> {
+    let mut newest = None;
+    let mut pending: Vec<PathBuf> = paths.to_vec();
+    while let Some(path) = pending.pop() {
+        let Ok(metadata) = std::fs::metadata(&path) else {
+            continue;
+        };
+        if metadata.is_dir() {
+            if let Ok(entries) = std::fs::read_dir(&path) {
+                pending.extend(entries.filter_map(|e| e.ok().map(|e| e.path())));
+            }
+        } else if let Ok(modified) = metadata.modified() {
+            newest = newest.max(Some(modified));
+        }
+    }
+    newest
+}
+
+/// What the numbers were measured on, for the report.
+struct Machine {
+    cpus: usize,
+    cpu_model: String,
+    kernel: String,
+    loadavg_at_start: String,
+    envoy_version: String,
+    git: String,
+}
+
+impl Machine {
+    fn describe(binaries: &Binaries) -> Machine {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let field = |name: &str| {
+            cpuinfo
+                .lines()
+                .find(|line| line.split(':').next().is_some_and(|k| k.trim() == name))
+                .and_then(|line| line.split_once(':'))
+                .map(|(_, value)| value.trim().to_owned())
+                .unwrap_or_else(|| "?".to_owned())
+        };
+        // The model name of a KVM guest is often just "Intel(R) Xeon(R) Processor"; family and
+        // model numbers say which generation it is.
+        let cpu_model = format!(
+            "{}, family {} model {}",
+            field("model name"),
+            field("cpu family"),
+            field("model")
+        );
+        let cpus = cpuinfo
+            .lines()
+            .filter(|line| line.starts_with("processor"))
+            .count();
+        let envoy_version = command_output(&binaries.envoy, &["--version"])
+            .and_then(|out| out.split("version: ").nth(1).map(|v| v.trim().to_owned()))
+            .unwrap_or_else(|| "?".to_owned());
+        let commit = command_output(Path::new("git"), &["rev-parse", "--short", "HEAD"]);
+        let dirty = command_output(Path::new("git"), &["status", "--porcelain"])
+            .is_some_and(|out| !out.trim().is_empty());
+        Machine {
+            cpus,
+            cpu_model,
+            kernel: read_trimmed("/proc/sys/kernel/osrelease"),
+            loadavg_at_start: read_trimmed("/proc/loadavg"),
+            envoy_version,
+            git: match commit {
+                Some(commit) if dirty => format!("{} + uncommitted changes", commit.trim()),
+                Some(commit) => commit.trim().to_owned(),
+                None => "?".to_owned(),
+            },
+        }
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "cpus": self.cpus,
+            "cpu_model": self.cpu_model,
+            "kernel": self.kernel,
+            "loadavg_at_start": self.loadavg_at_start,
+            "envoy_version": self.envoy_version,
+            "git": self.git,
+        })
+    }
+}
+
+fn read_trimmed(path: &str) -> String {
+    std::fs::read_to_string(path)
+        .map(|text| text.trim().to_owned())
+        .unwrap_or_else(|_| "?".to_owned())
+}
+
+fn command_output(program: &Path, args: &[&str]) -> Option<String> {
+    let output = Command::new(program)
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// USER_HZ, the unit of utime and stime in /proc/PID/stat (100 on every common Linux).
+fn clock_ticks_per_second() -> f64 {
+    command_output(Path::new("getconf"), &["CLK_TCK"])
+        .and_then(|out| out.trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Envoy configs
+
+/// The Envoy-alone variant of `front_proxy`: the same file with the ext_proc HTTP filter and the
+/// `tollgate` cluster removed, everything else (buffer limits, timeouts, circuit breakers, the
+/// port placeholders) byte for byte the same, so A differs from B by tollgate only.
+fn without_ext_proc(front_proxy: &str) -> Result<String> {
+    let without_filter = remove_list_item(front_proxy, "- name: envoy.filters.http.ext_proc")?;
+    let direct = remove_list_item(&without_filter, "- name: tollgate")?;
+    ensure!(
+        !direct.contains("ext_proc.v3") && !direct.contains("cluster_name: tollgate"),
+        "ext_proc is still referenced after removing the filter and the cluster"
+    );
+    ensure!(
+        direct.contains("envoy.filters.http.router"),
+        "the router filter went missing"
+    );
+    Ok(direct)
+}
+
+/// Removes the YAML list item that starts with `header` (after indentation): its line and every
+/// following line that is blank or indented deeper than the dash. The header must occur once.
+fn remove_list_item(yaml: &str, header: &str) -> Result<String> {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let starts: Vec<usize> = (0..lines.len())
+        .filter(|&i| lines[i].trim_start() == header)
+        .collect();
+    let [start] = starts[..] else {
+        bail!("`{header}` occurs {} times, expected once", starts.len());
+    };
+    let indent = lines[start].len() - lines[start].trim_start().len();
+    let mut end = start + 1;
+    while end < lines.len() {
+        let line = lines[end];
+        let line_indent = line.len() - line.trim_start().len();
+        if !line.trim().is_empty() && line_indent <= indent {
+            break;
+        }
+        end += 1;
+    }
+    // Blank lines at the end of the item separate it from the next one: keep them.
+    while end > start + 1 && lines[end - 1].trim().is_empty() {
+        end -= 1;
+    }
+    let mut kept: Vec<&str> = lines[..start].to_vec();
+    kept.extend_from_slice(&lines[end..]);
+    Ok(kept.join("\n") + "\n")
+}
+
+/// The ports a config is rendered with; same scheme as tests/it/support/envoy.rs and the
+/// header of envoy/front-proxy.yaml.
+struct EnvoyPorts {
+    listen: u16,
+    upstream: u16,
+    /// `None` for the Envoy-alone config, which has no ext_proc cluster.
+    extproc: Option<u16>,
+    admin: u16,
+}
+
+/// Substitutes the ports and binds the listener to 127.0.0.1 (as `render_config` does in the
+/// tests). Each placeholder must occur exactly once, or the file broke the scheme.
+fn render_config(config: &str, ports: &EnvoyPorts) -> Result<String> {
+    let mut replacements = vec![
+        ("port_value: 10000", format!("port_value: {}", ports.listen)),
+        (
+            "port_value: 8000",
+            format!("port_value: {}", ports.upstream),
+        ),
+        ("port_value: 9901", format!("port_value: {}", ports.admin)),
+        ("address: 0.0.0.0", "address: 127.0.0.1".to_owned()),
+    ];
+    if let Some(extproc) = ports.extproc {
+        replacements.push(("port_value: 50051", format!("port_value: {extproc}")));
+    }
+    let mut rendered = config.to_owned();
+    for (placeholder, value) in replacements {
+        let count = rendered.matches(placeholder).count();
+        ensure!(
+            count == 1,
+            "`{placeholder}` occurs {count} times in the Envoy config, expected once (see the \
+             header of envoy/front-proxy.yaml)"
+        );
+        rendered = rendered.replacen(placeholder, &value, 1);
+    }
+    // Belt and braces: nothing in a rendered config may listen beyond loopback.
+    ensure!(
+        !rendered.contains("0.0.0.0") && !rendered.contains("::"),
+        "the rendered Envoy config still has a non-loopback address"
+    );
+    Ok(rendered)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child processes
+
+/// A child process, killed and reaped on drop (on every way out: return, `?`, panic, signal).
+struct Proc {
+    name: &'static str,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn spawn(name: &'static str, command: &mut Command, log: PathBuf) -> Result<Proc> {
+        let file =
+            std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
+        let child = command
+            .stdin(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .with_context(|| format!("spawn {name}"))?;
+        Ok(Proc { name, child, log })
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn check_alive(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait().context("poll child")? {
+            bail!(
+                "{} exited ({status}); end of its log:\n{}",
+                self.name,
+                self.log_tail(40)
+            );
+        }
+        Ok(())
+    }
+
+    fn log_tail(&self, lines: usize) -> String {
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// utime + stime so far, in clock ticks, for the whole process (all threads).
+    fn cpu_ticks(&self) -> Option<u64> {
+        cpu_ticks_of(&format!("/proc/{}/stat", self.pid()))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // SIGKILL, then reap so no zombie is left. Errors mean it is already gone.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// utime + stime from a /proc/…/stat file.
+fn cpu_ticks_of(stat_path: &str) -> Option<u64> {
+    let stat = std::fs::read_to_string(stat_path).ok()?;
+    // The command name (field 2) is in parentheses and may contain spaces: count fields after
+    // the last ')'. Field 3 (state) is then index 0, utime (14) index 11, stime (15) index 12.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// Busy and total jiffies of the whole machine (first line of /proc/stat).
+fn machine_jiffies() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let values: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal ...; idle and iowait are not busy. Guest
+    // time is already inside user, so only the first eight columns count.
+    let total: u64 = values.iter().take(8).sum();
+    let idle = values.get(3)? + values.get(4).copied().unwrap_or(0);
+    Some((total - idle, total))
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|listener| listener.local_addr())
+        .context("bind 127.0.0.1:0")?
+        .port())
+}
+
+/// An HTTP client for admin endpoints. No proxy: an `http_proxy` in the environment must not
+/// capture loopback traffic.
+fn admin_client() -> Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .context("build the admin HTTP client")
+}
+
+struct EnvoyProc {
+    proc: Proc,
+    listen: SocketAddr,
+    admin: SocketAddr,
+}
+
+/// Everything the benchmark runs. Fields drop in order, the temp dir (configs, logs) last.
+struct Stack {
+    envoy_a: EnvoyProc,
+    envoy_b: EnvoyProc,
+    tollgate: Proc,
+    tollgate_admin: SocketAddr,
+    upstream: Proc,
+    admin_client: reqwest::Client,
+    dir: tempfile::TempDir,
+}
+
+impl Stack {
+    async fn start(binaries: &Binaries, front_proxy: &str, direct: &str) -> Result<Stack> {
+        let dir = tempfile::Builder::new()
+            .prefix("tollgate-bench-")
+            .tempdir()
+            .context("create a temp dir")?;
+        let admin_client = admin_client()?;
+
+        let mut upstream = Proc::spawn(
+            "upstream",
+            Command::new(&binaries.upstream)
+                .args(["--addr", "127.0.0.1:0"])
+                .stdout(Stdio::piped()),
+            dir.path().join("upstream.log"),
+        )?;
+        let mut first_line = String::new();
+        BufReader::new(upstream.child.stdout.take().context("upstream stdout")?)
+            .read_line(&mut first_line)
+            .context("read the upstream's first line")?;
+        let upstream_addr: SocketAddr = first_line
+            .trim()
+            .strip_prefix("upstream listening on ")
+            .and_then(|addr| addr.parse().ok())
+            .with_context(|| format!("unexpected first line from the upstream: {first_line:?}"))?;
+
+        let grpc = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
+        let tollgate_admin = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
+        let mut tollgate = Proc::spawn(
+            "tollgate",
+            Command::new(&binaries.tollgate)
+                .args(["--grpc-addr", &grpc.to_string()])
+                .args(["--admin-addr", &tollgate_admin.to_string()])
+                // Built-in defaults only; keep the request path free of log formatting.
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null()),
+            dir.path().join("tollgate.log"),
+        )?;
+        wait_until(&mut tollgate, || {
+            let client = admin_client.clone();
+            async move {
+                client
+                    .get(format!("http://{tollgate_admin}/readyz"))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success())
+            }
+        })
+        .await?;
+
+        let envoy_a = start_envoy(
+            "envoy A (alone)",
+            binaries,
+            direct,
+            upstream_addr.port(),
+            None,
+            dir.path(),
+            &admin_client,
+        )
+        .await?;
+        let envoy_b = start_envoy(
+            "envoy B (+tollgate)",
+            binaries,
+            front_proxy,
+            upstream_addr.port(),
+            Some(grpc.port()),
+            dir.path(),
+            &admin_client,
+        )
+        .await?;
+        Ok(Stack {
+            envoy_a,
+            envoy_b,
+            tollgate,
+            tollgate_admin,
+            upstream,
+            admin_client,
+            dir,
+        })
+    }
+
+    fn procs(&self) -> [(&'static str, &Proc); 4] {
+        [
+            ("envoy_a", &self.envoy_a.proc),
+            ("envoy_b", &self.envoy_b.proc),
+            ("tollgate", &self.tollgate),
+            ("upstream", &self.upstream),
+        ]
+    }
+
+    fn log_tails(&self) -> String {
+        let mut out = String::new();
+        for (_, proc) in self.procs() {
+            let _ = writeln!(out, "--- {} ---\n{}", proc.name, proc.log_tail(20));
+        }
+        let _ = writeln!(out, "(logs in {})", self.dir.path().display());
+        out
+    }
+
+    async fn tollgate_metrics(&self) -> Option<String> {
+        let response = self
+            .admin_client
+            .get(format!("http://{}/metrics", self.tollgate_admin))
+            .send()
+            .await
+            .ok()?;
+        response.error_for_status().ok()?.text().await.ok()
+    }
+
+    /// Envoy B's ext_proc filter counters (`http.ingress.ext_proc.*`).
+    async fn ext_proc_stats(&self) -> Option<BTreeMap<String, u64>> {
+        let response = self
+            .admin_client
+            .get(format!("http://{}/stats", self.envoy_b.admin))
+            .query(&[("filter", r"^http\.ingress\.ext_proc\.")])
+            .send()
+            .await
+            .ok()?;
+        let body = response.error_for_status().ok()?.text().await.ok()?;
+        Some(
+            body.lines()
+                .filter_map(|line| {
+                    let (name, value) = line.split_once(": ")?;
+                    let name = name.strip_prefix("http.ingress.ext_proc.")?;
+                    Some((name.to_owned(), value.trim().parse().ok()?))
+                })
+                .collect(),
+        )
+    }
+}
+
+async fn start_envoy(
+    name: &'static str,
+    binaries: &Binaries,
+    config: &str,
+    upstream: u16,
+    extproc: Option<u16>,
+    dir: &Path,
+    admin_client: &reqwest::Client,
+) -> Result<EnvoyProc> {
+    let ports = EnvoyPorts {
+        listen: free_port()?,
+        upstream,
+        extproc,
+        admin: free_port()?,
+    };
+    let file_stem = if extproc.is_some() {
+        "envoy-b"
+    } else {
+        "envoy-a"
+    };
+    let config_path = dir.join(format!("{file_stem}.yaml"));
+    std::fs::write(&config_path, render_config(config, &ports)?)
+        .with_context(|| format!("write {}", config_path.display()))?;
+    let mut proc = Proc::spawn(
+        name,
+        Command::new(&binaries.envoy)
+            .arg("-c")
+            .arg(&config_path)
+            // One worker thread each, as in the tests: two Envoys, tollgate, the upstream and
+            // the load generator already share two cores.
+            .args(["--concurrency", "1"])
+            // No shared memory or domain socket, so two Envoys can run at once.
+            .arg("--disable-hot-restart")
+            .args(["--log-level", "warn"])
+            .stdout(Stdio::null()),
+        dir.join(format!("{file_stem}.log")),
+    )?;
+    let admin = SocketAddr::from((Ipv4Addr::LOCALHOST, ports.admin));
+    wait_until(&mut proc, || {
+        let client = admin_client.clone();
+        async move {
+            match client.get(format!("http://{admin}/ready")).send().await {
+                Ok(response) if response.status().is_success() => response
+                    .text()
+                    .await
+                    .is_ok_and(|body| body.trim() == "LIVE"),
+                _ => false,
+            }
+        }
+    })
+    .await?;
+    Ok(EnvoyProc {
+        proc,
+        listen: SocketAddr::from((Ipv4Addr::LOCALHOST, ports.listen)),
+        admin,
+    })
+}
+
+/// Polls `ready` until it says yes, failing early (with the log) if the process exits.
+async fn wait_until<F, Fut>(proc: &mut Proc, mut ready: F) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        proc.check_alive()?;
+        if ready().await {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "{} not ready within {READY_TIMEOUT:?}; end of its log:\n{}",
+                proc.name,
+                proc.log_tail(40)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The request and the load generator
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Config {
+    A,
+    B,
+}
+
+impl Config {
+    fn name(self) -> &'static str {
+        match self {
+            Config::A => "A",
+            Config::B => "B",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Config::A => "A  Envoy alone",
+            Config::B => "B  Envoy + tollgate",
+        }
+    }
+
+    fn envoy_key(self) -> &'static str {
+        match self {
+            Config::A => "envoy_a",
+            Config::B => "envoy_b",
+        }
+    }
+}
+
+/// One Envoy to load, with its own connection pool.
+struct Target {
+    config: Config,
+    url: String,
+    /// Reference-counted, so each request shares it instead of copying 4 KB.
+    body: Bytes,
+    client: reqwest::Client,
+}
+
+impl Target {
+    fn new(config: Config, listen: SocketAddr, body: &str) -> Result<Target> {
+        ensure!(listen.ip().is_loopback(), "only loopback targets");
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            // Envoy's downstream here is HTTP/1.1: each in-flight request holds a connection,
+            // and idle ones are kept so the steady state opens none.
+            .http1_only()
+            .pool_max_idle_per_host(4096)
+            .pool_idle_timeout(None)
+            .tcp_nodelay(true)
+            .timeout(REQUEST_TIMEOUT)
+            .build()
+            .context("build the load client")?;
+        Ok(Target {
+            config,
+            url: format!("http://{listen}/v1/chat/completions"),
+            body: Bytes::from(body.to_owned()),
+            client,
+        })
+    }
+
+    fn request(&self, user: &str) -> reqwest::RequestBuilder {
+        self.client
+            .post(&self.url)
+            .header("content-type", "application/json")
+            .header("x-user-id", user)
+            .body(self.body.clone())
+    }
+}
+
+/// A chat request body of exactly `bytes` bytes: ASCII prose (no characters JSON escapes) in
+/// one user message, `max_tokens: 16`, non-streaming.
+fn chat_body(bytes: usize) -> Result<String> {
+    let render = |content: &str| {
+        json!({
+            "model": "gpt-4o-mini",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 16,
+        })
+        .to_string()
+    };
+    let skeleton = render("").len();
+    ensure!(
+        bytes > skeleton,
+        "--body-bytes must be over {skeleton} (the JSON around the prose)"
+    );
+    const PROSE: &str = "The admission service reads each request before it reaches the model \
+        server, estimates how many tokens the prompt will cost, and decides whether the tenant \
+        still has budget for it. Most requests are admitted at once; a few wait briefly in a \
+        fair queue while the shared capacity recovers, and the rest are told when to retry. \
+        Operators watch the time to first token, the queue depth and the share each tenant \
+        receives, and they tune the limits so that one busy team cannot starve the others. ";
+    let mut content = String::with_capacity(bytes);
+    while content.len() < bytes - skeleton {
+        content.push_str(PROSE);
+    }
+    content.truncate(bytes - skeleton);
+    let body = render(&content);
+    ensure!(
+        body.len() == bytes,
+        "body is {} bytes, not {bytes}",
+        body.len()
+    );
+    Ok(body)
+}
+
+/// One request's fate.
+struct Sample {
+    /// Due time to the last byte of the response.
+    latency: Duration,
+    /// Due time to when the request task started: the load generator's own lateness.
+    lag: Duration,
+    /// When the response was complete (for the achieved rate).
+    done: Instant,
+    /// `None` for a 200, else what went wrong.
+    error: Option<String>,
+}
+
+async fn one_request(request: reqwest::RequestBuilder, due: Instant) -> Sample {
+    let started = Instant::now();
+    let error = match request.send().await {
+        Ok(response) => {
+            let status = response.status();
+            // Read the whole body: the latency is to the last byte, as a client sees it.
+            match response.bytes().await {
+                Ok(_) if status == reqwest::StatusCode::OK => None,
+                Ok(_) => Some(format!("HTTP {}", status.as_u16())),
+                Err(error) => Some(classify(&error)),
+            }
+        }
+        Err(error) => Some(classify(&error)),
+    };
+    let done = Instant::now();
+    Sample {
+        latency: done.saturating_duration_since(due),
+        lag: started.saturating_duration_since(due),
+        done,
+        error,
+    }
+}
+
+fn classify(error: &reqwest::Error) -> String {
+    if error.is_timeout() {
+        "timeout".to_owned()
+    } else if error.is_connect() {
+        "connect error".to_owned()
+    } else if error.is_body() || error.is_decode() {
+        "body error".to_owned()
+    } else {
+        "request error".to_owned()
+    }
+}
+
+/// Sets the flag when dropped, so the dispatcher thread stops if its run is abandoned.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Sends `rate × seconds` requests open loop and gathers their samples.
+async fn open_loop(target: &Target, rate: u32, seconds: f64, users: &[String]) -> Result<Run> {
+    let count = (f64::from(rate) * seconds).round() as u64;
+    let interval_ns = 1e9 / f64::from(rate);
+    let start = Instant::now() + SCHEDULE_LEAD;
+    let cancel = Arc::new(AtomicBool::new(false));
+    let _cancel_on_drop = CancelOnDrop(cancel.clone());
+    let runtime = tokio::runtime::Handle::current();
+    // Requests are built here, not in the thread, so that thread only sleeps and spawns.
+    let requests: Vec<reqwest::RequestBuilder> = (0..count)
+        .map(|i| target.request(&users[i as usize % users.len()]))
+        .collect();
+    let dispatcher = tokio::task::spawn_blocking(move || {
+        let mut handles = Vec::with_capacity(requests.len());
+        for (i, request) in requests.into_iter().enumerate() {
+            if cancel.load(Ordering::Relaxed) {
+                break;
+            }
+            let due = start + Duration::from_nanos((i as f64 * interval_ns) as u64);
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            handles.push(runtime.spawn(one_request(request, due)));
+        }
+        handles
+    });
+    let handles = dispatcher.await.context("dispatcher thread")?;
+    let mut samples = Vec::with_capacity(handles.len());
+    for handle in handles {
+        samples.push(handle.await.context("request task")?);
+    }
+    Ok(Run { start, samples })
+}
+
+struct Run {
+    start: Instant,
+    samples: Vec<Sample>,
+}
+
+/// Percentiles of one run, in milliseconds.
+#[derive(Clone, Copy, Default)]
+struct Latency {
+    p50: f64,
+    p90: f64,
+    p99: f64,
+    p999: f64,
+    max: f64,
+    mean: f64,
+}
+
+impl Latency {
+    fn of(durations: &mut [u64]) -> Latency {
+        durations.sort_unstable();
+        let ms = |ns: u64| ns as f64 / 1e6;
+        let mean = if durations.is_empty() {
+            0.0
+        } else {
+            ms(durations.iter().sum::<u64>()) / durations.len() as f64
+        };
+        Latency {
+            p50: ms(percentile(durations, 0.50)),
+            p90: ms(percentile(durations, 0.90)),
+            p99: ms(percentile(durations, 0.99)),
+            p999: ms(percentile(durations, 0.999)),
+            max: ms(durations.last().copied().unwrap_or(0)),
+            mean,
+        }
+    }
+
+    fn json(&self) -> Value {
+        json!({"p50": self.p50, "p90": self.p90, "p99": self.p99, "p99.9": self.p999,
+               "max": self.max, "mean": self.mean})
+    }
+}
+
+/// Nearest-rank percentile of sorted samples.
+fn percentile(sorted: &[u64], q: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// One measured (or warm-up) run of one configuration, reduced to what the report needs.
+struct RunSummary {
+    requests: u64,
+    ok: u64,
+    errors: BTreeMap<String, u64>,
+    /// Over successful requests only: an error's latency says nothing about the overhead.
+    latency: Latency,
+    /// p50 / p99 of the load generator's lateness in starting requests, ms.
+    lag_p50: f64,
+    lag_p99: f64,
+    /// Successful responses per second, from the first due time to the last completion.
+    achieved_rps: f64,
+    /// CPU-seconds per process over the run: envoy_a, envoy_b, tollgate, upstream, loadgen.
+    cpu_seconds: BTreeMap<&'static str, f64>,
+    /// Fraction of the whole machine's CPU time that was busy during the run.
+    machine_busy: Option<f64>,
+    /// B runs: tollgate's decision-time histogram over the run.
+    decision: Option<HistogramDelta>,
+    /// B runs: Envoy's ext_proc counters over the run.
+    ext_proc: Option<BTreeMap<String, u64>>,
+}
+
+impl RunSummary {
+    fn error_count(&self) -> u64 {
+        self.errors.values().sum()
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "requests": self.requests,
+            "ok": self.ok,
+            "errors": self.errors,
+            "latency_ms": self.latency.json(),
+            "generator_lag_ms": {"p50": self.lag_p50, "p99": self.lag_p99},
+            "achieved_rps": self.achieved_rps,
+            "cpu_seconds": self.cpu_seconds,
+            "machine_busy": self.machine_busy,
+            "tollgate_decision": self.decision.as_ref().map(HistogramDelta::json),
+            "envoy_ext_proc_stats": self.ext_proc,
+        })
+    }
+}
+
+/// Runs `target` for `seconds` at `rate` and reads every process's CPU and the B-side counters
+/// around it.
+async fn measure(
+    target: &Target,
+    stack: &Stack,
+    rate: u32,
+    args: &Args,
+    seconds: f64,
+    clock_ticks: f64,
+) -> Result<RunSummary> {
+    let users: Vec<String> = (0..args.users).map(|i| format!("bench-{i}")).collect();
+    let is_b = target.config == Config::B;
+    let metrics_before = if is_b {
+        stack.tollgate_metrics().await
+    } else {
+        None
+    };
+    let stats_before = if is_b {
+        stack.ext_proc_stats().await
+    } else {
+        None
+    };
+    let cpu_before = cpu_snapshot(stack);
+    let machine_before = machine_jiffies();
+
+    let run = open_loop(target, rate, seconds, &users).await?;
+
+    let cpu_after = cpu_snapshot(stack);
+    let machine_after = machine_jiffies();
+    let decision = match (metrics_before, stack.tollgate_metrics().await) {
+        (Some(before), Some(after)) => {
+            HistogramDelta::between(&before, &after, "tollgate_decision_duration_seconds")
+        }
+        _ => None,
+    };
+    let ext_proc = match (stats_before, stack.ext_proc_stats().await) {
+        (Some(before), Some(after)) => Some(
+            after
+                .into_iter()
+                .map(|(name, value)| {
+                    let delta = value.saturating_sub(before.get(&name).copied().unwrap_or(0));
+                    (name, delta)
+                })
+                .filter(|(_, delta)| *delta > 0)
+                .collect(),
+        ),
+        _ => None,
+    };
+
+    let mut latencies = Vec::with_capacity(run.samples.len());
+    let mut lags: Vec<u64> = Vec::with_capacity(run.samples.len());
+    let mut errors = BTreeMap::new();
+    let mut last_done = run.start;
+    for sample in &run.samples {
+        lags.push(sample.lag.as_nanos() as u64);
+        match &sample.error {
+            None => {
+                latencies.push(sample.latency.as_nanos() as u64);
+                last_done = last_done.max(sample.done);
+            }
+            Some(error) => *errors.entry(error.clone()).or_insert(0) += 1,
+        }
+    }
+    lags.sort_unstable();
+    let ok = latencies.len() as u64;
+    let elapsed = last_done.saturating_duration_since(run.start).as_secs_f64();
+    let cpu_seconds = cpu_before
+        .iter()
+        .filter_map(|(name, before)| {
+            let after = cpu_after.get(name)?;
+            Some((*name, after.saturating_sub(*before) as f64 / clock_ticks))
+        })
+        .collect();
+    let machine_busy = match (machine_before, machine_after) {
+        (Some((busy0, total0)), Some((busy1, total1))) if total1 > total0 => {
+            Some((busy1 - busy0) as f64 / (total1 - total0) as f64)
+        }
+        _ => None,
+    };
+    Ok(RunSummary {
+        requests: run.samples.len() as u64,
+        ok,
+        errors,
+        latency: Latency::of(&mut latencies),
+        lag_p50: percentile(&lags, 0.50) as f64 / 1e6,
+        lag_p99: percentile(&lags, 0.99) as f64 / 1e6,
+        achieved_rps: if elapsed > 0.0 {
+            ok as f64 / elapsed
+        } else {
+            0.0
+        },
+        cpu_seconds,
+        machine_busy,
+        decision,
+        ext_proc,
+    })
+}
+
+fn cpu_snapshot(stack: &Stack) -> BTreeMap<&'static str, u64> {
+    let mut snapshot: BTreeMap<&'static str, u64> = stack
+        .procs()
+        .into_iter()
+        .filter_map(|(name, proc)| Some((name, proc.cpu_ticks()?)))
+        .collect();
+    if let Some(ticks) = cpu_ticks_of("/proc/self/stat") {
+        snapshot.insert("loadgen", ticks);
+    }
+    snapshot
+}
+
+/// Sends one request through `target` and checks it went the way the configuration says: a
+/// 200 from the upstream, and tollgate's request headers present exactly on B.
+async fn sanity_check(target: &Target, stack: &Stack) -> Result<()> {
+    let response = target
+        .request("bench-sanity")
+        .send()
+        .await
+        .with_context(|| format!("first request through {}", target.config.label()))?;
+    let status = response.status();
+    // The upstream repeats every x-tollgate-* request header as x-upstream-saw-x-tollgate-*.
+    let saw_tollgate = response
+        .headers()
+        .keys()
+        .any(|name| name.as_str().starts_with("x-upstream-saw-x-tollgate-"));
+    let body = response.text().await.unwrap_or_default();
+    ensure!(
+        status == reqwest::StatusCode::OK,
+        "first request through {} got {status}: {body}\n{}",
+        target.config.label(),
+        stack.log_tails()
+    );
+    match target.config {
+        Config::A => ensure!(!saw_tollgate, "A should not pass through tollgate"),
+        Config::B => ensure!(
+            saw_tollgate,
+            "B's request reached the upstream without tollgate's x-tollgate-* headers"
+        ),
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// tollgate's histogram
+
+/// The change of a Prometheus histogram between two scrapes.
+struct HistogramDelta {
+    /// (upper bound in seconds, cumulative count), ascending; +Inf last.
+    buckets: Vec<(f64, u64)>,
+    count: u64,
+    sum_seconds: f64,
+}
+
+impl HistogramDelta {
+    fn between(before: &str, after: &str, name: &str) -> Option<HistogramDelta> {
+        let before = parse_histogram(before, name)?;
+        let after = parse_histogram(after, name)?;
+        let buckets = after
+            .buckets
+            .iter()
+            .map(|&(le, count)| {
+                let earlier = before
+                    .buckets
+                    .iter()
+                    .find(|(l, _)| *l == le)
+                    .map_or(0, |(_, c)| *c);
+                (le, count.saturating_sub(earlier))
+            })
+            .collect();
+        Some(HistogramDelta {
+            buckets,
+            count: after.count.saturating_sub(before.count),
+            sum_seconds: after.sum_seconds - before.sum_seconds,
+        })
+    }
+
+    fn mean_us(&self) -> Option<f64> {
+        (self.count > 0).then(|| self.sum_seconds / self.count as f64 * 1e6)
+    }
+
+    /// The upper bound of the bucket holding quantile `q`, in µs; infinite past the last bound.
+    fn quantile_bound_us(&self, q: f64) -> Option<f64> {
+        if self.count == 0 {
+            return None;
+        }
+        let wanted = (q * self.count as f64).ceil() as u64;
+        self.buckets
+            .iter()
+            .find(|(_, cumulative)| *cumulative >= wanted)
+            .map(|(le, _)| le * 1e6)
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "count": self.count,
+            "mean_us": self.mean_us(),
+            "p50_bucket_bound_us": self.quantile_bound_us(0.5),
+            "p99_bucket_bound_us": self.quantile_bound_us(0.99),
+            "buckets": self.buckets.iter().map(|(le, c)| json!([le, c])).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// Reads `name_bucket{...le="X"...} N`, `name_sum S` and `name_count N` from Prometheus text,
+/// adding up series that differ in other labels.
+fn parse_histogram(text: &str, name: &str) -> Option<HistogramDelta> {
+    let mut buckets: BTreeMap<String, (f64, u64)> = BTreeMap::new();
+    let mut count = None;
+    let mut sum = None;
+    for line in text.lines().filter(|line| !line.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(value) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        let (series_name, labels) = series.split_once('{').unwrap_or((series, ""));
+        if series_name == format!("{name}_bucket") {
+            let Some(le) = labels
+                .split(',')
+                .find_map(|label| label.trim().strip_prefix("le=\""))
+                .and_then(|le| le.split('"').next())
+            else {
+                continue;
+            };
+            let bound = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            buckets.entry(le.to_owned()).or_insert((bound, 0)).1 += value as u64;
+        } else if series_name == format!("{name}_count") {
+            *count.get_or_insert(0) += value as u64;
+        } else if series_name == format!("{name}_sum") {
+            *sum.get_or_insert(0.0) += value;
+        }
+    }
+    let mut buckets: Vec<(f64, u64)> = buckets.into_values().collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    Some(HistogramDelta {
+        buckets,
+        count: count?,
+        sum_seconds: sum?,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Summaries and tables
+
+struct Round {
+    a: RunSummary,
+    b: RunSummary,
+}
+
+struct RateSummary {
+    rate: u32,
+    rounds: Vec<Round>,
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 1 {
+        values[mid]
+    } else {
+        (values[mid - 1] + values[mid]) / 2.0
+    }
+}
+
+impl RateSummary {
+    fn new(rate: u32, rounds: Vec<Round>) -> RateSummary {
+        RateSummary { rate, rounds }
+    }
+
+    fn runs(&self, config: Config) -> impl Iterator<Item = &RunSummary> {
+        self.rounds.iter().map(move |round| match config {
+            Config::A => &round.a,
+            Config::B => &round.b,
+        })
+    }
+
+    fn errors(&self) -> u64 {
+        self.rounds
+            .iter()
+            .map(|r| r.a.error_count() + r.b.error_count())
+            .sum()
+    }
+
+    /// Median over rounds of one figure of one configuration.
+    fn median_of(&self, config: Config, figure: impl Fn(&RunSummary) -> f64) -> f64 {
+        median(&mut self.runs(config).map(figure).collect::<Vec<_>>())
+    }
+
+    /// Median over rounds of B − A (same round) for one figure.
+    fn added(&self, figure: impl Fn(&Latency) -> f64) -> f64 {
+        median(
+            &mut self
+                .rounds
+                .iter()
+                .map(|r| figure(&r.b.latency) - figure(&r.a.latency))
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    /// CPU-seconds of `process` over all of `config`'s runs, per request, in µs.
+    fn cpu_us_per_request(&self, config: Config, process: &str) -> f64 {
+        let (seconds, requests) = self.runs(config).fold((0.0, 0u64), |(s, n), run| {
+            (
+                s + run.cpu_seconds.get(process).copied().unwrap_or(0.0),
+                n + run.requests,
+            )
+        });
+        if requests == 0 {
+            f64::NAN
+        } else {
+            seconds / requests as f64 * 1e6
+        }
+    }
+
+    /// tollgate's decision histogram summed over the B runs.
+    fn decision(&self) -> Option<HistogramDelta> {
+        let mut total: Option<HistogramDelta> = None;
+        for run in self.runs(Config::B) {
+            let delta = run.decision.as_ref()?;
+            match &mut total {
+                None => {
+                    total = Some(HistogramDelta {
+                        buckets: delta.buckets.clone(),
+                        count: delta.count,
+                        sum_seconds: delta.sum_seconds,
+                    })
+                }
+                Some(total) => {
+                    total.count += delta.count;
+                    total.sum_seconds += delta.sum_seconds;
+                    for (bucket, (_, count)) in total.buckets.iter_mut().zip(&delta.buckets) {
+                        bucket.1 += count;
+                    }
+                }
+            }
+        }
+        total
+    }
+
+    /// Envoy's ext_proc counters summed over the B runs.
+    fn ext_proc(&self) -> BTreeMap<String, u64> {
+        let mut total = BTreeMap::new();
+        for stats in self.runs(Config::B).filter_map(|run| run.ext_proc.as_ref()) {
+            for (name, value) in stats {
+                *total.entry(name.clone()).or_insert(0) += value;
+            }
+        }
+        total
+    }
+
+    fn table(&self, args: &Args) -> String {
+        let mut out = String::new();
+        let w = &mut out;
+        let _ = writeln!(
+            w,
+            "\n== {} req/s offered: {} rounds x {} s per config (A,B interleaved), body {} B, {} users ==",
+            self.rate,
+            self.rounds.len(),
+            args.seconds,
+            args.body_bytes,
+            args.users
+        );
+        let _ = writeln!(
+            w,
+            "{:<22}{:>9}{:>9}{:>9}{:>9}{:>11}{:>8}",
+            "latency (ms)", "p50", "p90", "p99", "max", "achieved/s", "errors"
+        );
+        for config in [Config::A, Config::B] {
+            let max = self.runs(config).map(|r| r.latency.max).fold(0.0, f64::max);
+            let errors: u64 = self.runs(config).map(RunSummary::error_count).sum();
+            let _ = writeln!(
+                w,
+                "{:<22}{:>9.3}{:>9.3}{:>9.3}{:>9.2}{:>11.1}{:>8}{}",
+                config.label(),
+                self.median_of(config, |r| r.latency.p50),
+                self.median_of(config, |r| r.latency.p90),
+                self.median_of(config, |r| r.latency.p99),
+                max,
+                self.median_of(config, |r| r.achieved_rps),
+                errors,
+                if errors > 0 { "  <-- FLAGGED" } else { "" }
+            );
+        }
+        let _ = writeln!(
+            w,
+            "(p50/p90/p99/achieved: median over rounds; max: over all rounds)"
+        );
+        let _ = writeln!(
+            w,
+            "{:<22}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}",
+            "per round (ms)", "A p50", "B p50", "+p50", "A p99", "B p99", "+p99"
+        );
+        for (i, round) in self.rounds.iter().enumerate() {
+            let _ = writeln!(
+                w,
+                "{:<22}{:>9.3}{:>9.3}{:>+9.3}{:>9.3}{:>9.3}{:>+9.3}",
+                format!("round {}", i + 1),
+                round.a.latency.p50,
+                round.b.latency.p50,
+                round.b.latency.p50 - round.a.latency.p50,
+                round.a.latency.p99,
+                round.b.latency.p99,
+                round.b.latency.p99 - round.a.latency.p99,
+            );
+        }
+        let added_p50 = self.added(|l| l.p50);
+        let added_p99 = self.added(|l| l.p99);
+        let _ = writeln!(
+            w,
+            "ADDED BY TOLLGATE (median of per-round B-A): p50 {added_p50:+.3} ms, p90 {:+.3} ms, \
+             p99 {added_p99:+.3} ms   [target p50 < 1 ms: {}]",
+            self.added(|l| l.p90),
+            if added_p50 < 1.0 { "met" } else { "NOT met" }
+        );
+        let _ = writeln!(
+            w,
+            "{:<22}{:>9}{:>10}{:>10}{:>10}{:>14}{:>14}",
+            "CPU per request (us)",
+            "Envoy",
+            "tollgate",
+            "upstream",
+            "load gen",
+            "machine busy",
+            "gen lag p99"
+        );
+        for config in [Config::A, Config::B] {
+            let tollgate = self.cpu_us_per_request(config, "tollgate");
+            let _ = writeln!(
+                w,
+                "{:<22}{:>9.1}{:>10}{:>10.1}{:>10.1}{:>13.0}%{:>11.3} ms",
+                config.label(),
+                self.cpu_us_per_request(config, config.envoy_key()),
+                if config == Config::B {
+                    format!("{tollgate:.1}")
+                } else {
+                    // tollgate is idle during A runs; show its idle cost only if it had one.
+                    format!("({tollgate:.1})")
+                },
+                self.cpu_us_per_request(config, "upstream"),
+                self.cpu_us_per_request(config, "loadgen"),
+                self.median_of(config, |r| r.machine_busy.unwrap_or(f64::NAN)) * 100.0,
+                self.median_of(config, |r| r.lag_p99),
+            );
+        }
+        if let Some(decision) = self.decision() {
+            let fmt_bound = |bound: Option<f64>| match bound {
+                Some(b) if b.is_finite() => format!("<= {b:.0} us"),
+                Some(_) => "above the last bucket".to_owned(),
+                None => "-".to_owned(),
+            };
+            let _ = writeln!(
+                w,
+                "tollgate's own decision time (tollgate_decision_duration_seconds, B runs): \
+                 {} decisions, mean {:.1} us, p50 {}, p99 {}",
+                decision.count,
+                decision.mean_us().unwrap_or(f64::NAN),
+                fmt_bound(decision.quantile_bound_us(0.5)),
+                fmt_bound(decision.quantile_bound_us(0.99)),
+            );
+        }
+        let ext_proc = self.ext_proc();
+        if !ext_proc.is_empty() {
+            let requests: u64 = self.runs(Config::B).map(|r| r.requests).sum();
+            let per_request = |name: &str| {
+                ext_proc.get(name).copied().unwrap_or(0) as f64 / requests.max(1) as f64
+            };
+            let others: Vec<String> = ext_proc
+                .iter()
+                .filter(|(name, _)| {
+                    !matches!(
+                        name.as_str(),
+                        "streams_started"
+                            | "stream_msgs_sent"
+                            | "stream_msgs_received"
+                            | "streams_closed"
+                    )
+                })
+                .map(|(name, value)| format!("{name}={value}"))
+                .collect();
+            let _ = writeln!(
+                w,
+                "Envoy B ext_proc per request: {:.2} streams, {:.2} messages sent to tollgate, {:.2} \
+                 received{}",
+                per_request("streams_started"),
+                per_request("stream_msgs_sent"),
+                per_request("stream_msgs_received"),
+                if others.is_empty() {
+                    String::new()
+                } else {
+                    format!("; other counters: {}", others.join(", "))
+                }
+            );
+        }
+        out
+    }
+
+    fn json(&self) -> Value {
+        let decision = self.decision();
+        json!({
+            "offered_rps": self.rate,
+            "added_ms": {
+                "p50": self.added(|l| l.p50),
+                "p90": self.added(|l| l.p90),
+                "p99": self.added(|l| l.p99),
+            },
+            "median_over_rounds_ms": {
+                "A": {"p50": self.median_of(Config::A, |r| r.latency.p50),
+                      "p90": self.median_of(Config::A, |r| r.latency.p90),
+                      "p99": self.median_of(Config::A, |r| r.latency.p99)},
+                "B": {"p50": self.median_of(Config::B, |r| r.latency.p50),
+                      "p90": self.median_of(Config::B, |r| r.latency.p90),
+                      "p99": self.median_of(Config::B, |r| r.latency.p99)},
+            },
+            "cpu_us_per_request": {
+                "A": {"envoy": self.cpu_us_per_request(Config::A, "envoy_a"),
+                      "upstream": self.cpu_us_per_request(Config::A, "upstream"),
+                      "loadgen": self.cpu_us_per_request(Config::A, "loadgen"),
+                      "tollgate_idle": self.cpu_us_per_request(Config::A, "tollgate")},
+                "B": {"envoy": self.cpu_us_per_request(Config::B, "envoy_b"),
+                      "tollgate": self.cpu_us_per_request(Config::B, "tollgate"),
+                      "upstream": self.cpu_us_per_request(Config::B, "upstream"),
+                      "loadgen": self.cpu_us_per_request(Config::B, "loadgen")},
+            },
+            "tollgate_decision": decision.as_ref().map(HistogramDelta::json),
+            "envoy_ext_proc_stats": self.ext_proc(),
+            "errors": self.errors(),
+            "rounds": self.rounds.iter().map(|r| json!({"A": r.a.json(), "B": r.b.json()})).collect::<Vec<_>>(),
+        })
+    }
+}
+
+fn overall_table(summaries: &[RateSummary], machine: &Machine, args: &Args) -> String {
+    let mut out = String::new();
+    let w = &mut out;
+    let _ = writeln!(
+        w,
+        "\n== summary: tollgate's cost over Envoy alone (median of per-round differences) =="
+    );
+    let _ = writeln!(
+        w,
+        "{:<12}{:>11}{:>11}{:>11}{:>16}{:>12}{:>8}",
+        "offered/s",
+        "added p50",
+        "added p90",
+        "added p99",
+        "tollgate CPU/req",
+        "p50 < 1 ms",
+        "errors"
+    );
+    for summary in summaries {
+        let added_p50 = summary.added(|l| l.p50);
+        let _ = writeln!(
+            w,
+            "{:<12}{:>8.3} ms{:>8.3} ms{:>8.3} ms{:>13.1} us{:>12}{:>8}",
+            summary.rate,
+            added_p50,
+            summary.added(|l| l.p90),
+            summary.added(|l| l.p99),
+            summary.cpu_us_per_request(Config::B, "tollgate"),
+            if added_p50 < 1.0 { "yes" } else { "NO" },
+            summary.errors()
+        );
+    }
+    let _ = writeln!(
+        w,
+        "machine: {} CPUs, {}, kernel {}; Envoy {}; tollgate {}; {} rounds x {} s, warm-up {} s",
+        machine.cpus,
+        machine.cpu_model,
+        machine.kernel,
+        machine.envoy_version,
+        machine.git,
+        args.rounds,
+        args.seconds,
+        args.warmup_seconds
+    );
+    out
+}

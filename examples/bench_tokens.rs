@@ -1,0 +1,594 @@
+//! `bench_tokens`: single-thread token-counting throughput of `tollgate::tokens` (bpe-openai)
+//! against tiktoken-rs, on a deterministic mixed corpus and on adversarial bodies.
+//!
+//! tollgate counts every request body on the request path, so its counter must be both fast on
+//! ordinary traffic and bounded on bodies built to hurt it. This example measures both and
+//! checks, as it goes, that both implementations agree on every count (a fast wrong counter is
+//! worthless). `scripts/bench-tokens.sh` runs it next to Python tiktoken and prints the table in
+//! `docs/benchmarks.md`.
+//!
+//! ```text
+//! cargo run --release --example bench_tokens -- [--json] [--write-corpus PATH]
+//! ```
+//!
+//! * `--json`: print one JSON document (for `scripts/bench_tokens.py`) instead of the tables.
+//! * `--write-corpus PATH`: also write the corpus, byte for byte, to PATH, so another
+//!   implementation can count the identical text.
+//!
+//! The corpus is about 1 MiB of English prose, Rust and Python code, JSON request bodies, CJK
+//! text and emoji (ZWJ sequences, flags, skin tones), interleaved in chunks like mixed traffic,
+//! generated from a fixed-seed LCG. The adversarial bodies are 1 MiB each with no whitespace:
+//! `a` repeated, random lowercase letters (the same LCG, seed 1), and `-` repeated (the slowest
+//! single-byte run we found for the backtracking encoder: both vocabularies hold `-` tokens up
+//! to 80 bytes long). They are timed with `count_till_limit(16_000)` and with a full `count`.
+//!
+//! MB/s is 10^6 bytes per second. Every figure is the median of several runs.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tollgate::tokens::Encoding;
+
+/// Size the corpus grows to; chunks are whole, so it ends slightly above.
+const CORPUS_TARGET_BYTES: usize = 1 << 20;
+/// Size of each adversarial body.
+const ADVERSARIAL_BYTES: usize = 1 << 20;
+/// The limit the adversarial bodies are counted against: a generous prompt budget.
+const ADVERSARIAL_LIMIT: usize = 16_000;
+/// Runs per throughput figure; the median is reported.
+const THROUGHPUT_RUNS: usize = 7;
+/// Runs per adversarial figure (tiktoken-rs takes most of a second on some of them).
+const ADVERSARIAL_RUNS: usize = 3;
+
+const ENCODINGS: [(Encoding, &str); 2] = [
+    (Encoding::Cl100kBase, "cl100k_base"),
+    (Encoding::O200kBase, "o200k_base"),
+];
+
+struct Args {
+    json: bool,
+    write_corpus: Option<String>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        json: false,
+        write_corpus: None,
+    };
+    let mut given = std::env::args().skip(1);
+    while let Some(arg) = given.next() {
+        match arg.as_str() {
+            "--json" => args.json = true,
+            "--write-corpus" => {
+                args.write_corpus = Some(given.next().ok_or("--write-corpus needs a PATH")?);
+            }
+            "-h" | "--help" => {
+                return Err("usage: bench_tokens [--json] [--write-corpus PATH]\n\
+                     Token-counting throughput: tollgate::tokens (bpe-openai) vs tiktoken-rs."
+                    .to_owned());
+            }
+            other => return Err(format!("unknown argument {other:?}; try --help")),
+        }
+    }
+    Ok(args)
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(message) => {
+            eprintln!("{message}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("bench_tokens: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    let corpus = build_corpus();
+    if let Some(path) = &args.write_corpus {
+        std::fs::write(path, corpus.text.as_bytes())
+            .map_err(|error| format!("cannot write the corpus to {path}: {error}"))?;
+    }
+    let references = [
+        tiktoken_rs::cl100k_base().map_err(|error| format!("tiktoken-rs cl100k: {error}"))?,
+        tiktoken_rs::o200k_base().map_err(|error| format!("tiktoken-rs o200k: {error}"))?,
+    ];
+
+    let mut throughput = Vec::new();
+    for ((encoding, name), reference) in ENCODINGS.into_iter().zip(&references) {
+        encoding.warm_up();
+        let (tokens, seconds) = median_time(THROUGHPUT_RUNS, || encoding.count(&corpus.text));
+        let (reference_tokens, reference_seconds) = median_time(THROUGHPUT_RUNS, || {
+            reference.encode_ordinary(&corpus.text).len()
+        });
+        if tokens != reference_tokens {
+            return Err(format!(
+                "{name}: bpe-openai counted {tokens} tokens, tiktoken-rs {reference_tokens}"
+            ));
+        }
+        for (implementation, seconds) in
+            [("bpe-openai", seconds), ("tiktoken-rs", reference_seconds)]
+        {
+            throughput.push(json!({
+                "implementation": implementation,
+                "encoding": name,
+                "bytes": corpus.text.len(),
+                "tokens": tokens,
+                "seconds": seconds,
+                "mb_per_s": corpus.text.len() as f64 / 1e6 / seconds,
+                "tokens_per_s": tokens as f64 / seconds,
+            }));
+        }
+    }
+
+    let mut adversarial = Vec::new();
+    for (input, body) in adversarial_bodies() {
+        for ((encoding, name), reference) in ENCODINGS.into_iter().zip(&references) {
+            let (limited, limited_seconds) = median_time(ADVERSARIAL_RUNS, || {
+                encoding.count_till_limit(&body, ADVERSARIAL_LIMIT)
+            });
+            let (tokens, count_seconds) = median_time(ADVERSARIAL_RUNS, || encoding.count(&body));
+            let (reference_tokens, reference_seconds) =
+                median_time(ADVERSARIAL_RUNS, || reference.encode_ordinary(&body).len());
+            if tokens != reference_tokens {
+                return Err(format!(
+                    "{name} on {input}: bpe-openai counted {tokens} tokens, tiktoken-rs \
+                     {reference_tokens}"
+                ));
+            }
+            let expected_limited = (tokens <= ADVERSARIAL_LIMIT).then_some(tokens);
+            if limited != expected_limited {
+                return Err(format!(
+                    "{name} on {input}: count_till_limit gave {limited:?}, count {tokens}"
+                ));
+            }
+            adversarial.push(json!({
+                "input": input,
+                "encoding": name,
+                "bytes": body.len(),
+                "tokens": tokens,
+                "limit": ADVERSARIAL_LIMIT,
+                "count_till_limit": limited,
+                "bpe_openai_count_till_limit_ms": limited_seconds * 1e3,
+                "bpe_openai_count_ms": count_seconds * 1e3,
+                "tiktoken_rs_ms": reference_seconds * 1e3,
+            }));
+        }
+    }
+
+    let report = json!({
+        "corpus": {
+            "bytes": corpus.text.len(),
+            "chars": corpus.text.chars().count(),
+            "bytes_by_kind": corpus.bytes_by_kind,
+        },
+        "throughput": throughput,
+        "adversarial": adversarial,
+    });
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).map_err(|error| error.to_string())?
+        );
+    } else {
+        print_tables(&report);
+    }
+    Ok(())
+}
+
+fn print_tables(report: &Value) {
+    println!(
+        "corpus: {} bytes, {} chars; bytes by kind: {}",
+        report["corpus"]["bytes"], report["corpus"]["chars"], report["corpus"]["bytes_by_kind"]
+    );
+    println!();
+    println!(
+        "{:<12} {:<12} {:>9} {:>12} {:>9}",
+        "impl", "encoding", "tokens", "tokens/s", "MB/s"
+    );
+    for row in report["throughput"].as_array().into_iter().flatten() {
+        println!(
+            "{:<12} {:<12} {:>9} {:>12.0} {:>9.1}",
+            row["implementation"].as_str().unwrap_or_default(),
+            row["encoding"].as_str().unwrap_or_default(),
+            row["tokens"],
+            row["tokens_per_s"].as_f64().unwrap_or_default(),
+            row["mb_per_s"].as_f64().unwrap_or_default(),
+        );
+    }
+    println!();
+    println!(
+        "{:<14} {:<12} {:>8} {:>18} {:>12} {:>15}",
+        "1 MiB body", "encoding", "tokens", "till_limit(16k) ms", "count ms", "tiktoken-rs ms"
+    );
+    for row in report["adversarial"].as_array().into_iter().flatten() {
+        println!(
+            "{:<14} {:<12} {:>8} {:>18.1} {:>12.1} {:>15.1}",
+            row["input"].as_str().unwrap_or_default(),
+            row["encoding"].as_str().unwrap_or_default(),
+            row["tokens"],
+            row["bpe_openai_count_till_limit_ms"]
+                .as_f64()
+                .unwrap_or_default(),
+            row["bpe_openai_count_ms"].as_f64().unwrap_or_default(),
+            row["tiktoken_rs_ms"].as_f64().unwrap_or_default(),
+        );
+    }
+}
+
+/// Runs `work` `runs` times and returns its (last) result with the median wall time in seconds.
+fn median_time<T>(runs: usize, mut work: impl FnMut() -> T) -> (T, f64) {
+    let mut result = None;
+    let mut seconds: Vec<f64> = (0..runs)
+        .map(|_| {
+            let (value, elapsed) = time(&mut work);
+            result = Some(value);
+            elapsed.as_secs_f64()
+        })
+        .collect();
+    seconds.sort_by(f64::total_cmp);
+    let result = result.expect("runs is a positive constant, so work ran at least once");
+    (result, seconds[seconds.len() / 2])
+}
+
+// The project bans std's Instant so paused-time tokio tests control the clock; a benchmark
+// measures real elapsed time outside any runtime, which is exactly what std's Instant is for.
+#[allow(clippy::disallowed_types)]
+fn time<T>(work: impl FnOnce() -> T) -> (T, Duration) {
+    let start = std::time::Instant::now();
+    let value = std::hint::black_box(work());
+    (value, start.elapsed())
+}
+
+/// Knuth's MMIX LCG: deterministic input without a rand dependency. `scripts/bench_tokens.py`
+/// reimplements it to rebuild the random-letters body.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        // The high bits of an LCG are the well-mixed ones.
+        (self.0 >> 33) as u32
+    }
+
+    fn below(&mut self, bound: usize) -> usize {
+        self.next() as usize % bound
+    }
+
+    fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
+        items[self.below(items.len())]
+    }
+}
+
+fn adversarial_bodies() -> [(&'static str, String); 3] {
+    let mut rng = Lcg(1);
+    let random_letters = (0..ADVERSARIAL_BYTES)
+        .map(|_| char::from(b'a' + rng.below(26) as u8))
+        .collect();
+    [
+        ("a*1Mi", "a".repeat(ADVERSARIAL_BYTES)),
+        ("random-letters", random_letters),
+        ("-*1Mi", "-".repeat(ADVERSARIAL_BYTES)),
+    ]
+}
+
+struct Corpus {
+    text: String,
+    bytes_by_kind: serde_json::Map<String, Value>,
+}
+
+/// Makes one chunk of corpus text of some kind.
+type ChunkGenerator = fn(&mut Lcg) -> String;
+
+/// Chunk generators and their weights: roughly the mix of a multi-tenant chat gateway.
+const KINDS: [(&str, u32, ChunkGenerator); 5] = [
+    ("prose", 40, prose),
+    ("code", 25, code),
+    ("json", 15, json_body),
+    ("cjk", 12, cjk),
+    ("emoji", 8, emoji),
+];
+
+fn build_corpus() -> Corpus {
+    let mut rng = Lcg(0x0062_656e_6368);
+    let total_weight: u32 = KINDS.iter().map(|(_, weight, _)| weight).sum();
+    let mut text = String::with_capacity(CORPUS_TARGET_BYTES + 4096);
+    let mut bytes_by_kind = [0usize; KINDS.len()];
+    while text.len() < CORPUS_TARGET_BYTES {
+        let mut roll = rng.below(total_weight as usize) as u32;
+        let kind = KINDS
+            .iter()
+            .position(|(_, weight, _)| {
+                let hit = roll < *weight;
+                roll = roll.saturating_sub(*weight);
+                hit
+            })
+            .expect("roll is below the total weight, so some kind matches");
+        let chunk = (KINDS[kind].2)(&mut rng);
+        bytes_by_kind[kind] += chunk.len() + 2;
+        text.push_str(&chunk);
+        text.push_str("\n\n");
+    }
+    Corpus {
+        text,
+        bytes_by_kind: KINDS
+            .iter()
+            .zip(bytes_by_kind)
+            .map(|((name, _, _), bytes)| ((*name).to_owned(), json!(bytes)))
+            .collect(),
+    }
+}
+
+const WORDS: &[&str] = &[
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "a",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "had",
+    "they",
+    "you",
+    "were",
+    "their",
+    "one",
+    "all",
+    "we",
+    "can",
+    "her",
+    "has",
+    "there",
+    "been",
+    "if",
+    "more",
+    "when",
+    "will",
+    "would",
+    "who",
+    "so",
+    "no",
+    "request",
+    "model",
+    "tenant",
+    "queue",
+    "latency",
+    "throughput",
+    "fairness",
+    "budget",
+    "token",
+    "inference",
+    "gateway",
+    "scheduler",
+    "priority",
+    "capacity",
+    "admission",
+    "deadline",
+    "streaming",
+    "response",
+    "prompt",
+    "completion",
+    "cluster",
+    "replica",
+    "memory",
+    "cache",
+    "weighted",
+    "because",
+    "however",
+    "therefore",
+    "although",
+    "meanwhile",
+    "approximately",
+    "significant",
+    "don't",
+    "it's",
+    "we'll",
+    "they've",
+    "I'm",
+    "isn't",
+    "naïve",
+    "café",
+    "résumé",
+    "Zürich",
+];
+
+fn prose(rng: &mut Lcg) -> String {
+    let mut paragraph = String::new();
+    for _ in 0..3 + rng.below(5) {
+        let words = 6 + rng.below(20);
+        for index in 0..words {
+            let word = rng.pick(WORDS);
+            if index == 0 {
+                let mut chars = word.chars();
+                if let Some(first) = chars.next() {
+                    paragraph.extend(first.to_uppercase());
+                    paragraph.push_str(chars.as_str());
+                }
+            } else {
+                paragraph.push(' ');
+                paragraph.push_str(word);
+            }
+            if index + 1 < words && rng.below(9) == 0 {
+                paragraph.push_str(rng.pick(&[",", ";", " —", ":"]));
+            }
+            if rng.below(40) == 0 {
+                paragraph.push_str(&format!(" {}", rng.below(100_000)));
+            }
+        }
+        paragraph.push_str(rng.pick(&[". ", "! ", "? ", ". ", ". "]));
+    }
+    paragraph
+}
+
+const IDENTIFIERS: &[&str] = &[
+    "request",
+    "tenant_id",
+    "queue",
+    "budget",
+    "tokens",
+    "deadline",
+    "limit",
+    "count",
+    "state",
+    "config",
+    "encoder",
+    "buffer",
+    "index",
+    "result",
+    "value",
+    "policy",
+    "shard",
+    "weight",
+];
+
+fn code(rng: &mut Lcg) -> String {
+    let a = rng.pick(IDENTIFIERS);
+    let b = rng.pick(IDENTIFIERS);
+    let c = rng.pick(IDENTIFIERS);
+    let n = rng.below(1_000);
+    if rng.below(2) == 0 {
+        format!(
+            "/// Returns the {a} for the given {b}, or `None` when it is over {n}.\n\
+             pub fn {a}_for_{b}(&self, {b}: &{B}) -> Option<usize> {{\n    \
+                 let mut {c} = self.{c}.lock().expect(\"not poisoned\");\n    \
+                 if {b}.len() > {n} {{\n        return None;\n    }}\n    \
+                 for (i, item) in {b}.iter().enumerate() {{\n        \
+                     *{c}.entry(item.key()).or_insert(0) += i * {n};\n    }}\n    \
+                 Some({c}.len())\n}}\n",
+            B = camel(b),
+        )
+    } else {
+        format!(
+            "def {a}_for_{b}(self, {b}: list[dict[str, int]], {c}: int = {n}) -> int | None:\n    \
+                 \"\"\"Return the {a} for the given {b}.\"\"\"\n    \
+                 total = 0\n    \
+                 for i, item in enumerate({b}):\n        \
+                     if item.get(\"{c}\", 0) > {c}:\n            \
+                         raise ValueError(f\"{{i}}: {c} too large ({{item!r}})\")\n        \
+                     total += item[\"{a}\"] * i\n    \
+                 return total if total else None\n"
+        )
+    }
+}
+
+fn camel(snake: &str) -> String {
+    snake
+        .split('_')
+        .flat_map(|part| {
+            let mut chars = part.chars();
+            chars
+                .next()
+                .map(|first| first.to_ascii_uppercase())
+                .into_iter()
+                .chain(chars)
+        })
+        .collect()
+}
+
+fn json_body(rng: &mut Lcg) -> String {
+    let model = rng.pick(&["gpt-4o-mini", "gpt-4.1", "llama-3.1-70b", "o3-mini"]);
+    let user = prose(rng);
+    let messages = json!([
+        {"role": "system", "content": "You are a concise assistant. Answer in English."},
+        {"role": "user", "content": user},
+    ]);
+    json!({
+        "model": model,
+        "messages": messages,
+        "max_tokens": 64 + rng.below(4_000),
+        "temperature": rng.below(100) as f64 / 100.0,
+        "stream": rng.below(2) == 0,
+        "user": format!("tenant-{:05}", rng.below(100_000)),
+        "metadata": {"trace_id": format!("{:016x}{:016x}", rng.next(), rng.next())},
+    })
+    .to_string()
+}
+
+const CJK_SENTENCES: &[&str] = &[
+    "我们的服务器会在请求到达模型之前决定是否放行。",
+    "公平意味着每个租户都能获得自己的份额，而不是先到先得。",
+    "长文本的分词必须是线性时间，否则攻击者可以拖垮网关。",
+    "吾輩は猫である。名前はまだ無い。",
+    "どこで生れたかとんと見当がつかぬ。何でも薄暗いじめじめした所でニャーニャー泣いていた事だけは記憶している。",
+    "推論サーバーの待ち行列は、優先度と締め切りに従って並べ替えられる。",
+    "다람쥐 헌 쳇바퀴에 타고파.",
+    "요청이 모델에 도달하기 전에 토큰 수를 정확하게 세어야 합니다.",
+    "공정한 스케줄링은 모든 테넌트에게 자신의 몫을 보장합니다.",
+];
+
+fn cjk(rng: &mut Lcg) -> String {
+    (0..2 + rng.below(8))
+        .map(|_| rng.pick(CJK_SENTENCES))
+        .collect()
+}
+
+const EMOJI: &[&str] = &[
+    "😀",
+    "😂",
+    "🥲",
+    "🤖",
+    "🚀",
+    "🔥",
+    "✅",
+    "❤️",
+    "👍🏽",
+    "👍🏿",
+    "👨‍👩‍👧‍👦",
+    "👩🏽‍💻",
+    "🏳️‍🌈",
+    "🧑🏿‍🤝‍🧑🏻",
+    "🇺🇸",
+    "🇯🇵",
+    "🇩🇪",
+    "🇧🇷",
+    "🏴󠁧󠁢󠁳󠁣󠁴󠁿",
+    "1️⃣",
+    "#️⃣",
+];
+
+fn emoji(rng: &mut Lcg) -> String {
+    let mut message = String::new();
+    for _ in 0..3 + rng.below(10) {
+        if rng.below(3) == 0 {
+            message.push_str(rng.pick(WORDS));
+            message.push(' ');
+        }
+        for _ in 0..1 + rng.below(3) {
+            message.push_str(rng.pick(EMOJI));
+        }
+        message.push(' ');
+    }
+    message
+}

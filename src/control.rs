@@ -1,0 +1,331 @@
+//! The control loop's algorithm: an AIMD controller that tunes the global in-flight budget
+//! against a p99 time-to-first-token SLO.
+//!
+//! Netflix's concurrency-limits split: the algorithm *computes* a number, the enforcer (the
+//! scheduler) *applies* it. `Aimd::step` is a pure function of its state, the configuration
+//! and one `Observation` per tick (p99 TTFT over the sliding window, see
+//! `observe::window`, plus how busy the budget was); it reads no clock and does no I/O, so a
+//! test drives it tick by tick from a table. `tick` is the task that feeds it from the live
+//! window and scheduler and hands the limit to the scheduler.
+//!
+//! # The rules, and the lesson behind each (seed 001)
+//!
+//! Per tick, in this order:
+//! 1. **Cooldown.** After a decrease, hold for `cooldown_ticks` ticks. The p99 window still
+//!    holds samples from before the cut; reacting to them cuts again for a problem already
+//!    handled, compounding the overshoot. The cooldown is after decreases *only*: holding
+//!    after increases would cap the climb at one step per `1 + cooldown_ticks` ticks. Backing
+//!    off is careful; climbing is eager.
+//! 2. **No samples, no opinion.** An empty window says nothing about latency.
+//! 3. **Breach** (p99 above `target × (1 + band)`): decrease, multiplicatively (or by a fixed
+//!    step), never below the **floor**. Below a small batch the GPU is *less* efficient per
+//!    token (the weights are read once per forward pass whatever the batch; continuous
+//!    batching has nothing to pack), so throughput falls, a backlog forms, queue wait rises,
+//!    and cutting further makes latency worse: the death spiral that parked seed 001's first
+//!    controller at its floor with p99 at 17 s. The floor is the edge of the regime where
+//!    cutting helps.
+//! 4. **Comfortably under** (p99 below `target × (1 − band)`): add `increase_step`, but only
+//!    with **demand**, and never above the ceiling. Demand counts in-flight requests, not
+//!    only queued ones: with a tight queue the healthy steady state has an empty queue, and a
+//!    gate on "queue non-empty" stalled seed 001's controller below its operating point. And
+//!    in-flight must be *near the limit* (Netflix's `inflight * 2 >= limit` guard): a low p99
+//!    says nothing about a budget the traffic never used, and without the guard an idle or
+//!    lightly loaded system drifts up to the ceiling, ready to let the next burst straight
+//!    into KV-cache saturation.
+//! 5. Otherwise (inside the **deadband**): hold. Without the band, p99 jittering around the
+//!    target (1.9 s, 2.1 s, 1.95 s) flips the direction every tick.
+//!
+//! What the controller cannot fix: queue wait counts in TTFT (the user did wait), so a long
+//! queue timeout lets queue wait dominate the signal, and then every cut, by slowing dispatch,
+//! lengthens the wait it is reacting to. The cure is the enforcer's: a queue timeout of about
+//! a second (seed 001, post 5 update). `control/tests.rs` replays both regimes on a small
+//! plant model.
+
+pub mod tick;
+
+use std::fmt;
+
+/// The controller's knobs. `validate` before use; `Default` is the recommended setting.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AimdConfig {
+    /// The SLO: p99 TTFT, seconds, measured at the gateway (queue wait included).
+    pub target_p99_ttft_seconds: f64,
+    /// Deadband: no action while p99 is within ±`band` (a fraction) of the target.
+    pub band: f64,
+    /// Additive increase per tick.
+    pub increase_step: u32,
+    /// How to cut on a breach.
+    pub decrease: Decrease,
+    /// The budget never goes below this.
+    pub floor: u32,
+    /// The budget never goes above this.
+    pub ceiling: u32,
+    /// Ticks to hold after a decrease (and only after a decrease).
+    pub cooldown_ticks: u32,
+    /// "In flight near the limit": increase only if `peak_in_flight >= ceil(limit ×
+    /// demand_fraction)` (or something queued).
+    pub demand_fraction: f64,
+}
+
+/// How a breach cuts the budget.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Decrease {
+    /// Multiply by the factor (0 < f < 1), rounding down, by at least 1.
+    Factor(f64),
+    /// Subtract a fixed step (AISD). It does not scale with the budget: a step of 4 is 6% of
+    /// 64 but 25% of 16 (seed 001 §4), so `Factor` is the default.
+    Step(u32),
+}
+
+impl Default for AimdConfig {
+    fn default() -> Self {
+        AimdConfig {
+            // Seed 001's SLO and deadband, the one operator knob.
+            target_p99_ttft_seconds: 2.0,
+            band: 0.2,
+            increase_step: 1,
+            // 0.9, not seed 001's original 0.5. Halving went 64 → 32 → 16 in three ticks,
+            // each tick reacting to the last overcorrection; the author's verdict was that the
+            // factor, not multiplication, was the problem, and that 0.8-0.9 would have worked.
+            // The gentle end because cuts come in pairs: p99 over a 30 s window keeps a breach
+            // visible for six 5 s ticks, so a 3-tick cooldown usually lets a second cut happen
+            // before the window has flushed; 0.9² ≈ 0.81 per breach lands in that range, where
+            // 0.8² ≈ 0.64 would be most of a halving again. It is also concurrency-limits'
+            // AIMD default backoff ratio. Multiplicative rather than a step because the budget
+            // spans an order of magnitude (floor to ceiling), and a cut should scale with it.
+            decrease: Decrease::Factor(0.9),
+            // Seed 001's floor was 16 per worker with 2 workers; the U-curve's left arm. It is
+            // hardware- and model-shaped: measure it.
+            floor: 32,
+            ceiling: 256,
+            // Seed 001: 3 ticks (15 s at a 5 s tick) after each decrease.
+            cooldown_ticks: 3,
+            // 0.8: climb only while the budget's busiest moment used at least 80% of it,
+            // i.e. keep the limit within about 1.25× (plus one step) of the concurrency the
+            // latency signal has actually vouched for. concurrency-limits uses 0.5, which lets
+            // the limit run to twice what traffic tested; past vLLM's KV-cache knee TTFT
+            // explodes, so a burst admitted into an untested 2× headroom lands in preemption.
+            // Not 1.0: the peak is sampled from a noisy arrival process and a tight queue is
+            // usually empty (seed 001 §3), so requiring the limit to be hit exactly would stall
+            // the climb just under the operating point. Anything queued counts as demand
+            // regardless.
+            demand_fraction: 0.8,
+        }
+    }
+}
+
+impl AimdConfig {
+    /// Checks every field; the error names each bad field and its value, one per line
+    /// (`field: problem`), so a caller can prefix its own path.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut problems = Vec::new();
+        let target = self.target_p99_ttft_seconds;
+        if !(target.is_finite() && target > 0.0) {
+            problems.push(format!(
+                "target_p99_ttft_seconds: {target} must be a positive number of seconds"
+            ));
+        }
+        let band = self.band;
+        // band = 1 would put the increase threshold at 0: the budget could never grow.
+        if !(0.0..1.0).contains(&band) {
+            problems.push(format!("band: {band} must be in [0, 1)"));
+        }
+        if self.increase_step == 0 {
+            problems.push(
+                "increase_step: 0 must be at least 1 (for a fixed budget, set floor = ceiling)"
+                    .to_owned(),
+            );
+        }
+        match self.decrease {
+            Decrease::Factor(factor) if !(factor > 0.0 && factor < 1.0) => {
+                problems.push(format!(
+                    "decrease: factor {factor} must be strictly between 0 and 1"
+                ));
+            }
+            Decrease::Step(0) => {
+                problems.push("decrease: step 0 must be at least 1".to_owned());
+            }
+            _ => {}
+        }
+        if self.floor == 0 {
+            problems.push("floor: 0 must be at least 1 (a budget of 0 admits nothing)".to_owned());
+        }
+        if self.ceiling < self.floor {
+            problems.push(format!(
+                "ceiling: {} must be at least floor ({})",
+                self.ceiling, self.floor
+            ));
+        }
+        let fraction = self.demand_fraction;
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            problems.push(format!("demand_fraction: {fraction} must be in (0, 1]"));
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("\n"))
+        }
+    }
+}
+
+/// What the enforcer saw over one tick.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Observation {
+    /// p99 TTFT over the sliding window, queue wait included; None if the window is empty.
+    pub p99_ttft_seconds: Option<f64>,
+    /// The most requests in flight at once during the tick (a peak, not a snapshot: a
+    /// snapshot at tick time misses the bursts that reached the limit).
+    pub peak_in_flight: u32,
+    /// Requests waiting for a slot (at the tick, or better, the most at once during it).
+    pub queued: u32,
+}
+
+/// What a tick did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    Increase,
+    Decrease,
+    Hold(Hold),
+}
+
+/// Why a tick left the limit alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hold {
+    /// p99 within the deadband around the target.
+    InBand,
+    /// p99 comfortably under the target, but the traffic is not using the budget.
+    NoDemand,
+    /// The window holds no samples.
+    NoSamples,
+    /// Waiting out the ticks after a decrease.
+    Cooldown,
+    /// Would increase, but the limit is at the ceiling.
+    AtCeiling,
+    /// Would decrease, but the limit is at the floor.
+    AtFloor,
+}
+
+impl Action {
+    /// Every action, for creating every metric series at start-up.
+    pub const ALL: [Action; 8] = [
+        Action::Increase,
+        Action::Decrease,
+        Action::Hold(Hold::InBand),
+        Action::Hold(Hold::NoDemand),
+        Action::Hold(Hold::NoSamples),
+        Action::Hold(Hold::Cooldown),
+        Action::Hold(Hold::AtCeiling),
+        Action::Hold(Hold::AtFloor),
+    ];
+
+    /// The metric label value; stable.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Increase => "increase",
+            Action::Decrease => "decrease",
+            Action::Hold(Hold::InBand) => "hold_in_band",
+            Action::Hold(Hold::NoDemand) => "hold_no_demand",
+            Action::Hold(Hold::NoSamples) => "hold_no_samples",
+            Action::Hold(Hold::Cooldown) => "hold_cooldown",
+            Action::Hold(Hold::AtCeiling) => "hold_at_ceiling",
+            Action::Hold(Hold::AtFloor) => "hold_at_floor",
+        }
+    }
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The controller's state: the current limit and the cooldown ticks left.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Aimd {
+    limit: u32,
+    cooldown_left: u32,
+}
+
+impl Aimd {
+    /// Starts at `initial`, clamped to [floor, ceiling].
+    pub fn new(initial: u32, config: &AimdConfig) -> Aimd {
+        Aimd {
+            // Not `clamp`: it panics if floor > ceiling, and an unvalidated config should
+            // give a wrong number, not a crash. Ceiling wins.
+            limit: initial.max(config.floor).min(config.ceiling),
+            cooldown_left: 0,
+        }
+    }
+
+    /// The budget to enforce now.
+    pub fn limit(&self) -> u32 {
+        self.limit
+    }
+
+    /// One tick: observation in, new limit and what was done out.
+    pub fn step(&mut self, config: &AimdConfig, observation: Observation) -> Action {
+        if self.cooldown_left > 0 {
+            self.cooldown_left -= 1;
+            return Action::Hold(Hold::Cooldown);
+        }
+        // NaN cannot come out of the window; if it ever does, it is no more a latency than an
+        // empty window is.
+        let Some(p99) = observation.p99_ttft_seconds.filter(|p| !p.is_nan()) else {
+            return Action::Hold(Hold::NoSamples);
+        };
+        let target = config.target_p99_ttft_seconds;
+        if p99 > target * (1.0 + config.band) {
+            return self.decrease(config);
+        }
+        if p99 < target * (1.0 - config.band) {
+            if !self.has_demand(config, observation) {
+                return Action::Hold(Hold::NoDemand);
+            }
+            if self.limit >= config.ceiling {
+                return Action::Hold(Hold::AtCeiling);
+            }
+            self.limit = self
+                .limit
+                .saturating_add(config.increase_step)
+                .min(config.ceiling);
+            return Action::Increase;
+        }
+        Action::Hold(Hold::InBand)
+    }
+
+    fn decrease(&mut self, config: &AimdConfig) -> Action {
+        if self.limit <= config.floor {
+            // Nothing was cut, so there are no stale samples to wait out: no cooldown.
+            return Action::Hold(Hold::AtFloor);
+        }
+        let cut = match config.decrease {
+            Decrease::Factor(factor) => {
+                // Round down, with a nudge so float noise does not turn 10 × 0.7 into 6.
+                let product = (f64::from(self.limit) * factor + 1e-9).floor();
+                // `as` saturates (NaN → 0); at least 1 less, or a factor near 1 would not cut.
+                (product as u32).min(self.limit - 1)
+            }
+            Decrease::Step(step) => self.limit.saturating_sub(step),
+        };
+        self.limit = cut.max(config.floor);
+        self.cooldown_left = config.cooldown_ticks;
+        Action::Decrease
+    }
+
+    /// Seed 001's gate (anything in flight or queued) and Netflix's (in flight near the
+    /// limit), together: something queued is demand outright; otherwise the busiest moment of
+    /// the tick must have used `demand_fraction` of the limit (and at least one slot, should
+    /// the fraction of a small limit round to nothing).
+    fn has_demand(&self, config: &AimdConfig, observation: Observation) -> bool {
+        let Observation {
+            peak_in_flight,
+            queued,
+            ..
+        } = observation;
+        let near_limit = (f64::from(self.limit) * config.demand_fraction).ceil();
+        queued > 0 || (peak_in_flight > 0 && f64::from(peak_in_flight) >= near_limit)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,225 @@
+//! A latency quantile over a sliding time window, in bounded memory: what the control loop
+//! reads as "p99 TTFT over the last 30 s".
+//!
+//! Why a window and not the Prometheus histogram: the controller must react to what latency is
+//! *now*, and a cumulative histogram remembers the whole process lifetime. Why not a list of
+//! samples: at a few thousand requests per second a 30 s list is large and grows with load; an
+//! admission service must not let traffic grow its memory.
+//!
+//! # Shape
+//!
+//! The window is cut into `slots` sub-windows of `window / slots` each, kept in a ring. Every
+//! slot is a fixed log-linear histogram (HDR-style): each power of two of seconds is split into
+//! 16 equal buckets, from 2^-10 s (about 1 ms) to 2^12 s (about 68 min), 352 buckets in all.
+//! A quantile is reported as the midpoint of the bucket it falls in, so it is within 1/32
+//! (about 3.1%) of a sample in that bucket. Memory is `slots` × 352 counters, whatever the
+//! sample count; a quantile merges the live slots bucket by bucket (`slots` × 352 additions,
+//! nothing at a 5 s tick).
+//!
+//! # Expiry
+//!
+//! Slots expire whole. A slot is live while it is the current one or one of the `slots - 1`
+//! before it; so a sample is forgotten between `window - window / slots` and `window` after it
+//! was recorded, never later. (Forgetting a little early, rather than keeping a little too long,
+//! is the side to err on: the controller's cooldown exists because stale samples from before a
+//! decrease make it cut again, seed 001 §5.)
+//!
+//! # Time
+//!
+//! `now` is always an argument; nothing here reads a clock, so tests step time by hand.
+//! Slot boundaries count from the first `now` ever passed in. Time only moves forward: a `now`
+//! earlier than the latest one seen is treated as the latest (a late sample lands in the
+//! current slot rather than reviving an expired one), and a jump longer than the whole window
+//! simply finds every slot expired.
+//!
+//! # Odd samples
+//!
+//! - NaN and negative values are not latencies (a broken measurement, not a fast request):
+//!   they are dropped and not counted.
+//! - 0 and anything under 2^-10 s count in the bottom bucket (reported as about 1 ms).
+//! - +∞ and anything from 2^12 s up count in the top bucket (reported as about 67 min). A
+//!   very slow sample must never vanish: hiding it would tell the controller latency is fine.
+
+use std::fmt;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// Buckets per power of two is `2^SUB_BUCKET_BITS`. With 16, a bucket is at most 1/16 of its
+/// lower edge wide, so its midpoint is within 1/32 of anything in it.
+const SUB_BUCKET_BITS: u32 = 4;
+const SUB_BUCKETS: usize = 1 << SUB_BUCKET_BITS;
+/// 2^-10 s ≈ 0.98 ms: the smallest latency told apart from zero.
+const MIN_EXPONENT: i32 = -10;
+/// 2^12 s ≈ 68 min: everything from here up shares the top bucket.
+const MAX_EXPONENT: i32 = 12;
+const BUCKETS: usize = (MAX_EXPONENT - MIN_EXPONENT) as usize * SUB_BUCKETS;
+/// f64 layout: 52 mantissa bits under 11 exponent bits biased by 1023.
+const MANTISSA_BITS: u32 = 52;
+const EXPONENT_BIAS: i32 = 1023;
+
+/// Latency samples over the last `window`, in `slots` sub-windows that expire whole.
+#[derive(Clone)]
+pub struct LatencyWindow {
+    slot_width: Duration,
+    slots: Vec<Slot>,
+    /// Where slot numbering starts: the first `now` seen.
+    origin: Option<Instant>,
+    /// The highest slot number seen so far; time never goes back behind it.
+    latest: u64,
+}
+
+#[derive(Clone)]
+struct Slot {
+    /// Which slot number (since `origin`) the counts belong to.
+    number: u64,
+    total: u64,
+    counts: Box<[u64]>,
+}
+
+impl LatencyWindow {
+    /// A window of `window`, cut into `slots` sub-windows.
+    ///
+    /// More slots expire more smoothly and cost more memory and merge time. `slots == 0` is
+    /// taken as 1, and a window shorter than `slots` nanoseconds as 1 ns per slot: there is no
+    /// useful way to fail here, and either still bounds memory.
+    pub fn new(window: Duration, slots: u32) -> Self {
+        let slots = slots.max(1);
+        let slot_width = (window / slots).max(Duration::from_nanos(1));
+        LatencyWindow {
+            slot_width,
+            slots: (0..slots)
+                .map(|_| Slot {
+                    number: 0,
+                    total: 0,
+                    counts: vec![0; BUCKETS].into_boxed_slice(),
+                })
+                .collect(),
+            origin: None,
+            latest: 0,
+        }
+    }
+
+    /// Records one latency, in seconds, observed at `now` (see the module docs for NaN,
+    /// negative, zero and infinite values).
+    pub fn record(&mut self, now: Instant, seconds: f64) {
+        let current = self.advance(now);
+        let Some(bucket) = bucket_of(seconds) else {
+            return;
+        };
+        let ring = self.slots.len() as u64;
+        let slot = &mut self.slots[(current % ring) as usize];
+        if slot.number != current {
+            // The slot last held samples from a whole window ago (or longer): start it afresh.
+            slot.number = current;
+            slot.total = 0;
+            slot.counts.fill(0);
+        }
+        slot.counts[bucket] += 1;
+        slot.total += 1;
+    }
+
+    /// The q-quantile (0 < q <= 1) of samples within the window ending at `now`, or None if
+    /// there are none.
+    ///
+    /// Nearest rank: the smallest sample with at least `q` of all samples at or below it,
+    /// reported as its bucket's midpoint. A `q` outside (0, 1] is clamped into it (so 0 and NaN
+    /// give the minimum).
+    pub fn quantile(&mut self, now: Instant, q: f64) -> Option<f64> {
+        let current = self.advance(now);
+        let total = self.live_total(current);
+        if total == 0 {
+            return None;
+        }
+        // The tiny nudge keeps float noise from rounding an exact rank up: p99 of 100 samples
+        // is the 99th, not the 100th.
+        let rank = (q.clamp(0.0, 1.0) * total as f64 - 1e-9).ceil();
+        let rank = (rank as u64).clamp(1, total);
+        let ring = self.slots.len() as u64;
+        let mut seen = 0;
+        for bucket in 0..BUCKETS {
+            seen += self
+                .slots
+                .iter()
+                .filter(|slot| is_live(slot, current, ring))
+                .map(|slot| slot.counts[bucket])
+                .sum::<u64>();
+            if seen >= rank {
+                return Some(bucket_midpoint(bucket));
+            }
+        }
+        // Unreachable: the buckets of the live slots add up to `total` and `rank <= total`.
+        Some(bucket_midpoint(BUCKETS - 1))
+    }
+
+    /// How many samples are within the window ending at `now`.
+    pub fn count(&mut self, now: Instant) -> u64 {
+        let current = self.advance(now);
+        self.live_total(current)
+    }
+
+    /// Moves time to `now` (never backwards) and returns the current slot number.
+    fn advance(&mut self, now: Instant) -> u64 {
+        let origin = *self.origin.get_or_insert(now);
+        let elapsed = now.saturating_duration_since(origin).as_nanos();
+        let number = elapsed / self.slot_width.as_nanos();
+        // u64 slot numbers last 584 years at 1 ns per slot; saturate rather than wrap anyway.
+        let number = u64::try_from(number).unwrap_or(u64::MAX);
+        self.latest = self.latest.max(number);
+        self.latest
+    }
+
+    fn live_total(&self, current: u64) -> u64 {
+        let ring = self.slots.len() as u64;
+        self.slots
+            .iter()
+            .filter(|slot| is_live(slot, current, ring))
+            .map(|slot| slot.total)
+            .sum()
+    }
+}
+
+impl fmt::Debug for LatencyWindow {
+    // The counters are thousands of numbers; the shape is what helps when debugging.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LatencyWindow")
+            .field("slot_width", &self.slot_width)
+            .field("slots", &self.slots.len())
+            .field("latest_slot", &self.latest)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether `slot` holds samples of the window whose newest slot is `current`.
+fn is_live(slot: &Slot, current: u64, ring: u64) -> bool {
+    slot.total > 0 && slot.number <= current && current - slot.number < ring
+}
+
+/// The bucket a latency counts in, or None for a value that is not a latency.
+fn bucket_of(seconds: f64) -> Option<usize> {
+    if seconds.is_nan() || seconds < 0.0 {
+        return None;
+    }
+    if seconds < 2f64.powi(MIN_EXPONENT) {
+        return Some(0);
+    }
+    if seconds >= 2f64.powi(MAX_EXPONENT) {
+        return Some(BUCKETS - 1);
+    }
+    // A normal float in range: its exponent picks the power of two and the top mantissa bits
+    // the linear bucket within it. Exact, and no logarithm.
+    let bits = seconds.to_bits();
+    let exponent = ((bits >> MANTISSA_BITS) & 0x7ff) as i32 - EXPONENT_BIAS;
+    let sub = ((bits >> (MANTISSA_BITS - SUB_BUCKET_BITS)) as usize) & (SUB_BUCKETS - 1);
+    Some((exponent - MIN_EXPONENT) as usize * SUB_BUCKETS + sub)
+}
+
+/// The value a bucket reports: its midpoint.
+fn bucket_midpoint(bucket: usize) -> f64 {
+    let octave = (bucket / SUB_BUCKETS) as i32;
+    let sub = (bucket % SUB_BUCKETS) as f64;
+    2f64.powi(MIN_EXPONENT + octave) * (1.0 + (sub + 0.5) / SUB_BUCKETS as f64)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,194 @@
+//! The fair queue's async face: one global in-flight budget shared by weight, with RAII permits.
+//!
+//! `fair::FairQueue` decides (pure, no clocks); this module only adds the lock, the wake-ups and
+//! the guards. A request either gets a `Permit` at once, waits with a `Ticket`, or is refused
+//! because its tenant's queue is full. A `Permit` frees its slot exactly once, when dropped,
+//! whichever way the request's stream ends; a `Ticket` dropped while queued (client gone,
+//! deadline passed, shutdown) gives up its place at once and takes nothing.
+
+pub mod fair;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::oneshot;
+
+pub use fair::FlowClass;
+use fair::{EntryKey, FairQueue, FlowKey, Submit};
+
+/// The global in-flight budget and the per-tenant queues in front of it.
+pub struct Scheduler {
+    state: Mutex<State>,
+}
+
+struct State {
+    fair: FairQueue<oneshot::Sender<Permit>>,
+    /// Highest in-flight count since the controller last looked: its demand gate needs to know
+    /// whether the budget was used during the tick, not at the instant it ticks.
+    peak_in_flight: u32,
+}
+
+/// The outcome of asking for a slot.
+pub enum Admit {
+    /// A slot is free: go.
+    Now(Permit),
+    /// Wait for a slot with this ticket.
+    Queued(Ticket),
+    /// The tenant's queue is full.
+    Full,
+}
+
+/// The budget's state at one instant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Load {
+    pub limit: u32,
+    pub in_flight: u32,
+    pub queued: u32,
+}
+
+impl Scheduler {
+    pub fn new(limit: u32) -> Arc<Scheduler> {
+        Arc::new(Scheduler {
+            state: Mutex::new(State {
+                fair: FairQueue::new(limit.max(1)),
+                peak_in_flight: 0,
+            }),
+        })
+    }
+
+    /// Asks for a slot for one request of `tenant`.
+    pub fn submit(self: &Arc<Self>, tenant: &str, class: FlowClass, cost: u64) -> Admit {
+        let (tx, rx) = oneshot::channel();
+        let mut state = self.lock();
+        match state.fair.submit(tenant, class, cost, tx) {
+            Submit::Granted(flow) => {
+                state.note_in_flight();
+                Admit::Now(Permit {
+                    scheduler: self.clone(),
+                    flow,
+                })
+            }
+            Submit::Queued(entry) => Admit::Queued(Ticket {
+                scheduler: self.clone(),
+                entry,
+                rx,
+            }),
+            Submit::Full(_) => Admit::Full,
+        }
+    }
+
+    /// Resizes the budget. A larger one admits waiting requests at once; a smaller one never
+    /// preempts: in-flight requests finish and the count drains below the new limit.
+    pub fn set_limit(self: &Arc<Self>, limit: u32) {
+        let mut state = self.lock();
+        state.fair.set_limit(limit.max(1));
+        self.dispatch(state);
+    }
+
+    pub fn load(&self) -> Load {
+        let state = self.lock();
+        Load {
+            limit: state.fair.limit(),
+            in_flight: state.fair.in_flight(),
+            queued: state.fair.queued(),
+        }
+    }
+
+    /// The highest in-flight count since the last call; starts the next period at the current
+    /// count.
+    pub fn take_peak_in_flight(&self) -> u32 {
+        let mut state = self.lock();
+        let current = state.fair.in_flight();
+        std::mem::replace(&mut state.peak_in_flight, current).max(current)
+    }
+
+    fn release(self: &Arc<Self>, flow: FlowKey) {
+        let mut state = self.lock();
+        state.fair.release(flow);
+        self.dispatch(state);
+    }
+
+    fn cancel(&self, entry: EntryKey) {
+        // The returned sender (if the entry was still queued) is dropped here: nothing was taken.
+        let _ = self.lock().fair.cancel(entry);
+    }
+
+    /// Hands free slots to waiting requests, outside the lock.
+    fn dispatch(self: &Arc<Self>, mut state: MutexGuard<'_, State>) {
+        let mut granted = Vec::new();
+        while let Some((flow, waiter)) = state.fair.dispatch_next() {
+            state.note_in_flight();
+            granted.push((flow, waiter));
+        }
+        drop(state);
+        for (flow, waiter) in granted {
+            let permit = Permit {
+                scheduler: self.clone(),
+                flow,
+            };
+            // If the waiter gave up in the meantime, the permit comes back and drops here,
+            // releasing the slot (and dispatching the next request) exactly once.
+            let _ = waiter.send(permit);
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the queue half-updated in a way that
+        // matters more than stopping admission for good would; keep serving.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl State {
+    fn note_in_flight(&mut self) {
+        self.peak_in_flight = self.peak_in_flight.max(self.fair.in_flight());
+    }
+}
+
+/// One slot of the global budget; freed when dropped.
+pub struct Permit {
+    scheduler: Arc<Scheduler>,
+    flow: FlowKey,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.scheduler.release(self.flow);
+    }
+}
+
+impl std::fmt::Debug for Permit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Permit").finish_non_exhaustive()
+    }
+}
+
+/// A place in a tenant's queue; given up when dropped before its slot arrives.
+pub struct Ticket {
+    scheduler: Arc<Scheduler>,
+    entry: EntryKey,
+    rx: oneshot::Receiver<Permit>,
+}
+
+impl Ticket {
+    /// Waits for the slot. Cancel-safe: dropping the future (or the ticket) gives the place up.
+    pub async fn granted(&mut self) -> Permit {
+        match (&mut self.rx).await {
+            Ok(permit) => permit,
+            // The sender lives in the queue until it is used or this ticket cancels it, so it
+            // cannot be dropped while the ticket waits; never resolve if it somehow was.
+            Err(_) => std::future::pending().await,
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.scheduler.cancel(self.entry);
+        // A permit sent after the cancel lost the race drops with `rx`, releasing its slot.
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,1218 @@
+use std::cell::RefCell;
+use std::collections::{BTreeSet, VecDeque};
+use std::rc::Rc;
+
+use super::*;
+
+/// Deep enough that no test hits it unless it means to.
+const DEEP: u32 = 1_000_000;
+
+fn class(weight: u32) -> FlowClass {
+    FlowClass {
+        weight,
+        band: 0,
+        queue_max: DEEP,
+        reserved_slots: 0,
+    }
+}
+
+fn banded(weight: u32, band: u8) -> FlowClass {
+    FlowClass {
+        band,
+        ..class(weight)
+    }
+}
+
+fn reserved(weight: u32, reserved_slots: u32) -> FlowClass {
+    FlowClass {
+        reserved_slots,
+        ..class(weight)
+    }
+}
+
+/// A tiny deterministic generator (Knuth's MMIX LCG), so randomized tests replay exactly.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        self.0 >> 33
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+#[track_caller]
+fn granted<T: fmt::Debug>(submit: Submit<T>) -> FlowKey {
+    match submit {
+        Submit::Granted(flow) => flow,
+        other => panic!("expected Granted, got {other:?}"),
+    }
+}
+
+#[track_caller]
+fn queued<T: fmt::Debug>(submit: Submit<T>) -> EntryKey {
+    match submit {
+        Submit::Queued(entry) => entry,
+        other => panic!("expected Queued, got {other:?}"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch orders, one slot, everything queued up front.
+
+/// `n` requests of `tenant`, in a row.
+fn burst(tenant: &'static str, class: FlowClass, cost: u64, n: usize) -> Vec<Arrival> {
+    vec![(tenant, class, cost); n]
+}
+
+/// Alternating requests of two tenants, `n` each, `a` first.
+fn interleaved(
+    a: (&'static str, FlowClass),
+    b: (&'static str, FlowClass),
+    n: usize,
+) -> Vec<Arrival> {
+    (0..n)
+        .flat_map(|_| [(a.0, a.1, 1), (b.0, b.1, 1)])
+        .collect()
+}
+
+type Arrival = (&'static str, FlowClass, u64);
+
+/// Queues `arrivals` behind one busy slot, then serves them one at a time and renders the
+/// order in which the tenants got the slot.
+#[track_caller]
+fn check_order(arrivals: &[Arrival], expected: &str) {
+    let mut q = FairQueue::new(1);
+    let mut held = granted(q.submit("busy", class(1), 1, "busy"));
+    for &(tenant, class, cost) in arrivals {
+        queued(q.submit(tenant, class, cost, tenant));
+    }
+    let mut order = Vec::new();
+    loop {
+        q.release(held);
+        let Some((flow, tenant)) = q.dispatch_next() else {
+            break;
+        };
+        order.push(tenant);
+        held = flow;
+    }
+    assert_eq!(order.join(" "), expected);
+    assert_eq!((q.queued(), q.in_flight(), q.flow_count()), (0, 0, 0));
+}
+
+#[test]
+fn dispatch_orders() {
+    let cat = |parts: &[Vec<Arrival>]| parts.concat();
+    // Equal weights alternate, whatever the arrival order.
+    check_order(
+        &cat(&[burst("a", class(1), 1, 3), burst("b", class(1), 1, 3)]),
+        "a b a b a b",
+    );
+    check_order(
+        &interleaved(("a", class(1)), ("b", class(1)), 3),
+        "a b a b a b",
+    );
+    // 2:1, a's requests arrived first (ties go to the earliest arrival).
+    check_order(
+        &cat(&[burst("a", class(2), 1, 6), burst("b", class(1), 1, 3)]),
+        "a b a a b a a b a",
+    );
+    // 2:1, b's requests arrived first: same shares, b wins the ties.
+    check_order(
+        &cat(&[burst("b", class(1), 1, 3), burst("a", class(2), 1, 6)]),
+        "b a a b a a b a a",
+    );
+    // 3:1 with one tenant running dry: the other gets everything that is left.
+    check_order(
+        &cat(&[burst("a", class(3), 1, 4), burst("b", class(1), 1, 4)]),
+        "a b a a a b b b",
+    );
+    // Three flows 4:2:1.
+    check_order(
+        &cat(&[
+            burst("a", class(4), 1, 8),
+            burst("b", class(2), 1, 4),
+            burst("c", class(1), 1, 2),
+        ]),
+        "a b c a a b a a b c a a b a",
+    );
+    // Token cost: a's requests cost 3, b's cost 1, equal weights: b gets three requests per a.
+    check_order(
+        &cat(&[burst("a", class(1), 3, 3), burst("b", class(1), 1, 6)]),
+        "a b b b a b b b a",
+    );
+    // Cost 0 counts as 1; weight 0 counts as 1.
+    check_order(
+        &cat(&[burst("a", class(1), 0, 3), burst("b", class(0), 1, 3)]),
+        "a b a b a b",
+    );
+    // Strict bands: band 0 first, whatever the weights and arrival order; then band 1 fairly.
+    check_order(
+        &cat(&[
+            burst("lo", banded(100, 1), 1, 2),
+            burst("hi", banded(1, 0), 1, 3),
+            burst("lo2", banded(1, 1), 1, 2),
+        ]),
+        "hi hi hi lo lo2 lo lo2",
+    );
+    // A reservation goes before the band order (and before a heavier weight).
+    check_order(
+        &cat(&[
+            burst("hi", banded(1000, 0), 1, 2),
+            burst(
+                "r",
+                FlowClass {
+                    reserved_slots: 1,
+                    ..banded(1, 2)
+                },
+                1,
+                2,
+            ),
+        ]),
+        "r r hi hi",
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scripted orders: arrivals between dispatches.
+
+/// Runs a script on a one-slot scheduler and renders who got the slot, in order.
+/// Tokens: `a` submits one request of tenant `a` (cost 1), `a:7` one of cost 7, `a*3` three of
+/// cost 1, `.` frees the slot and dispatches the next request, `.*4` does that four times.
+/// Classes come from `classes` (weight 1, band 0 when not listed). A request granted at once
+/// shows up in the order like a dispatch.
+#[track_caller]
+fn check_script(classes: &[(&str, FlowClass)], script: &str, expected: &str) {
+    let class_of = |tenant: &str| {
+        classes
+            .iter()
+            .find(|(name, _)| *name == tenant)
+            .map_or(class(1), |&(_, class)| class)
+    };
+    let mut q: FairQueue<String> = FairQueue::new(1);
+    let mut held = None;
+    let mut order = Vec::new();
+    for token in script.split_whitespace() {
+        let (op, times) = match token.split_once('*') {
+            Some((op, times)) => (op, times.parse().expect("count after *")),
+            None => (token, 1),
+        };
+        for _ in 0..times {
+            if op == "." {
+                if let Some(flow) = held.take() {
+                    q.release(flow);
+                }
+                if let Some((flow, tenant)) = q.dispatch_next() {
+                    order.push(tenant);
+                    held = Some(flow);
+                }
+                continue;
+            }
+            let (tenant, cost) = match op.split_once(':') {
+                Some((tenant, cost)) => (tenant, cost.parse().expect("cost after :")),
+                None => (op, 1),
+            };
+            match q.submit(tenant, class_of(tenant), cost, tenant.to_string()) {
+                Submit::Granted(flow) => {
+                    order.push(tenant.to_string());
+                    held = Some(flow);
+                }
+                Submit::Queued(_) => {}
+                Submit::Full(_) => order.push(format!("full:{tenant}")),
+            }
+        }
+    }
+    assert_eq!(order.join(" "), expected);
+}
+
+#[test]
+fn scripted_orders() {
+    // Work conservation: the first request runs at once, the rest follow in order.
+    check_script(&[], "a*3 .*3", "a a a");
+    // A late arrival starts at the present: it alternates with a, it does not catch up on the
+    // dispatches a had while b was away.
+    check_script(&[], "a*10 .*5 b*3 .*8", "a a a a a a b a b a b a a");
+    // Same with b heavier: b gets its 3:1 from its arrival on, no more.
+    check_script(
+        &[("b", class(3))],
+        "a*10 .*4 b*6 .*10",
+        "a a a a a b b b a b b b a a a",
+    );
+    // A tenant that comes and goes keeps no credit: after its queue ran dry it restarts at
+    // the present. (b is served twice in a row around its own dispatch; never more.)
+    check_script(&[], "a*6 b .*2 b .*6", "a b a b a a a a");
+    // Queue limits: queue_max 1 lets one wait, refuses the next ones.
+    check_script(
+        &[(
+            "a",
+            FlowClass {
+                queue_max: 1,
+                ..class(1)
+            },
+        )],
+        "b a a a .",
+        "b full:a full:a a",
+    );
+    // queue_max 0 never queues, but runs at once when the budget is free.
+    check_script(
+        &[(
+            "a",
+            FlowClass {
+                queue_max: 0,
+                ..class(1)
+            },
+        )],
+        "a . b a .",
+        "a b full:a",
+    );
+    // Token cost with arrivals in between: b (cost 1) gets ten requests per a (cost 10).
+    check_script(&[], "a:10*2 b*12 .*14", "a b b b b b b b b b b a b b");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Long runs: shares.
+
+#[derive(Clone, Copy)]
+enum Size {
+    Fixed(u64),
+    /// Uniform in lo..=hi.
+    Uniform(u64, u64),
+}
+
+impl Size {
+    fn draw(self, rng: &mut Lcg) -> u64 {
+        match self {
+            Size::Fixed(n) => n,
+            Size::Uniform(lo, hi) => lo + rng.below(hi - lo + 1),
+        }
+    }
+}
+
+/// What one tenant got in a backlogged run.
+#[derive(Debug, Default, Clone, Copy)]
+struct Got {
+    requests: u64,
+    tokens: u64,
+}
+
+/// Every tenant keeps `depth` requests queued; `limit` slots complete oldest first; the run
+/// counts `dispatches` dispatches. `token_cost` charges each request its size, else 1.
+fn backlogged_run(
+    tenants: &[(FlowClass, Size)],
+    limit: u32,
+    dispatches: usize,
+    token_cost: bool,
+) -> Vec<Got> {
+    let mut rng = Lcg(7);
+    let mut q: FairQueue<(usize, u64)> = FairQueue::new(limit);
+    let names: Vec<String> = (0..tenants.len()).map(|i| format!("t{i}")).collect();
+    // Fill the budget with a warm-up tenant so that every request below has to queue.
+    let mut held: VecDeque<FlowKey> = (0..limit)
+        .map(|_| granted(q.submit("warm", class(1), 1, (usize::MAX, 0))))
+        .collect();
+    let mut submit = |q: &mut FairQueue<(usize, u64)>, rng: &mut Lcg, tenant: usize| {
+        let (class, size) = tenants[tenant];
+        let tokens = size.draw(rng);
+        let cost = if token_cost { tokens } else { 1 };
+        queued(q.submit(&names[tenant], class, cost, (tenant, tokens)));
+    };
+    for _ in 0..4 {
+        for tenant in 0..tenants.len() {
+            submit(&mut q, &mut rng, tenant);
+        }
+    }
+    let mut got = vec![Got::default(); tenants.len()];
+    for _ in 0..dispatches {
+        q.release(held.pop_front().expect("the budget is full"));
+        let (flow, (tenant, tokens)) = q.dispatch_next().expect("everyone is backlogged");
+        held.push_back(flow);
+        got[tenant].requests += 1;
+        got[tenant].tokens += tokens;
+        submit(&mut q, &mut rng, tenant);
+    }
+    got
+}
+
+#[track_caller]
+fn assert_shares(what: &str, got: &[u64], weights: &[u64]) {
+    let total: u64 = got.iter().sum();
+    let weight_total: u64 = weights.iter().sum();
+    for (i, (&got, &weight)) in got.iter().zip(weights).enumerate() {
+        let share = got as f64 / total as f64;
+        let expected = weight as f64 / weight_total as f64;
+        assert!(
+            (share - expected).abs() <= 0.02 * expected,
+            "{what}: tenant {i} got {share:.4} of the total, expected {expected:.4} (±2%): {got:?}"
+        );
+    }
+}
+
+#[test]
+fn request_shares_follow_weights() {
+    let tenants = [
+        (class(4), Size::Uniform(10, 2000)),
+        (class(2), Size::Uniform(10, 2000)),
+        (class(1), Size::Uniform(10, 2000)),
+    ];
+    for limit in [1, 16] {
+        let got = backlogged_run(&tenants, limit, 70_000, false);
+        let requests: Vec<u64> = got.iter().map(|g| g.requests).collect();
+        assert_shares("requests", &requests, &[4, 2, 1]);
+    }
+}
+
+#[test]
+fn token_cost_shares_tokens_not_requests() {
+    // Equal weights, very different request sizes: equal tokens.
+    let tenants = [
+        (class(1), Size::Fixed(100)),
+        (class(1), Size::Fixed(400)),
+        (class(1), Size::Uniform(10, 1000)),
+    ];
+    let got = backlogged_run(&tenants, 8, 70_000, true);
+    let tokens: Vec<u64> = got.iter().map(|g| g.tokens).collect();
+    assert_shares("tokens", &tokens, &[1, 1, 1]);
+    // ... so the tenant with small requests gets four times the requests of the 400-token one.
+    let requests: Vec<u64> = got.iter().take(2).map(|g| g.requests).collect();
+    assert_shares("requests", &requests, &[4, 1]);
+
+    // Weighted 4:2:1 in tokens, sizes drawn at random.
+    let tenants = [
+        (class(4), Size::Uniform(1, 4000)),
+        (class(2), Size::Uniform(1, 500)),
+        (class(1), Size::Uniform(100, 8000)),
+    ];
+    let got = backlogged_run(&tenants, 8, 70_000, true);
+    let tokens: Vec<u64> = got.iter().map(|g| g.tokens).collect();
+    assert_shares("tokens", &tokens, &[4, 2, 1]);
+}
+
+#[test]
+fn request_cost_shares_requests_whatever_the_sizes() {
+    let tenants = [(class(1), Size::Fixed(100)), (class(1), Size::Fixed(400))];
+    let got = backlogged_run(&tenants, 8, 70_000, false);
+    let requests: Vec<u64> = got.iter().map(|g| g.requests).collect();
+    assert_shares("requests", &requests, &[1, 1]);
+}
+
+#[test]
+fn no_starvation_against_a_much_heavier_flow() {
+    let tenants = [(class(1000), Size::Fixed(1)), (class(1), Size::Fixed(1))];
+    let mut q: FairQueue<usize> = FairQueue::new(1);
+    let mut held = granted(q.submit("warm", class(1), 1, usize::MAX));
+    for (i, (class, _)) in tenants.iter().enumerate() {
+        for _ in 0..2 {
+            queued(q.submit(&format!("t{i}"), *class, 1, i));
+        }
+    }
+    let mut since_light = 0;
+    let mut longest_wait = 0;
+    let mut light = 0;
+    for _ in 0..100_000 {
+        q.release(held);
+        let (flow, tenant) = q.dispatch_next().expect("backlogged");
+        held = flow;
+        queued(q.submit(&format!("t{tenant}"), tenants[tenant].0, 1, tenant));
+        if tenant == 1 {
+            light += 1;
+            longest_wait = longest_wait.max(since_light);
+            since_light = 0;
+        } else {
+            since_light += 1;
+        }
+    }
+    // SFQ's bound: the light flow waits at most one full turn of the heavy flow.
+    assert!(
+        longest_wait <= 1000,
+        "light flow waited {longest_wait} dispatches"
+    );
+    assert!(
+        (99..=100).contains(&light),
+        "light flow got {light} of 100,000"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Work conservation and idle credit.
+
+#[test]
+fn a_lone_tenant_gets_the_whole_budget() {
+    let mut q = FairQueue::new(8);
+    let slots: Vec<FlowKey> = (0..8)
+        .map(|i| granted(q.submit("a", class(1), 1, i)))
+        .collect();
+    assert!(
+        slots.iter().all(|&flow| flow == slots[0]),
+        "one flow, one key"
+    );
+    assert_eq!(q.in_flight(), 8);
+    let waiting = queued(q.submit("a", class(1), 1, 8));
+    assert_eq!(q.dispatch_next(), None, "the budget is full");
+    q.release(slots[0]);
+    assert_eq!(q.dispatch_next(), Some((slots[0], 8)));
+    assert_eq!(q.cancel(waiting), None, "dispatched: the key is stale");
+    assert_eq!((q.in_flight(), q.queued(), q.flow_count()), (8, 0, 1));
+}
+
+/// Serves `n` dispatches from a one-slot queue whose tenants stay backlogged, returning who got
+/// each.
+fn serve_backlogged(
+    q: &mut FairQueue<&'static str>,
+    held: &mut FlowKey,
+    classes: &[(&'static str, FlowClass)],
+    n: usize,
+) -> Vec<&'static str> {
+    (0..n)
+        .map(|_| {
+            q.release(*held);
+            let (flow, tenant) = q.dispatch_next().expect("backlogged");
+            *held = flow;
+            let class = classes
+                .iter()
+                .find(|(name, _)| *name == tenant)
+                .map(|c| c.1);
+            queued(q.submit(tenant, class.expect("known tenant"), 1, tenant));
+            tenant
+        })
+        .collect()
+}
+
+#[test]
+fn idle_credit_does_not_accumulate() {
+    for b_keeps_a_slot in [false, true] {
+        let classes = [("a", class(1)), ("b", class(1))];
+        let mut q = FairQueue::new(2);
+        let mut held = granted(q.submit("a", class(1), 1, "a"));
+        // b holds the other slot through a's long run when asked to, so its flow record (and
+        // its old finish tag) survives; otherwise b is forgotten.
+        let b_slot = granted(q.submit("b", class(1), 1, "b"));
+        if !b_keeps_a_slot {
+            q.release(b_slot);
+            q.set_limit(1);
+        } else {
+            assert_eq!(q.flow_count(), 2);
+        }
+        queued(q.submit("a", class(1), 1, "a"));
+        let alone = serve_backlogged(&mut q, &mut held, &classes, 10_000);
+        assert!(alone.iter().all(|&t| t == "a"));
+
+        // b turns up backlogged: from now on it gets its half, not a burst of 10,000.
+        queued(q.submit("b", class(1), 1, "b"));
+        let after = serve_backlogged(&mut q, &mut held, &classes, 1_000);
+        let first: Vec<&str> = after.iter().take(8).copied().collect();
+        // b starts at the present (the start tag of a's last dispatch), a's next request one
+        // step later: b goes first, then they alternate.
+        assert_eq!(
+            first.join(" "),
+            "b a b a b a b a",
+            "b keeps a slot: {b_keeps_a_slot}"
+        );
+        let b_count = after.iter().filter(|&&t| t == "b").count();
+        assert!((499..=501).contains(&b_count), "b got {b_count} of 1000");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bands and reservations.
+
+#[test]
+fn strict_bands_serve_band_0_while_it_has_backlog() {
+    let mut q = FairQueue::new(1);
+    let mut held = granted(q.submit("warm", class(1), 1, "warm"));
+    for _ in 0..50 {
+        queued(q.submit("free", banded(10, 1), 1, "free"));
+        queued(q.submit("paid", banded(1, 0), 1, "paid"));
+    }
+    queued(q.submit("free2", banded(10, 1), 1, "free2"));
+    assert_eq!(
+        (
+            q.queued_in_band(0),
+            q.queued_in_band(1),
+            q.queued_in_band(2)
+        ),
+        (50, 51, 0)
+    );
+    let mut order = Vec::new();
+    loop {
+        q.release(held);
+        let Some((flow, tenant)) = q.dispatch_next() else {
+            break;
+        };
+        held = flow;
+        order.push(tenant);
+        // band 0 keeps a backlog for the first 100 dispatches
+        if order.len() <= 50 {
+            queued(q.submit("paid", banded(1, 0), 1, "paid"));
+        }
+    }
+    assert!(order[..100].iter().all(|&t| t == "paid"));
+    assert_eq!(order[100..104].join(" "), "free free2 free free");
+    assert_eq!(q.queued_in_band(0) + q.queued_in_band(1), 0);
+}
+
+/// Limit 10; `f` floods, `r` keeps 5 requests queued; slots complete oldest first. Returns
+/// r's in-flight count after each completion once warmed up, and r's share of dispatches.
+fn reservation_run(r_class: FlowClass, f_class: FlowClass) -> (Vec<u32>, f64) {
+    let mut q: FairQueue<&'static str> = FairQueue::new(10);
+    let mut held: VecDeque<(FlowKey, &'static str)> = VecDeque::new();
+    // f got there first and holds the whole budget.
+    for _ in 0..10 {
+        held.push_back((granted(q.submit("f", f_class, 1, "f")), "f"));
+    }
+    for _ in 0..50 {
+        queued(q.submit("f", f_class, 1, "f"));
+    }
+    for _ in 0..5 {
+        queued(q.submit("r", r_class, 1, "r"));
+    }
+    let mut r_in_flight = Vec::new();
+    let mut r_dispatches = 0;
+    let rounds = 20_000;
+    for round in 0..rounds {
+        let (flow, _) = held.pop_front().expect("budget is full");
+        q.release(flow);
+        while let Some((flow, tenant)) = q.dispatch_next() {
+            held.push_back((flow, tenant));
+            let class = if tenant == "r" { r_class } else { f_class };
+            queued(q.submit(tenant, class, 1, tenant));
+            if tenant == "r" {
+                r_dispatches += 1;
+            }
+        }
+        if round >= 2 {
+            r_in_flight.push(held.iter().filter(|(_, t)| *t == "r").count() as u32);
+        }
+    }
+    (r_in_flight, r_dispatches as f64 / rounds as f64)
+}
+
+#[test]
+fn reservation_holds_under_a_flood() {
+    // r reserved 20% of 10 = 2 slots, weight 1 against f's 1000.
+    let (r_in_flight, share) = reservation_run(reserved(1, 2), class(1000));
+    assert!(
+        r_in_flight.iter().all(|&n| n >= 2),
+        "r fell below its reservation"
+    );
+    assert!(
+        share < 0.21,
+        "r holds about its reservation, got {share:.3}"
+    );
+
+    // The reservation is what did it: without one, weight 1 of 1001 gets next to nothing.
+    let (r_in_flight, share) = reservation_run(class(1), class(1000));
+    assert!(r_in_flight.iter().filter(|&&n| n >= 2).count() < r_in_flight.len() / 100);
+    assert!(share < 0.01, "got {share:.3}");
+}
+
+#[test]
+fn reservation_is_a_floor_not_an_addition() {
+    // r's weighted share (half of 10) is above its reservation: the reservation never binds,
+    // and r gets its half, not 2 + half of the rest.
+    let (r_in_flight, share) = reservation_run(reserved(1, 2), class(1));
+    assert!(r_in_flight.iter().all(|&n| n >= 2));
+    assert!((0.49..=0.51).contains(&share), "r got {share:.3}");
+}
+
+#[test]
+fn reservation_beats_bands_and_waits_for_a_free_slot() {
+    let mut q = FairQueue::new(2);
+    let hi = granted(q.submit("hi", banded(1, 0), 1, "hi"));
+    granted(q.submit("hi", banded(1, 0), 1, "hi"));
+    queued(q.submit("hi", banded(1, 0), 1, "hi"));
+    let r_class = FlowClass {
+        reserved_slots: 1,
+        ..banded(1, 3)
+    };
+    queued(q.submit("r", r_class, 1, "r"));
+    queued(q.submit("r", r_class, 1, "r"));
+    // No preemption: the budget is full.
+    assert_eq!(q.dispatch_next(), None);
+    q.release(hi);
+    let (r_flow, tenant) = q.dispatch_next().expect("a slot is free");
+    assert_eq!(tenant, "r");
+    // r now holds its reserved slot; its second request waits in band 3 behind band 0.
+    q.release(hi);
+    assert_eq!(q.dispatch_next().map(|d| d.1), Some("hi"));
+    q.release(r_flow);
+    assert_eq!(q.dispatch_next().map(|d| d.1), Some("r"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Queue limits, cancellation, limits, flow lifetime.
+
+#[test]
+fn full_hands_the_payload_back_and_takes_nothing() {
+    let mut q = FairQueue::new(1);
+    let small = FlowClass {
+        queue_max: 2,
+        ..class(1)
+    };
+    granted(q.submit("a", small, 1, 0));
+    queued(q.submit("a", small, 1, 1));
+    queued(q.submit("a", small, 1, 2));
+    assert!(matches!(q.submit("a", small, 1, 3), Submit::Full(3)));
+    // Another tenant has its own queue.
+    queued(q.submit("b", small, 1, 4));
+    assert_eq!((q.queued(), q.in_flight()), (3, 1));
+
+    // queue_max 0 never queues; a refused tenant leaves no flow behind.
+    let never = FlowClass {
+        queue_max: 0,
+        ..class(1)
+    };
+    assert!(matches!(q.submit("c", never, 1, 5), Submit::Full(5)));
+    assert_eq!(q.flow_count(), 2);
+
+    // The newest class applies: a smaller queue_max refuses new requests, evicts nothing.
+    let tiny = FlowClass {
+        queue_max: 1,
+        ..class(1)
+    };
+    assert!(matches!(q.submit("a", tiny, 1, 6), Submit::Full(6)));
+    assert_eq!(q.queued(), 3);
+}
+
+#[test]
+fn cancel_from_the_middle_head_and_tail() {
+    let mut q = FairQueue::new(1);
+    let held = granted(q.submit("busy", class(1), 1, "busy"));
+    let a: Vec<EntryKey> = ["a0", "a1", "a2", "a3", "a4"]
+        .into_iter()
+        .map(|p| queued(q.submit("a", class(1), 1, p)))
+        .collect();
+    let b0 = queued(q.submit("b", class(1), 1, "b0"));
+    assert_eq!(q.cancel(a[2]), Some("a2"), "middle");
+    assert_eq!(q.cancel(a[0]), Some("a0"), "head");
+    assert_eq!(q.cancel(a[4]), Some("a4"), "tail");
+    assert_eq!(q.cancel(a[2]), None, "stale: already cancelled");
+    assert_eq!(q.queued(), 3);
+    // The cancelled head did not cost a its place: a (arrived first) still goes first.
+    q.release(held);
+    let (held, first) = q.dispatch_next().expect("slot free");
+    assert_eq!(first, "a1");
+    assert_eq!(q.cancel(a[1]), None, "stale: dispatched");
+    assert_eq!(q.cancel(b0), Some("b0"));
+    q.release(held);
+    assert_eq!(q.dispatch_next().map(|d| d.1), Some("a3"));
+    assert_eq!(q.dispatch_next(), None);
+}
+
+#[test]
+fn cancel_frees_the_queue_place() {
+    let mut q = FairQueue::new(1);
+    let one = FlowClass {
+        queue_max: 1,
+        ..class(1)
+    };
+    granted(q.submit("busy", class(1), 1, 0));
+    let first = queued(q.submit("a", one, 1, 1));
+    assert!(matches!(q.submit("a", one, 1, 2), Submit::Full(2)));
+    assert_eq!(q.cancel(first), Some(1));
+    assert_eq!(q.flow_count(), 1, "a had nothing left: forgotten");
+    let second = queued(q.submit("a", one, 1, 3));
+    assert_ne!(second, first, "a reused slot gets a new generation");
+    assert_eq!(q.cancel(first), None);
+    assert_eq!(q.queued(), 1);
+}
+
+#[test]
+fn release_then_dispatch_next() {
+    let mut q = FairQueue::new(2);
+    let a = granted(q.submit("a", class(1), 1, "a"));
+    let b = granted(q.submit("b", class(1), 1, "b"));
+    queued(q.submit("c", class(1), 1, "c"));
+    q.release(a);
+    assert_eq!(q.in_flight(), 1, "release does not dispatch");
+    assert_eq!(q.queued(), 1);
+    let (c, tenant) = q.dispatch_next().expect("a slot is free");
+    assert_eq!(tenant, "c");
+    assert_eq!(q.dispatch_next(), None);
+    q.release(a);
+    assert_eq!(q.in_flight(), 2, "a's flow is gone: its key is stale");
+    q.release(b);
+    q.release(c);
+    assert_eq!((q.in_flight(), q.flow_count()), (0, 0));
+    // Nothing queued and a slot free: granted at once again.
+    granted(q.submit("a", class(1), 1, "a"));
+}
+
+#[test]
+fn set_limit_up_dispatches_more_and_down_never_preempts() {
+    let mut q = FairQueue::new(2);
+    let a = granted(q.submit("a", class(1), 1, 0));
+    granted(q.submit("a", class(1), 1, 1));
+    for i in 2..8 {
+        queued(q.submit("a", class(1), 1, i));
+    }
+    q.set_limit(5);
+    let more: Vec<u32> = std::iter::from_fn(|| q.dispatch_next().map(|d| d.1)).collect();
+    assert_eq!(more, [2, 3, 4]);
+    assert_eq!(q.in_flight(), 5);
+
+    q.set_limit(2);
+    assert_eq!((q.limit(), q.in_flight()), (2, 5), "nothing preempted");
+    for expected_in_flight in [4, 3, 2] {
+        q.release(a);
+        assert_eq!(q.dispatch_next(), None, "draining towards the new limit");
+        assert_eq!(q.in_flight(), expected_in_flight);
+    }
+    q.release(a);
+    assert_eq!(q.dispatch_next(), Some((a, 5)));
+
+    q.set_limit(0);
+    assert_eq!(q.limit(), 1, "a limit is at least 1");
+}
+
+#[test]
+fn flows_are_removed_when_idle() {
+    let mut q = FairQueue::new(1);
+    assert_eq!(q.flow_count(), 0);
+    let a = granted(q.submit("a", class(1), 1, 0));
+    let b = queued(q.submit("b", class(1), 1, 1));
+    queued(q.submit("c", class(1), 1, 2));
+    assert_eq!(q.flow_count(), 3);
+    q.cancel(b);
+    assert_eq!(q.flow_count(), 2, "b: nothing queued, nothing in flight");
+    q.release(a);
+    assert_eq!(q.flow_count(), 1, "a: released its only slot");
+    let (c, _) = q.dispatch_next().expect("slot free");
+    assert_eq!(q.flow_count(), 1, "c: one slot in flight");
+    q.release(c);
+    assert_eq!(q.flow_count(), 0);
+    check_structure(&q);
+}
+
+#[test]
+fn newest_class_applies_to_the_whole_flow() {
+    let mut q = FairQueue::new(1);
+    let mut held = granted(q.submit("busy", class(1), 1, "busy"));
+    for _ in 0..3 {
+        queued(q.submit("a", banded(1, 1), 1, "a"));
+        queued(q.submit("b", banded(1, 0), 1, "b"));
+    }
+    assert_eq!((q.queued_in_band(0), q.queued_in_band(1)), (3, 3));
+    // a moves to band 0, with all its queued requests.
+    queued(q.submit("a", banded(1, 0), 1, "a"));
+    assert_eq!((q.queued_in_band(0), q.queued_in_band(1)), (7, 0));
+    check_structure(&q);
+    let mut order = Vec::new();
+    while {
+        q.release(held);
+        q.dispatch_next().map(|(flow, tenant)| {
+            held = flow;
+            order.push(tenant);
+        })
+    }
+    .is_some()
+    {}
+    // a restarts at band 0's present, like b; a's head arrived first.
+    assert_eq!(order.join(" "), "a b a b a b a");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Randomized operation sequences against a model.
+
+/// Checks the internal structure: lists, keys, counts and the name index agree.
+fn check_structure<T>(q: &FairQueue<T>) {
+    let mut live = 0;
+    let mut queued = 0;
+    let mut in_flight = 0;
+    let mut keyed = 0;
+    let mut by_band = [0u32; BANDS];
+    for (index, slot) in q.flows.iter().enumerate() {
+        let Some(flow) = &slot.flow else {
+            continue;
+        };
+        let index = index as u32;
+        live += 1;
+        assert_eq!(q.by_name.get(&flow.name), Some(&index));
+        assert!(flow.queued > 0 || flow.in_flight > 0, "idle flow kept");
+        let mut length = 0;
+        let mut prev = NIL;
+        let mut at = flow.head;
+        while at != NIL {
+            let entry = q.entry(at);
+            assert_eq!((entry.flow, entry.prev), (index, prev));
+            length += 1;
+            prev = at;
+            at = entry.next;
+        }
+        assert_eq!((length, prev), (flow.queued, flow.tail));
+        queued += flow.queued;
+        in_flight += flow.in_flight;
+        by_band[usize::from(flow.class.band)] += flow.queued;
+        if flow.queued > 0 {
+            keyed += 1;
+            let key = flow.order.expect("a backlogged flow has a key");
+            assert!(q.order.contains(&key));
+            let expected = OrderKey {
+                lane: flow.lane(),
+                band: flow.class.band,
+                start: flow.head_start,
+                seq: q.entry(flow.head).seq,
+                flow: index,
+            };
+            assert_eq!(key, expected);
+        } else {
+            assert_eq!(flow.order, None);
+        }
+    }
+    assert_eq!(q.by_name.len(), live);
+    assert_eq!(q.order.len(), keyed);
+    assert_eq!((q.queued, q.in_flight), (queued, in_flight));
+    assert_eq!(*q.queued_by_band, by_band);
+    let occupied = q
+        .entries
+        .iter()
+        .filter(|slot| matches!(slot.slot, Slot::Occupied(_)))
+        .count();
+    assert_eq!(occupied, q.queued as usize);
+    let mut free = 0;
+    let mut at = q.free_entry;
+    while at != NIL {
+        let Slot::Vacant { next_free } = q.entries[at as usize].slot else {
+            panic!("free list reaches an occupied slot");
+        };
+        free += 1;
+        at = next_free;
+    }
+    assert_eq!(free + occupied, q.entries.len());
+}
+
+/// A payload that notes when it is dropped, so the test sees any payload the queue loses.
+struct Tracked {
+    id: u64,
+    dropped: Rc<RefCell<Vec<u64>>>,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.dropped.borrow_mut().push(self.id);
+    }
+}
+
+impl fmt::Debug for Tracked {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tracked({})", self.id)
+    }
+}
+
+const TENANTS: [&str; 6] = ["t0", "t1", "t2", "t3", "t4", "t5"];
+
+/// The expected state, kept the slow and obvious way: per-tenant queues scanned on every
+/// dispatch, tags recomputed from the rules in the module documentation.
+struct Model {
+    class: [FlowClass; TENANTS.len()],
+    /// (payload id, key, cost); ids grow with arrival, so they double as arrival order.
+    queue: [VecDeque<(u64, EntryKey, u64)>; TENANTS.len()],
+    in_flight: [u32; TENANTS.len()],
+    finish: [u128; TENANTS.len()],
+    head_start: [u128; TENANTS.len()],
+    virtual_time: [u128; 3],
+    key: [Option<FlowKey>; TENANTS.len()],
+    held: Vec<(FlowKey, usize)>,
+    /// Keys the queue must ignore: dispatched or cancelled entries, flows that went idle.
+    stale_entries: Vec<EntryKey>,
+    stale_flows: Vec<FlowKey>,
+    /// Every payload handed back (dispatch, cancel, Full) or granted at once.
+    accounted: BTreeSet<u64>,
+    next_id: u64,
+}
+
+impl Model {
+    fn tenant_of(&self, id: u64) -> usize {
+        (0..TENANTS.len())
+            .find(|&t| self.queue[t].iter().any(|&(queued, ..)| queued == id))
+            .expect("a dispatched payload was queued")
+    }
+
+    fn live(&self, tenant: usize) -> bool {
+        !self.queue[tenant].is_empty() || self.in_flight[tenant] > 0
+    }
+
+    /// The newest class applies to the flow; a new flow starts with no history, and a flow
+    /// changing band restarts at that band's present.
+    fn apply_class(&mut self, tenant: usize, class: FlowClass) {
+        if !self.live(tenant) {
+            self.finish[tenant] = 0;
+        } else if self.class[tenant].band != class.band {
+            self.finish[tenant] = 0;
+            self.head_start[tenant] = self.virtual_time[usize::from(class.band)];
+        }
+        self.class[tenant] = class;
+    }
+
+    fn reserved_lane(&self, tenant: usize) -> bool {
+        self.in_flight[tenant] < self.class[tenant].reserved_slots
+    }
+
+    /// Gives `tenant` a slot for a request with tag `start`, charging it outside reservations.
+    fn take_slot(&mut self, tenant: usize, start: u128, cost: u64) {
+        if !self.reserved_lane(tenant) {
+            let band = usize::from(self.class[tenant].band);
+            self.virtual_time[band] = self.virtual_time[band].max(start);
+            self.finish[tenant] = start + charge(cost, self.class[tenant].weight);
+        }
+        self.in_flight[tenant] += 1;
+    }
+
+    fn tag_head(&mut self, tenant: usize) {
+        let band = usize::from(self.class[tenant].band);
+        self.head_start[tenant] = self.virtual_time[band].max(self.finish[tenant]);
+    }
+
+    /// The tenant whose head should go next: reservations, then band, then start tag, then
+    /// arrival.
+    fn expected_next(&self) -> Option<usize> {
+        (0..TENANTS.len())
+            .filter(|&t| !self.queue[t].is_empty())
+            .min_by_key(|&t| {
+                (
+                    !self.reserved_lane(t),
+                    self.class[t].band,
+                    self.head_start[t],
+                    self.queue[t][0].0,
+                )
+            })
+    }
+
+    fn total_queued(&self) -> u32 {
+        self.queue.iter().map(|q| q.len() as u32).sum()
+    }
+
+    /// Forgets a tenant's flow key once it has nothing queued and nothing in flight.
+    fn note_if_idle(&mut self, tenant: usize) {
+        if self.queue[tenant].is_empty() && self.in_flight[tenant] == 0 {
+            if let Some(key) = self.key[tenant].take() {
+                self.stale_flows.push(key);
+            }
+        }
+    }
+
+    fn set_key(&mut self, tenant: usize, key: FlowKey) {
+        match self.key[tenant] {
+            Some(known) => assert_eq!(known, key, "one key per live flow"),
+            None => self.key[tenant] = Some(key),
+        }
+    }
+
+    fn account(&mut self, id: u64) {
+        assert!(self.accounted.insert(id), "payload {id} came back twice");
+    }
+}
+
+fn random_class(rng: &mut Lcg) -> FlowClass {
+    FlowClass {
+        weight: 1 + rng.below(4) as u32,
+        band: rng.below(3) as u8,
+        queue_max: rng.below(6) as u32,
+        reserved_slots: rng.below(3) as u32,
+    }
+}
+
+fn random_run(seed: u64, steps: usize) {
+    let mut rng = Lcg(seed);
+    let dropped = Rc::new(RefCell::new(Vec::new()));
+    let mut q: FairQueue<Tracked> = FairQueue::new(1 + rng.below(6) as u32);
+    let mut m = Model {
+        class: std::array::from_fn(|_| random_class(&mut rng)),
+        queue: Default::default(),
+        in_flight: [0; TENANTS.len()],
+        finish: [0; TENANTS.len()],
+        head_start: [0; TENANTS.len()],
+        virtual_time: [0; 3],
+        key: [None; TENANTS.len()],
+        held: Vec::new(),
+        stale_entries: Vec::new(),
+        stale_flows: Vec::new(),
+        accounted: BTreeSet::new(),
+        next_id: 0,
+    };
+
+    let mut dropped_seen = 0;
+    for step in 0..steps {
+        let roll = rng.below(100);
+        if roll < 40 {
+            // submit
+            let tenant = rng.below(TENANTS.len() as u64) as usize;
+            let class = if rng.chance(10) {
+                random_class(&mut rng)
+            } else {
+                m.class[tenant]
+            };
+            let cost = rng.below(50);
+            m.apply_class(tenant, class);
+            let id = m.next_id;
+            m.next_id += 1;
+            let grantable = q.in_flight() < q.limit() && m.total_queued() == 0;
+            let payload = Tracked {
+                id,
+                dropped: dropped.clone(),
+            };
+            match q.submit(TENANTS[tenant], class, cost, payload) {
+                Submit::Granted(flow) => {
+                    assert!(grantable, "step {step}: granted while not grantable");
+                    m.account(id);
+                    m.set_key(tenant, flow);
+                    let band = usize::from(class.band);
+                    let start = m.virtual_time[band].max(m.finish[tenant]);
+                    m.take_slot(tenant, start, cost);
+                    m.held.push((flow, tenant));
+                }
+                Submit::Queued(entry) => {
+                    assert!(!grantable, "step {step}: queued while a slot was free");
+                    assert!((m.queue[tenant].len() as u32) < class.queue_max);
+                    m.queue[tenant].push_back((id, entry, cost));
+                    if m.queue[tenant].len() == 1 {
+                        m.tag_head(tenant);
+                    }
+                }
+                Submit::Full(payload) => {
+                    assert!(!grantable, "step {step}: refused while a slot was free");
+                    assert!(m.queue[tenant].len() as u32 >= class.queue_max);
+                    assert_eq!(payload.id, id);
+                    m.account(id);
+                }
+            }
+        } else if roll < 65 {
+            // dispatch
+            let was_full = q.in_flight() >= q.limit();
+            let reserved_waiting: Vec<usize> = (0..TENANTS.len())
+                .filter(|&t| !m.queue[t].is_empty() && m.in_flight[t] < m.class[t].reserved_slots)
+                .collect();
+            let backlogged: Vec<usize> = (0..TENANTS.len())
+                .filter(|&t| !m.queue[t].is_empty())
+                .collect();
+            let expected = m.expected_next();
+            match q.dispatch_next() {
+                None => assert!(was_full || backlogged.is_empty(), "step {step}: idle slot"),
+                Some((flow, payload)) => {
+                    assert!(!was_full, "step {step}: dispatched over the limit");
+                    let tenant = m.tenant_of(payload.id);
+                    assert_eq!(Some(tenant), expected, "step {step}: dispatch order");
+                    let start = m.head_start[tenant];
+                    let (head, entry, cost) = m.queue[tenant].pop_front().expect("backlogged");
+                    assert_eq!(head, payload.id, "step {step}: FIFO within a flow");
+                    // Reservations first, then the highest band.
+                    let candidates = if reserved_waiting.is_empty() {
+                        &backlogged
+                    } else {
+                        &reserved_waiting
+                    };
+                    assert!(candidates.contains(&tenant), "step {step}: lane order");
+                    let best_band = candidates.iter().map(|&t| m.class[t].band).min();
+                    assert_eq!(Some(m.class[tenant].band), best_band, "step {step}: bands");
+                    m.account(payload.id);
+                    m.stale_entries.push(entry);
+                    m.set_key(tenant, flow);
+                    m.take_slot(tenant, start, cost);
+                    if !m.queue[tenant].is_empty() {
+                        m.tag_head(tenant);
+                    }
+                    m.held.push((flow, tenant));
+                }
+            }
+        } else if roll < 82 {
+            // release, sometimes with a stale key
+            if rng.chance(20) && !m.stale_flows.is_empty() {
+                let stale = m.stale_flows[rng.below(m.stale_flows.len() as u64) as usize];
+                let before = (q.in_flight(), q.queued(), q.flow_count());
+                q.release(stale);
+                assert_eq!(before, (q.in_flight(), q.queued(), q.flow_count()));
+            } else if !m.held.is_empty() {
+                let (flow, tenant) = m.held.swap_remove(rng.below(m.held.len() as u64) as usize);
+                q.release(flow);
+                m.in_flight[tenant] -= 1;
+                m.note_if_idle(tenant);
+            }
+        } else if roll < 96 {
+            // cancel, sometimes with a stale key
+            if rng.chance(25) && !m.stale_entries.is_empty() {
+                let stale = m.stale_entries[rng.below(m.stale_entries.len() as u64) as usize];
+                assert!(q.cancel(stale).is_none(), "step {step}: stale cancel");
+            } else {
+                let tenant = rng.below(TENANTS.len() as u64) as usize;
+                if !m.queue[tenant].is_empty() {
+                    let at = rng.below(m.queue[tenant].len() as u64) as usize;
+                    // A cancelled head's start tag passes to the next request: nothing to do.
+                    let (id, entry, _) = m.queue[tenant].remove(at).expect("in range");
+                    let payload = q.cancel(entry).expect("still queued");
+                    assert_eq!(payload.id, id);
+                    m.account(id);
+                    m.stale_entries.push(entry);
+                    m.note_if_idle(tenant);
+                }
+            }
+        } else {
+            q.set_limit(1 + rng.below(8) as u32);
+        }
+
+        // Invariants after every step.
+        assert_eq!(q.queued(), m.total_queued(), "step {step}");
+        assert_eq!(
+            q.in_flight(),
+            m.in_flight.iter().sum::<u32>(),
+            "step {step}"
+        );
+        for band in 0..3u8 {
+            let expected: u32 = (0..TENANTS.len())
+                .filter(|&t| m.class[t].band == band)
+                .map(|t| m.queue[t].len() as u32)
+                .sum();
+            assert_eq!(q.queued_in_band(band), expected, "step {step}: band {band}");
+        }
+        let active = (0..TENANTS.len())
+            .filter(|&t| !m.queue[t].is_empty() || m.in_flight[t] > 0)
+            .count();
+        assert_eq!(q.flow_count(), active, "step {step}: idle flows are gone");
+        // The queue drops only payloads it granted at once; everything else comes back.
+        for &id in &dropped.borrow()[dropped_seen..] {
+            assert!(
+                m.accounted.contains(&id),
+                "step {step}: payload {id} was lost"
+            );
+        }
+        dropped_seen = dropped.borrow().len();
+        check_structure(&q);
+    }
+
+    // Drain: release everything, dispatch the rest, cancel nothing; every payload comes back
+    // exactly once.
+    q.set_limit(u32::MAX);
+    while let Some((flow, payload)) = q.dispatch_next() {
+        m.account(payload.id);
+        m.held.push((flow, m.tenant_of(payload.id)));
+    }
+    for (flow, _) in m.held.drain(..) {
+        q.release(flow);
+    }
+    assert_eq!((q.queued(), q.in_flight(), q.flow_count()), (0, 0, 0));
+    check_structure(&q);
+    assert_eq!(
+        m.accounted.len() as u64,
+        m.next_id,
+        "every payload accounted once"
+    );
+    drop(q);
+    let dropped_all: BTreeSet<u64> = dropped.borrow().iter().copied().collect();
+    assert_eq!(dropped_all.len(), dropped.borrow().len());
+    assert_eq!(dropped_all.len() as u64, m.next_id);
+}
+
+#[test]
+fn random_operation_sequences_keep_the_invariants() {
+    for seed in 1..=50 {
+        random_run(seed, 4_000);
+    }
+}

@@ -1,0 +1,285 @@
+//! The fair queue as Envoy sees it, with paused time: tollgate runs in-process over an in-memory
+//! transport, so the clock only moves when every task waits, and deadlines are exact.
+
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    ProcessingResponse, processing_response::Response,
+};
+use hyper_util::rt::TokioIo;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tollgate::config::Config;
+
+use crate::support::server::*;
+
+/// tollgate served over in-memory pipes.
+struct InMemory {
+    client: ExternalProcessorClient<tonic::transport::Channel>,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), tollgate::Error>>,
+}
+
+impl InMemory {
+    async fn start(config: Config) -> InMemory {
+        let (connections, incoming) =
+            mpsc::unbounded_channel::<std::io::Result<tokio::io::DuplexStream>>();
+        let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (shutdown, stop) = oneshot::channel::<()>();
+        let task = tokio::spawn(tollgate::serve(
+            config,
+            UnboundedReceiverStream::new(incoming),
+            admin,
+            async move {
+                let _ = stop.await;
+            },
+        ));
+        let channel = tonic::transport::Endpoint::from_static("http://in-memory")
+            .connect_with_connector(tower::service_fn(move |_| {
+                let (client, server) = tokio::io::duplex(1 << 20);
+                let sent = connections.send(Ok(server));
+                async move {
+                    sent.map_err(|_| std::io::Error::other("server gone"))?;
+                    Ok::<_, std::io::Error>(TokioIo::new(client))
+                }
+            }))
+            .await
+            .expect("in-memory channel");
+        InMemory {
+            client: ExternalProcessorClient::new(channel),
+            shutdown: Some(shutdown),
+            task,
+        }
+    }
+
+    async fn stream(&self) -> ExtProcStream {
+        ExtProcStream::open(&mut self.client.clone()).await
+    }
+
+    /// A chat request from `user` whose body got its first answer.
+    async fn submit(&self, user: &str) -> (ExtProcStream, ProcessingResponse) {
+        let mut stream = self.stream().await;
+        stream.exchange(chat_headers(user)).await;
+        let answer = stream
+            .exchange(request_body(&chat_body(serde_json::json!({}))))
+            .await;
+        (stream, answer)
+    }
+
+    async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        (&mut self.task).await.unwrap().unwrap();
+    }
+}
+
+/// One slot, no controller, free tier: queue of 1 with a 1 s deadline.
+fn one_slot(queue_max: u32) -> Config {
+    let mut config = Config::default();
+    config.scheduler.initial_limit = 1;
+    config.control.enabled = false;
+    config.shutdown.drain_deadline_ms = 100;
+    let free = config.tiers.get_mut("free").unwrap();
+    free.queue_max = queue_max;
+    free.queue_deadline_ms = 1_000;
+    config
+}
+
+fn is_admitted(answer: &ProcessingResponse) -> bool {
+    matches!(answer.response, Some(Response::RequestBody(_)))
+}
+
+/// The status and x-tollgate-reason of an immediate response.
+fn refusal(answer: &ProcessingResponse) -> (i32, String, Option<String>) {
+    let Some(Response::ImmediateResponse(reply)) = &answer.response else {
+        panic!("expected an immediate response, got {answer:?}");
+    };
+    let header = |name: &str| {
+        reply
+            .headers
+            .as_ref()
+            .unwrap()
+            .set_headers
+            .iter()
+            .find_map(|h| {
+                let h = h.header.as_ref().unwrap();
+                (h.key == name).then(|| String::from_utf8(h.raw_value.clone()).unwrap())
+            })
+    };
+    (
+        reply.status.as_ref().unwrap().code,
+        header("x-tollgate-reason").unwrap(),
+        header("retry-after"),
+    )
+}
+
+/// The message timeout Envoy is asked to apply, if this answer is such a request.
+fn envoy_timeout(answer: &ProcessingResponse) -> Option<Duration> {
+    let timeout = answer.override_message_timeout.as_ref()?;
+    assert!(
+        answer.response.is_none(),
+        "an override carries nothing else"
+    );
+    Some(Duration::new(timeout.seconds as u64, timeout.nanos as u32))
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_queued_request_extends_envoys_timeout_and_gets_503_at_its_deadline() {
+    let server = InMemory::start(one_slot(1)).await;
+    let (_holder, answer) = server.submit("alice").await;
+    assert!(is_admitted(&answer));
+
+    let started = Instant::now();
+    let (mut waiting, answer) = server.submit("bob").await;
+    assert_eq!(
+        envoy_timeout(&answer),
+        Some(Duration::from_millis(1_500)),
+        "deadline + margin, so tollgate's 503 beats Envoy's 504"
+    );
+    let answer = waiting.recv().await.unwrap().unwrap();
+    assert_eq!(
+        refusal(&answer),
+        (503, "queue_timeout".to_owned(), Some("1".to_owned()))
+    );
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_secs(1),
+        "exactly at the deadline"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_queue_answers_503_at_once() {
+    let server = InMemory::start(one_slot(1)).await;
+    let (_holder, _) = server.submit("alice").await;
+    let (_waiting, _) = server.submit("bob").await;
+    let started = Instant::now();
+    let (_, answer) = server.submit("bob").await;
+    assert_eq!(
+        refusal(&answer),
+        (503, "queue_full".to_owned(), Some("1".to_owned()))
+    );
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    server.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_leaves_the_queue_frees_its_place_and_takes_no_slot() {
+    let server = InMemory::start(one_slot(1)).await;
+    let (mut holder, _) = server.submit("alice").await;
+    let (waiting, answer) = server.submit("bob").await;
+    assert!(envoy_timeout(&answer).is_some());
+    // Envoy resets the side stream when the client goes away.
+    drop(waiting);
+    tokio::time::sleep(Duration::from_millis(1)).await;
+
+    // bob's place is free again: another request queues instead of being refused.
+    let (mut next, answer) = server.submit("bob").await;
+    assert!(
+        envoy_timeout(&answer).is_some(),
+        "queued, not refused: {answer:?}"
+    );
+    // And the slot went to nobody while it was held: alice finishes, the new request runs.
+    holder
+        .exchange(response_headers(200, "application/json"))
+        .await;
+    holder.exchange(response_body(b"{}", true)).await;
+    let answer = next.recv().await.unwrap().unwrap();
+    assert!(is_admitted(&answer), "{answer:?}");
+    server.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_answers_every_queued_stream_with_503() {
+    let server = InMemory::start(one_slot(4)).await;
+    let (mut holder, _) = server.submit("alice").await;
+    let mut queued = Vec::new();
+    for user in ["bob", "carol", "dave"] {
+        let (stream, answer) = server.submit(user).await;
+        assert!(envoy_timeout(&answer).is_some());
+        queued.push(stream);
+    }
+    let started = Instant::now();
+    let InMemory { shutdown, task, .. } = server;
+    let _ = shutdown.unwrap().send(());
+    for stream in &mut queued {
+        let answer = stream.recv().await.unwrap().unwrap();
+        assert_eq!(refusal(&answer).0, 503);
+        assert_eq!(refusal(&answer).1, "shutting_down");
+    }
+    assert_eq!(
+        started.elapsed(),
+        Duration::ZERO,
+        "at once, not at the queue deadline"
+    );
+    // The admitted stream is let go with OK at the drain deadline: Envoy finishes without us.
+    assert!(holder.recv().await.unwrap().is_none());
+    task.await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn slots_are_shared_by_tier_weight_under_contention() {
+    // One slot; a premium (weight 4) and a free (weight 1) tenant both keep a queue. Of the
+    // slots that free up, premium gets four for every one free gets.
+    let mut config = one_slot(8);
+    config.tiers.get_mut("premium").unwrap().queue_max = 8;
+    config.tiers.get_mut("free").unwrap().queue_deadline_ms = 10_000;
+    config.tiers.get_mut("premium").unwrap().queue_deadline_ms = 10_000;
+    let server = InMemory::start(config).await;
+    let (mut holder, _) = server.submit("warmup").await;
+
+    let mut waiting = Vec::new();
+    for i in 0..5 {
+        for (user, tier) in [("paying", "premium"), ("cheap", "free")] {
+            let mut stream = server.stream().await;
+            stream
+                .exchange(request_headers(
+                    &[
+                        (":method", "POST"),
+                        (":path", "/v1/chat/completions"),
+                        ("x-user-id", user),
+                        ("x-user-tier", tier),
+                    ],
+                    false,
+                ))
+                .await;
+            let answer = stream
+                .exchange(request_body(&chat_body(serde_json::json!({}))))
+                .await;
+            assert!(envoy_timeout(&answer).is_some(), "{user} #{i} queued");
+            waiting.push((user, stream));
+        }
+    }
+    // Release the slot and let each admitted request finish at once, recording the order.
+    let mut order = Vec::new();
+    holder.exchange(response_body(b"{}", true)).await;
+    drop(holder);
+    for _ in 0..5 {
+        let mut admitted = None;
+        for (i, (user, stream)) in waiting.iter_mut().enumerate() {
+            if let Ok(Ok(Some(answer))) =
+                tokio::time::timeout(Duration::from_millis(1), stream.recv_raw()).await
+            {
+                assert!(is_admitted(&answer));
+                order.push(*user);
+                admitted = Some(i);
+                break;
+            }
+        }
+        let (_, mut stream) = waiting.remove(admitted.expect("someone got the slot"));
+        stream.exchange(response_body(b"{}", true)).await;
+    }
+    let paying = order.iter().filter(|user| **user == "paying").count();
+    assert_eq!(
+        (paying, order.len() - paying),
+        (4, 1),
+        "4:1 by weight: {order:?}"
+    );
+    let InMemory { shutdown, task, .. } = server;
+    let _ = shutdown.unwrap().send(());
+    task.await.unwrap().unwrap();
+}
