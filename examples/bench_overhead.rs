@@ -93,6 +93,12 @@ struct Args {
     /// Tokio worker threads of the load generator (the due-time thread comes on top).
     #[arg(long, default_value_t = 1)]
     client_threads: usize,
+    /// Configurations to compare, comma-separated. A (Envoy alone) is always run, as the
+    /// baseline. C is a diagnostic: B with Envoy's response phases switched off
+    /// (`response_header_mode: SKIP`, `response_body_mode: NONE`), so tollgate sees two messages
+    /// per request instead of four and observes nothing after its decision.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![Config::A, Config::B])]
+    configs: Vec<Config>,
     /// Also write the results as JSON to this file.
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
@@ -195,25 +201,45 @@ async fn bench(args: &Args) -> Result<Verdict> {
         .unwrap_or_else(|| root.join("envoy/front-proxy.yaml"));
     let front_proxy = std::fs::read_to_string(&front_proxy_path)
         .with_context(|| format!("read {}", front_proxy_path.display()))?;
-    let direct = without_ext_proc(&front_proxy).with_context(|| {
-        format!(
-            "derive the Envoy-alone config from {}",
-            front_proxy_path.display()
-        )
-    })?;
+    // A first (the baseline every other configuration is compared with), then in A, B, C order.
+    let mut configs = args.configs.clone();
+    configs.push(Config::A);
+    configs.sort_unstable_by_key(|c| c.name());
+    configs.dedup();
+    ensure!(configs.len() > 1, "--configs needs B or C next to A");
+    let mut envoy_configs = Vec::new();
+    for &config in &configs {
+        let text = config.envoy_config(&front_proxy).with_context(|| {
+            format!(
+                "derive config {} from {}",
+                config.name(),
+                front_proxy_path.display()
+            )
+        })?;
+        envoy_configs.push((config, text));
+    }
 
-    let machine = Machine::describe(&binaries);
+    let mut machine = Machine::describe(&binaries);
+    let before = machine_jiffies();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    machine.busy_before_start = busy_fraction(before, machine_jiffies());
     let body = chat_body(args.body_bytes)?;
     eprintln!(
-        "machine: {} CPUs ({}), load average {}; body {} B; starting processes...",
-        machine.cpus, machine.cpu_model, machine.loadavg_at_start, args.body_bytes
+        "machine: {} CPUs ({}), load average {}, {:.0}% busy before start; body {} B; starting \
+         processes...",
+        machine.cpus,
+        machine.cpu_model,
+        machine.loadavg_at_start,
+        machine.busy_before_start.unwrap_or(f64::NAN) * 100.0,
+        args.body_bytes
     );
 
-    let stack = Stack::start(&binaries, &front_proxy, &direct).await?;
-    let targets = [
-        Target::new(Config::A, stack.envoy_a.listen, &body)?,
-        Target::new(Config::B, stack.envoy_b.listen, &body)?,
-    ];
+    let stack = Stack::start(&binaries, &envoy_configs).await?;
+    let targets = stack
+        .envoys
+        .iter()
+        .map(|(config, envoy)| Target::new(*config, envoy.listen, &body))
+        .collect::<Result<Vec<_>>>()?;
     for target in &targets {
         sanity_check(target, &stack).await?;
     }
@@ -224,8 +250,15 @@ async fn bench(args: &Args) -> Result<Verdict> {
     let mut summaries = Vec::new();
     for &rate in &args.rates {
         eprintln!(
-            "rate {rate}/s: warm-up {}s per config, then {} rounds of A,B x {}s",
-            args.warmup_seconds, args.rounds, args.seconds
+            "rate {rate}/s: warm-up {}s per config, then {} rounds of {} x {}s",
+            args.warmup_seconds,
+            args.rounds,
+            configs
+                .iter()
+                .map(|c| c.name())
+                .collect::<Vec<_>>()
+                .join(","),
+            args.seconds
         );
         if args.warmup_seconds > 0.0 {
             for target in &targets {
@@ -244,7 +277,7 @@ async fn bench(args: &Args) -> Result<Verdict> {
         }
         let mut rounds = Vec::new();
         for round in 1..=args.rounds {
-            let mut pair = Vec::new();
+            let mut runs = Vec::new();
             for target in &targets {
                 let run = measure(target, &stack, rate, args, args.seconds, clock_ticks).await?;
                 eprintln!(
@@ -254,14 +287,16 @@ async fn bench(args: &Args) -> Result<Verdict> {
                     run.latency.p99,
                     run.error_count()
                 );
-                pair.push(run);
+                runs.push(run);
                 tokio::time::sleep(PAUSE_BETWEEN_RUNS).await;
             }
-            let b = pair.pop().context("B run")?;
-            let a = pair.pop().context("A run")?;
-            rounds.push(Round { a, b });
+            rounds.push(runs);
         }
-        let summary = RateSummary::new(rate, rounds);
+        let summary = RateSummary {
+            rate,
+            configs: configs.clone(),
+            rounds,
+        };
         had_errors |= summary.errors() > 0;
         print!("{}", summary.table(args));
         rates_json.push(summary.json());
@@ -283,6 +318,7 @@ async fn bench(args: &Args) -> Result<Verdict> {
                 "users": args.users,
                 "client_threads": args.client_threads,
                 "envoy_config": front_proxy_path,
+                "configs": configs.iter().map(|c| c.label()).collect::<Vec<_>>(),
             },
             "rates": rates_json,
             "flagged": had_errors,
@@ -408,6 +444,9 @@ struct Machine {
     cpu_model: String,
     kernel: String,
     loadavg_at_start: String,
+    /// Busy fraction of all CPUs over two seconds before anything started: other work on the
+    /// machine, which every figure shares the CPUs with.
+    busy_before_start: Option<f64>,
     envoy_version: String,
     git: String,
 }
@@ -446,6 +485,7 @@ impl Machine {
             cpu_model,
             kernel: read_trimmed("/proc/sys/kernel/osrelease"),
             loadavg_at_start: read_trimmed("/proc/loadavg"),
+            busy_before_start: None,
             envoy_version,
             git: match commit {
                 Some(commit) if dirty => format!("{} + uncommitted changes", commit.trim()),
@@ -461,6 +501,7 @@ impl Machine {
             "cpu_model": self.cpu_model,
             "kernel": self.kernel,
             "loadavg_at_start": self.loadavg_at_start,
+            "busy_before_start": self.busy_before_start,
             "envoy_version": self.envoy_version,
             "git": self.git,
         })
@@ -511,6 +552,22 @@ fn without_ext_proc(front_proxy: &str) -> Result<String> {
         "the router filter went missing"
     );
     Ok(direct)
+}
+
+/// Config C: `front_proxy` with Envoy's response phases off, so the ext_proc stream carries the
+/// request headers and body only. tollgate then decides exactly as in B but is never shown the
+/// response; the difference between B and C is what observing responses costs.
+fn request_phases_only(front_proxy: &str) -> Result<String> {
+    let mut config = front_proxy.to_owned();
+    for (from, to) in [
+        ("response_header_mode: SEND", "response_header_mode: SKIP"),
+        ("response_body_mode: STREAMED", "response_body_mode: NONE"),
+    ] {
+        let count = config.matches(from).count();
+        ensure!(count == 1, "`{from}` occurs {count} times, expected once");
+        config = config.replacen(from, to, 1);
+    }
+    Ok(config)
 }
 
 /// Removes the YAML list item that starts with `header` (after indentation): its line and every
@@ -577,11 +634,28 @@ fn render_config(config: &str, ports: &EnvoyPorts) -> Result<String> {
         );
         rendered = rendered.replacen(placeholder, &value, 1);
     }
-    // Belt and braces: nothing in a rendered config may listen beyond loopback.
-    ensure!(
-        !rendered.contains("0.0.0.0") && !rendered.contains("::"),
-        "the rendered Envoy config still has a non-loopback address"
-    );
+    // Belt and braces: every socket address in the rendered config must be loopback, so no
+    // listener is reachable from outside and no traffic leaves the machine.
+    for line in rendered
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+    {
+        let bytes = line.as_bytes();
+        // `address: X` as a key of its own, not the end of e.g. `use_remote_address: true`.
+        let starts = line
+            .match_indices("address: ")
+            .map(|(i, _)| i)
+            .filter(|&i| i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
+        for start in starts {
+            let rest = &line[start + "address: ".len()..];
+            let value = rest.split([',', ' ', '}']).next().unwrap_or_default();
+            ensure!(
+                value == "127.0.0.1",
+                "the rendered Envoy config has a non-loopback address: {}",
+                line.trim()
+            );
+        }
+    }
     Ok(rendered)
 }
 
@@ -670,6 +744,16 @@ fn machine_jiffies() -> Option<(u64, u64)> {
     Some((total - idle, total))
 }
 
+/// Busy fraction of the machine between two `machine_jiffies` readings.
+fn busy_fraction(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
+    match (before, after) {
+        (Some((busy0, total0)), Some((busy1, total1))) if total1 > total0 => {
+            Some(busy1.saturating_sub(busy0) as f64 / (total1 - total0) as f64)
+        }
+        _ => None,
+    }
+}
+
 fn free_port() -> Result<u16> {
     Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .and_then(|listener| listener.local_addr())
@@ -695,8 +779,8 @@ struct EnvoyProc {
 
 /// Everything the benchmark runs. Fields drop in order, the temp dir (configs, logs) last.
 struct Stack {
-    envoy_a: EnvoyProc,
-    envoy_b: EnvoyProc,
+    /// One Envoy per configuration, in the order of the rounds.
+    envoys: Vec<(Config, EnvoyProc)>,
     tollgate: Proc,
     tollgate_admin: SocketAddr,
     upstream: Proc,
@@ -705,7 +789,8 @@ struct Stack {
 }
 
 impl Stack {
-    async fn start(binaries: &Binaries, front_proxy: &str, direct: &str) -> Result<Stack> {
+    /// Starts the upstream, tollgate, and one Envoy per `(configuration, Envoy config)`.
+    async fn start(binaries: &Binaries, envoy_configs: &[(Config, String)]) -> Result<Stack> {
         let dir = tempfile::Builder::new()
             .prefix("tollgate-bench-")
             .tempdir()
@@ -753,29 +838,19 @@ impl Stack {
         })
         .await?;
 
-        let envoy_a = start_envoy(
-            "envoy A (alone)",
-            binaries,
-            direct,
-            upstream_addr.port(),
-            None,
-            dir.path(),
-            &admin_client,
-        )
-        .await?;
-        let envoy_b = start_envoy(
-            "envoy B (+tollgate)",
-            binaries,
-            front_proxy,
-            upstream_addr.port(),
-            Some(grpc.port()),
-            dir.path(),
-            &admin_client,
-        )
-        .await?;
+        let mut envoys = Vec::new();
+        for (config, text) in envoy_configs {
+            let ports = EnvoyPorts {
+                listen: free_port()?,
+                upstream: upstream_addr.port(),
+                extproc: config.uses_tollgate().then_some(grpc.port()),
+                admin: free_port()?,
+            };
+            let envoy = start_envoy(*config, binaries, text, &ports, dir.path(), &admin_client);
+            envoys.push((*config, envoy.await?));
+        }
         Ok(Stack {
-            envoy_a,
-            envoy_b,
+            envoys,
             tollgate,
             tollgate_admin,
             upstream,
@@ -784,13 +859,16 @@ impl Stack {
         })
     }
 
-    fn procs(&self) -> [(&'static str, &Proc); 4] {
-        [
-            ("envoy_a", &self.envoy_a.proc),
-            ("envoy_b", &self.envoy_b.proc),
-            ("tollgate", &self.tollgate),
-            ("upstream", &self.upstream),
-        ]
+    /// Every child, keyed as in the CPU figures.
+    fn procs(&self) -> Vec<(&'static str, &Proc)> {
+        let mut procs: Vec<(&'static str, &Proc)> = self
+            .envoys
+            .iter()
+            .map(|(config, envoy)| (config.envoy_key(), &envoy.proc))
+            .collect();
+        procs.push(("tollgate", &self.tollgate));
+        procs.push(("upstream", &self.upstream));
+        procs
     }
 
     fn log_tails(&self) -> String {
@@ -812,11 +890,12 @@ impl Stack {
         response.error_for_status().ok()?.text().await.ok()
     }
 
-    /// Envoy B's ext_proc filter counters (`http.ingress.ext_proc.*`).
-    async fn ext_proc_stats(&self) -> Option<BTreeMap<String, u64>> {
+    /// The ext_proc filter counters (`http.ingress.ext_proc.*`) of `config`'s Envoy.
+    async fn ext_proc_stats(&self, config: Config) -> Option<BTreeMap<String, u64>> {
+        let (_, envoy) = self.envoys.iter().find(|(c, _)| *c == config)?;
         let response = self
             .admin_client
-            .get(format!("http://{}/stats", self.envoy_b.admin))
+            .get(format!("http://{}/stats", envoy.admin))
             .query(&[("filter", r"^http\.ingress\.ext_proc\.")])
             .send()
             .await
@@ -835,37 +914,26 @@ impl Stack {
 }
 
 async fn start_envoy(
-    name: &'static str,
+    config: Config,
     binaries: &Binaries,
-    config: &str,
-    upstream: u16,
-    extproc: Option<u16>,
+    text: &str,
+    ports: &EnvoyPorts,
     dir: &Path,
     admin_client: &reqwest::Client,
 ) -> Result<EnvoyProc> {
-    let ports = EnvoyPorts {
-        listen: free_port()?,
-        upstream,
-        extproc,
-        admin: free_port()?,
-    };
-    let file_stem = if extproc.is_some() {
-        "envoy-b"
-    } else {
-        "envoy-a"
-    };
+    let file_stem = config.envoy_key();
     let config_path = dir.join(format!("{file_stem}.yaml"));
-    std::fs::write(&config_path, render_config(config, &ports)?)
+    std::fs::write(&config_path, render_config(text, ports)?)
         .with_context(|| format!("write {}", config_path.display()))?;
     let mut proc = Proc::spawn(
-        name,
+        config.envoy_key(),
         Command::new(&binaries.envoy)
             .arg("-c")
             .arg(&config_path)
-            // One worker thread each, as in the tests: two Envoys, tollgate, the upstream and
+            // One worker thread each, as in the tests: the Envoys, tollgate, the upstream and
             // the load generator already share two cores.
             .args(["--concurrency", "1"])
-            // No shared memory or domain socket, so two Envoys can run at once.
+            // No shared memory or domain socket, so several Envoys can run at once.
             .arg("--disable-hot-restart")
             .args(["--log-level", "warn"])
             .stdout(Stdio::null()),
@@ -918,10 +986,22 @@ where
 // ---------------------------------------------------------------------------------------------
 // The request and the load generator
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What sits between the load generator and the upstream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "UPPER")]
 enum Config {
+    /// Envoy alone: the baseline.
     A,
+    /// Envoy + tollgate, envoy/front-proxy.yaml as shipped.
     B,
+    /// Diagnostic: B without the response phases.
+    C,
+}
+
+impl std::fmt::Display for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 impl Config {
@@ -929,6 +1009,7 @@ impl Config {
         match self {
             Config::A => "A",
             Config::B => "B",
+            Config::C => "C",
         }
     }
 
@@ -936,13 +1017,29 @@ impl Config {
         match self {
             Config::A => "A  Envoy alone",
             Config::B => "B  Envoy + tollgate",
+            Config::C => "C  B, request only",
         }
     }
 
+    /// The key of this configuration's Envoy in the CPU figures.
     fn envoy_key(self) -> &'static str {
         match self {
             Config::A => "envoy_a",
             Config::B => "envoy_b",
+            Config::C => "envoy_c",
+        }
+    }
+
+    fn uses_tollgate(self) -> bool {
+        self != Config::A
+    }
+
+    /// This configuration's Envoy config, derived from `front_proxy`.
+    fn envoy_config(self, front_proxy: &str) -> Result<String> {
+        match self {
+            Config::A => without_ext_proc(front_proxy),
+            Config::B => Ok(front_proxy.to_owned()),
+            Config::C => request_phases_only(front_proxy),
         }
     }
 }
@@ -1218,14 +1315,14 @@ async fn measure(
     clock_ticks: f64,
 ) -> Result<RunSummary> {
     let users: Vec<String> = (0..args.users).map(|i| format!("bench-{i}")).collect();
-    let is_b = target.config == Config::B;
-    let metrics_before = if is_b {
+    let with_tollgate = target.config.uses_tollgate();
+    let metrics_before = if with_tollgate {
         stack.tollgate_metrics().await
     } else {
         None
     };
-    let stats_before = if is_b {
-        stack.ext_proc_stats().await
+    let stats_before = if with_tollgate {
+        stack.ext_proc_stats(target.config).await
     } else {
         None
     };
@@ -1242,7 +1339,7 @@ async fn measure(
         }
         _ => None,
     };
-    let ext_proc = match (stats_before, stack.ext_proc_stats().await) {
+    let ext_proc = match (stats_before, stack.ext_proc_stats(target.config).await) {
         (Some(before), Some(after)) => Some(
             after
                 .into_iter()
@@ -1280,12 +1377,7 @@ async fn measure(
             Some((*name, after.saturating_sub(*before) as f64 / clock_ticks))
         })
         .collect();
-    let machine_busy = match (machine_before, machine_after) {
-        (Some((busy0, total0)), Some((busy1, total1))) if total1 > total0 => {
-            Some((busy1 - busy0) as f64 / (total1 - total0) as f64)
-        }
-        _ => None,
-    };
+    let machine_busy = busy_fraction(machine_before, machine_after);
     Ok(RunSummary {
         requests: run.samples.len() as u64,
         ok,
@@ -1340,9 +1432,10 @@ async fn sanity_check(target: &Target, stack: &Stack) -> Result<()> {
     );
     match target.config {
         Config::A => ensure!(!saw_tollgate, "A should not pass through tollgate"),
-        Config::B => ensure!(
+        Config::B | Config::C => ensure!(
             saw_tollgate,
-            "B's request reached the upstream without tollgate's x-tollgate-* headers"
+            "{}: the request reached the upstream without tollgate's x-tollgate-* headers",
+            target.config.label()
         ),
     }
     Ok(())
@@ -1455,16 +1548,6 @@ fn parse_histogram(text: &str, name: &str) -> Option<HistogramDelta> {
 // ---------------------------------------------------------------------------------------------
 // Summaries and tables
 
-struct Round {
-    a: RunSummary,
-    b: RunSummary,
-}
-
-struct RateSummary {
-    rate: u32,
-    rounds: Vec<Round>,
-}
-
 fn median(values: &mut [f64]) -> f64 {
     if values.is_empty() {
         return f64::NAN;
@@ -1478,22 +1561,31 @@ fn median(values: &mut [f64]) -> f64 {
     }
 }
 
+/// All runs at one offered rate: `rounds[r][k]` is round `r` of `configs[k]`.
+struct RateSummary {
+    rate: u32,
+    configs: Vec<Config>,
+    rounds: Vec<Vec<RunSummary>>,
+}
+
 impl RateSummary {
-    fn new(rate: u32, rounds: Vec<Round>) -> RateSummary {
-        RateSummary { rate, rounds }
+    fn runs(&self, config: Config) -> impl Iterator<Item = &RunSummary> {
+        let index = self.configs.iter().position(|c| *c == config);
+        self.rounds
+            .iter()
+            .filter_map(move |round| round.get(index?))
     }
 
-    fn runs(&self, config: Config) -> impl Iterator<Item = &RunSummary> {
-        self.rounds.iter().map(move |round| match config {
-            Config::A => &round.a,
-            Config::B => &round.b,
-        })
+    /// The configurations compared with A.
+    fn others(&self) -> impl Iterator<Item = Config> + '_ {
+        self.configs.iter().copied().filter(|c| *c != Config::A)
     }
 
     fn errors(&self) -> u64 {
         self.rounds
             .iter()
-            .map(|r| r.a.error_count() + r.b.error_count())
+            .flatten()
+            .map(RunSummary::error_count)
             .sum()
     }
 
@@ -1502,15 +1594,17 @@ impl RateSummary {
         median(&mut self.runs(config).map(figure).collect::<Vec<_>>())
     }
 
-    /// Median over rounds of B − A (same round) for one figure.
-    fn added(&self, figure: impl Fn(&Latency) -> f64) -> f64 {
-        median(
-            &mut self
-                .rounds
-                .iter()
-                .map(|r| figure(&r.b.latency) - figure(&r.a.latency))
-                .collect::<Vec<_>>(),
-        )
+    /// `config` − A of one latency figure, per round (the two runs were minutes apart at most).
+    fn added_per_round(&self, config: Config, figure: impl Fn(&Latency) -> f64) -> Vec<f64> {
+        self.runs(config)
+            .zip(self.runs(Config::A))
+            .map(|(run, baseline)| figure(&run.latency) - figure(&baseline.latency))
+            .collect()
+    }
+
+    /// The headline: median over rounds of the per-round `config` − A differences.
+    fn added(&self, config: Config, figure: impl Fn(&Latency) -> f64) -> f64 {
+        median(&mut self.added_per_round(config, figure))
     }
 
     /// CPU-seconds of `process` over all of `config`'s runs, per request, in µs.
@@ -1528,10 +1622,10 @@ impl RateSummary {
         }
     }
 
-    /// tollgate's decision histogram summed over the B runs.
-    fn decision(&self) -> Option<HistogramDelta> {
+    /// tollgate's decision histogram summed over `config`'s runs.
+    fn decision(&self, config: Config) -> Option<HistogramDelta> {
         let mut total: Option<HistogramDelta> = None;
-        for run in self.runs(Config::B) {
+        for run in self.runs(config) {
             let delta = run.decision.as_ref()?;
             match &mut total {
                 None => {
@@ -1553,10 +1647,10 @@ impl RateSummary {
         total
     }
 
-    /// Envoy's ext_proc counters summed over the B runs.
-    fn ext_proc(&self) -> BTreeMap<String, u64> {
+    /// Envoy's ext_proc counters summed over `config`'s runs.
+    fn ext_proc(&self, config: Config) -> BTreeMap<String, u64> {
         let mut total = BTreeMap::new();
-        for stats in self.runs(Config::B).filter_map(|run| run.ext_proc.as_ref()) {
+        for stats in self.runs(config).filter_map(|run| run.ext_proc.as_ref()) {
             for (name, value) in stats {
                 *total.entry(name.clone()).or_insert(0) += value;
             }
@@ -1567,26 +1661,29 @@ impl RateSummary {
     fn table(&self, args: &Args) -> String {
         let mut out = String::new();
         let w = &mut out;
+        let names: Vec<&str> = self.configs.iter().map(|c| c.name()).collect();
         let _ = writeln!(
             w,
-            "\n== {} req/s offered: {} rounds x {} s per config (A,B interleaved), body {} B, {} users ==",
+            "\n== {} req/s offered: {} rounds x {} s per config ({} interleaved), body {} B, {} \
+             users ==",
             self.rate,
             self.rounds.len(),
             args.seconds,
+            names.join(","),
             args.body_bytes,
             args.users
         );
         let _ = writeln!(
             w,
-            "{:<22}{:>9}{:>9}{:>9}{:>9}{:>11}{:>8}",
+            "{:<24}{:>9}{:>9}{:>9}{:>9}{:>12}{:>8}",
             "latency (ms)", "p50", "p90", "p99", "max", "achieved/s", "errors"
         );
-        for config in [Config::A, Config::B] {
+        for &config in &self.configs {
             let max = self.runs(config).map(|r| r.latency.max).fold(0.0, f64::max);
             let errors: u64 = self.runs(config).map(RunSummary::error_count).sum();
             let _ = writeln!(
                 w,
-                "{:<22}{:>9.3}{:>9.3}{:>9.3}{:>9.2}{:>11.1}{:>8}{}",
+                "{:<24}{:>9.3}{:>9.3}{:>9.3}{:>9.2}{:>12.1}{:>8}{}",
                 config.label(),
                 self.median_of(config, |r| r.latency.p50),
                 self.median_of(config, |r| r.latency.p90),
@@ -1599,38 +1696,62 @@ impl RateSummary {
         }
         let _ = writeln!(
             w,
-            "(p50/p90/p99/achieved: median over rounds; max: over all rounds)"
+            "(p50, p90, p99, achieved: median over rounds; max: over all rounds)"
         );
-        let _ = writeln!(
-            w,
-            "{:<22}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}",
-            "per round (ms)", "A p50", "B p50", "+p50", "A p99", "B p99", "+p99"
-        );
-        for (i, round) in self.rounds.iter().enumerate() {
-            let _ = writeln!(
-                w,
-                "{:<22}{:>9.3}{:>9.3}{:>+9.3}{:>9.3}{:>9.3}{:>+9.3}",
-                format!("round {}", i + 1),
-                round.a.latency.p50,
-                round.b.latency.p50,
-                round.b.latency.p50 - round.a.latency.p50,
-                round.a.latency.p99,
-                round.b.latency.p99,
-                round.b.latency.p99 - round.a.latency.p99,
+
+        let mut header = format!("{:<24}", "per round (ms)");
+        for name in &names {
+            let _ = write!(
+                header,
+                "{:>9}{:>9}",
+                format!("{name} p50"),
+                format!("{name} p99")
             );
         }
-        let added_p50 = self.added(|l| l.p50);
-        let added_p99 = self.added(|l| l.p99);
+        for config in self.others() {
+            let _ = write!(
+                header,
+                "{:>9}{:>9}",
+                format!("{config}-A p50"),
+                format!("{config}-A p99")
+            );
+        }
+        let _ = writeln!(w, "{header}");
+        for (i, round) in self.rounds.iter().enumerate() {
+            let mut line = format!("{:<24}", format!("round {}", i + 1));
+            for run in round {
+                let _ = write!(line, "{:>9.3}{:>9.3}", run.latency.p50, run.latency.p99);
+            }
+            for config in self.others() {
+                let p50 = self.added_per_round(config, |l| l.p50);
+                let p99 = self.added_per_round(config, |l| l.p99);
+                let _ = write!(line, "{:>+9.3}{:>+9.3}", p50[i], p99[i]);
+            }
+            let _ = writeln!(w, "{line}");
+        }
+        for config in self.others() {
+            let added_p50 = self.added(config, |l| l.p50);
+            let target = if config == Config::B {
+                format!(
+                    "   [target p50 < 1 ms: {}]",
+                    if added_p50 < 1.0 { "met" } else { "NOT met" }
+                )
+            } else {
+                String::new()
+            };
+            let _ = writeln!(
+                w,
+                "ADDED BY {} over A (median of per-round differences): p50 {added_p50:+.3} ms, \
+                 p90 {:+.3} ms, p99 {:+.3} ms{target}",
+                config.label(),
+                self.added(config, |l| l.p90),
+                self.added(config, |l| l.p99),
+            );
+        }
+
         let _ = writeln!(
             w,
-            "ADDED BY TOLLGATE (median of per-round B-A): p50 {added_p50:+.3} ms, p90 {:+.3} ms, \
-             p99 {added_p99:+.3} ms   [target p50 < 1 ms: {}]",
-            self.added(|l| l.p90),
-            if added_p50 < 1.0 { "met" } else { "NOT met" }
-        );
-        let _ = writeln!(
-            w,
-            "{:<22}{:>9}{:>10}{:>10}{:>10}{:>14}{:>14}",
+            "{:<24}{:>9}{:>10}{:>10}{:>10}{:>14}{:>14}",
             "CPU per request (us)",
             "Envoy",
             "tollgate",
@@ -1639,17 +1760,17 @@ impl RateSummary {
             "machine busy",
             "gen lag p99"
         );
-        for config in [Config::A, Config::B] {
+        for &config in &self.configs {
             let tollgate = self.cpu_us_per_request(config, "tollgate");
             let _ = writeln!(
                 w,
-                "{:<22}{:>9.1}{:>10}{:>10.1}{:>10.1}{:>13.0}%{:>11.3} ms",
+                "{:<24}{:>9.1}{:>10}{:>10.1}{:>10.1}{:>13.0}%{:>11.3} ms",
                 config.label(),
                 self.cpu_us_per_request(config, config.envoy_key()),
-                if config == Config::B {
+                if config.uses_tollgate() {
                     format!("{tollgate:.1}")
                 } else {
-                    // tollgate is idle during A runs; show its idle cost only if it had one.
+                    // tollgate is idle during A runs: what it burns then is its idle cost.
                     format!("({tollgate:.1})")
                 },
                 self.cpu_us_per_request(config, "upstream"),
@@ -1658,25 +1779,40 @@ impl RateSummary {
                 self.median_of(config, |r| r.lag_p99),
             );
         }
-        if let Some(decision) = self.decision() {
-            let fmt_bound = |bound: Option<f64>| match bound {
+        let _ = writeln!(
+            w,
+            "(CPU-seconds from /proc over all rounds / requests; tollgate under A: idle; machine \
+             busy: all CPUs, median over rounds)"
+        );
+        for config in self.others() {
+            let _ = write!(w, "{}", self.tollgate_view(config));
+        }
+        out
+    }
+
+    /// What tollgate's histogram and Envoy's ext_proc counters say about `config`'s runs.
+    fn tollgate_view(&self, config: Config) -> String {
+        let mut out = String::new();
+        if let Some(decision) = self.decision(config) {
+            let bound = |q: f64| match decision.quantile_bound_us(q) {
                 Some(b) if b.is_finite() => format!("<= {b:.0} us"),
                 Some(_) => "above the last bucket".to_owned(),
                 None => "-".to_owned(),
             };
             let _ = writeln!(
-                w,
-                "tollgate's own decision time (tollgate_decision_duration_seconds, B runs): \
-                 {} decisions, mean {:.1} us, p50 {}, p99 {}",
+                out,
+                "{}: tollgate_decision_duration_seconds: {} decisions, mean {:.1} us, p50 {}, \
+                 p99 {}",
+                config.name(),
                 decision.count,
                 decision.mean_us().unwrap_or(f64::NAN),
-                fmt_bound(decision.quantile_bound_us(0.5)),
-                fmt_bound(decision.quantile_bound_us(0.99)),
+                bound(0.5),
+                bound(0.99),
             );
         }
-        let ext_proc = self.ext_proc();
+        let ext_proc = self.ext_proc(config);
         if !ext_proc.is_empty() {
-            let requests: u64 = self.runs(Config::B).map(|r| r.requests).sum();
+            let requests: u64 = self.runs(config).map(|r| r.requests).sum();
             let per_request = |name: &str| {
                 ext_proc.get(name).copied().unwrap_or(0) as f64 / requests.max(1) as f64
             };
@@ -1694,9 +1830,10 @@ impl RateSummary {
                 .map(|(name, value)| format!("{name}={value}"))
                 .collect();
             let _ = writeln!(
-                w,
-                "Envoy B ext_proc per request: {:.2} streams, {:.2} messages sent to tollgate, {:.2} \
-                 received{}",
+                out,
+                "{}: Envoy ext_proc per request: {:.2} streams, {:.2} messages to tollgate, {:.2} \
+                 answers{}",
+                config.name(),
                 per_request("streams_started"),
                 per_request("stream_msgs_sent"),
                 per_request("stream_msgs_received"),
@@ -1711,36 +1848,45 @@ impl RateSummary {
     }
 
     fn json(&self) -> Value {
-        let decision = self.decision();
+        let mut configs = serde_json::Map::new();
+        for &config in &self.configs {
+            let mut cpu = serde_json::Map::new();
+            for process in [config.envoy_key(), "tollgate", "upstream", "loadgen"] {
+                cpu.insert(
+                    process.to_owned(),
+                    json!(self.cpu_us_per_request(config, process)),
+                );
+            }
+            let added = config.uses_tollgate().then(|| {
+                json!({
+                    "p50": self.added(config, |l| l.p50),
+                    "p90": self.added(config, |l| l.p90),
+                    "p99": self.added(config, |l| l.p99),
+                    "p50_per_round": self.added_per_round(config, |l| l.p50),
+                    "p99_per_round": self.added_per_round(config, |l| l.p99),
+                })
+            });
+            configs.insert(
+                config.name().to_owned(),
+                json!({
+                    "label": config.label(),
+                    "median_over_rounds_ms": {
+                        "p50": self.median_of(config, |r| r.latency.p50),
+                        "p90": self.median_of(config, |r| r.latency.p90),
+                        "p99": self.median_of(config, |r| r.latency.p99),
+                    },
+                    "added_over_a_ms": added,
+                    "cpu_us_per_request": cpu,
+                    "tollgate_decision": self.decision(config).as_ref().map(HistogramDelta::json),
+                    "envoy_ext_proc_stats": config.uses_tollgate().then(|| self.ext_proc(config)),
+                    "runs": self.runs(config).map(RunSummary::json).collect::<Vec<_>>(),
+                }),
+            );
+        }
         json!({
             "offered_rps": self.rate,
-            "added_ms": {
-                "p50": self.added(|l| l.p50),
-                "p90": self.added(|l| l.p90),
-                "p99": self.added(|l| l.p99),
-            },
-            "median_over_rounds_ms": {
-                "A": {"p50": self.median_of(Config::A, |r| r.latency.p50),
-                      "p90": self.median_of(Config::A, |r| r.latency.p90),
-                      "p99": self.median_of(Config::A, |r| r.latency.p99)},
-                "B": {"p50": self.median_of(Config::B, |r| r.latency.p50),
-                      "p90": self.median_of(Config::B, |r| r.latency.p90),
-                      "p99": self.median_of(Config::B, |r| r.latency.p99)},
-            },
-            "cpu_us_per_request": {
-                "A": {"envoy": self.cpu_us_per_request(Config::A, "envoy_a"),
-                      "upstream": self.cpu_us_per_request(Config::A, "upstream"),
-                      "loadgen": self.cpu_us_per_request(Config::A, "loadgen"),
-                      "tollgate_idle": self.cpu_us_per_request(Config::A, "tollgate")},
-                "B": {"envoy": self.cpu_us_per_request(Config::B, "envoy_b"),
-                      "tollgate": self.cpu_us_per_request(Config::B, "tollgate"),
-                      "upstream": self.cpu_us_per_request(Config::B, "upstream"),
-                      "loadgen": self.cpu_us_per_request(Config::B, "loadgen")},
-            },
-            "tollgate_decision": decision.as_ref().map(HistogramDelta::json),
-            "envoy_ext_proc_stats": self.ext_proc(),
             "errors": self.errors(),
-            "rounds": self.rounds.iter().map(|r| json!({"A": r.a.json(), "B": r.b.json()})).collect::<Vec<_>>(),
+            "configs": configs,
         })
     }
 }
@@ -1750,36 +1896,46 @@ fn overall_table(summaries: &[RateSummary], machine: &Machine, args: &Args) -> S
     let w = &mut out;
     let _ = writeln!(
         w,
-        "\n== summary: tollgate's cost over Envoy alone (median of per-round differences) =="
+        "\n== summary: added over Envoy alone (median of per-round differences) =="
     );
     let _ = writeln!(
         w,
-        "{:<12}{:>11}{:>11}{:>11}{:>16}{:>12}{:>8}",
+        "{:<10}{:<24}{:>11}{:>11}{:>11}{:>14}{:>12}{:>8}",
         "offered/s",
+        "config",
         "added p50",
         "added p90",
         "added p99",
-        "tollgate CPU/req",
+        "tollgate CPU",
         "p50 < 1 ms",
         "errors"
     );
     for summary in summaries {
-        let added_p50 = summary.added(|l| l.p50);
-        let _ = writeln!(
-            w,
-            "{:<12}{:>8.3} ms{:>8.3} ms{:>8.3} ms{:>13.1} us{:>12}{:>8}",
-            summary.rate,
-            added_p50,
-            summary.added(|l| l.p90),
-            summary.added(|l| l.p99),
-            summary.cpu_us_per_request(Config::B, "tollgate"),
-            if added_p50 < 1.0 { "yes" } else { "NO" },
-            summary.errors()
-        );
+        for config in summary.others() {
+            let added_p50 = summary.added(config, |l| l.p50);
+            let errors: u64 = summary
+                .runs(config)
+                .chain(summary.runs(Config::A))
+                .map(RunSummary::error_count)
+                .sum();
+            let _ = writeln!(
+                w,
+                "{:<10}{:<24}{:>8.3} ms{:>8.3} ms{:>8.3} ms{:>8.1} us/rq{:>12}{:>8}",
+                summary.rate,
+                config.label(),
+                added_p50,
+                summary.added(config, |l| l.p90),
+                summary.added(config, |l| l.p99),
+                summary.cpu_us_per_request(config, "tollgate"),
+                if added_p50 < 1.0 { "yes" } else { "NO" },
+                errors
+            );
+        }
     }
     let _ = writeln!(
         w,
-        "machine: {} CPUs, {}, kernel {}; Envoy {}; tollgate {}; {} rounds x {} s, warm-up {} s",
+        "machine: {} CPUs, {}, kernel {}; Envoy {}; tollgate at {}; {} rounds x {} s, warm-up {} \
+         s; machine busy before start {}",
         machine.cpus,
         machine.cpu_model,
         machine.kernel,
@@ -1787,7 +1943,10 @@ fn overall_table(summaries: &[RateSummary], machine: &Machine, args: &Args) -> S
         machine.git,
         args.rounds,
         args.seconds,
-        args.warmup_seconds
+        args.warmup_seconds,
+        machine
+            .busy_before_start
+            .map_or_else(|| "?".to_owned(), |b| format!("{:.0}%", b * 100.0)),
     );
     out
 }

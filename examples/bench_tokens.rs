@@ -19,8 +19,8 @@
 //! text and emoji (ZWJ sequences, flags, skin tones), interleaved in chunks like mixed traffic,
 //! generated from a fixed-seed LCG. The adversarial bodies are 1 MiB each with no whitespace:
 //! `a` repeated, random lowercase letters (the same LCG, seed 1), and `-` repeated (the slowest
-//! single-byte run we found for the backtracking encoder: both vocabularies hold `-` tokens up
-//! to 80 bytes long). They are timed with `count_till_limit(16_000)` and with a full `count`.
+//! single-byte run we found for the backtracking encoder: both vocabularies hold `-` tokens 96
+//! and 112 bytes long). They are timed with `count_till_limit(16_000)` and with a full `count`.
 //!
 //! MB/s is 10^6 bytes per second. Every figure is the median of several runs.
 

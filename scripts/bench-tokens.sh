@@ -58,7 +58,7 @@ if PYTHONPATH="${python_dir}" python3 -c \
     note "tiktoken ${TIKTOKEN_VERSION} already in ${python_dir}"
 else
     note "installing tiktoken==${TIKTOKEN_VERSION} into ${python_dir}"
-    python3 -m pip install --quiet --disable-pip-version-check --upgrade \
+    PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --upgrade \
         --target "${python_dir}" "tiktoken==${TIKTOKEN_VERSION}" ||
         die "pip could not install tiktoken==${TIKTOKEN_VERSION} (is PyPI reachable?)"
 fi

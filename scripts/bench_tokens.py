@@ -140,13 +140,15 @@ def main() -> int:
     print("| body | encoding | tokens | bpe-openai count_till_limit | bpe-openai count "
           "| tiktoken-rs | tiktoken-py |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    adversarial_ok = True
+    # Verdicts per measurement: (met so far, worst ms seen) for the targeted bodies.
+    worst_ms = {"count_till_limit": 0.0, "count": 0.0}
     for row in rust["adversarial"]:
         py_ms = python_adversarial[(row["input"], row["encoding"])] * 1e3
         limited_ms = row["bpe_openai_count_till_limit_ms"]
         count_ms = row["bpe_openai_count_ms"]
         if row["input"] in TARGETED_ADVERSARIAL:
-            adversarial_ok &= max(limited_ms, count_ms) < TARGET_ADVERSARIAL_MS
+            worst_ms["count_till_limit"] = max(worst_ms["count_till_limit"], limited_ms)
+            worst_ms["count"] = max(worst_ms["count"], count_ms)
         print(f"| `{row['input']}` | {row['encoding']} | {row['tokens']} | {limited_ms:.1f} | "
               f"{count_ms:.1f} | {row['tiktoken_rs_ms']:.1f} | {py_ms:.1f} |")
 
@@ -155,9 +157,11 @@ def main() -> int:
     ratio_text = ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items())
     print(f"Headline: bpe-openai vs tiktoken-py: {ratio_text} "
           f"(target >= {TARGET_RATIO:.0f}x: {'met' if ratio_ok else 'NOT met'}).")
-    print(f"Adversarial {' and '.join(f'`{b}`' for b in TARGETED_ADVERSARIAL)}, count_till_limit "
-          f"and count both < {TARGET_ADVERSARIAL_MS:.0f} ms: "
-          f"{'met' if adversarial_ok else 'NOT met'}.")
+    bodies_text = " and ".join(f"`{body}`" for body in TARGETED_ADVERSARIAL)
+    for measurement, worst in worst_ms.items():
+        verdict = "met" if worst < TARGET_ADVERSARIAL_MS else "NOT met"
+        print(f"Adversarial {bodies_text}, bpe-openai {measurement}: worst {worst:.1f} ms "
+              f"(target < {TARGET_ADVERSARIAL_MS:.0f} ms: {verdict}).")
 
     if mismatches:
         print("\nCOUNT MISMATCH:", *mismatches, sep="\n  ", file=sys.stderr)

@@ -23,6 +23,8 @@ pub enum BodyVerdict {
 pub struct Admission {
     pub identity: Identity,
     pub model: String,
+    /// The model's BPE, to count generated text when the upstream reports no usage.
+    pub encoding: crate::tokens::Encoding,
     pub stream: bool,
     pub input_tokens: u32,
     /// Output tokens the upstream may generate per choice, after defaulting or clamping.
@@ -38,7 +40,16 @@ pub struct Admission {
 impl Admission {
     /// The most tokens this request can cost: what a budget reserves up front.
     pub fn worst_case_tokens(&self) -> u64 {
-        u64::from(self.input_tokens) + u64::from(self.max_output_tokens) * u64::from(self.choices)
+        let (input, output) = self.reserved_tokens();
+        input + output
+    }
+
+    /// The reservation split into input (counted) and output (the most it may generate).
+    pub fn reserved_tokens(&self) -> (u64, u64) {
+        (
+            u64::from(self.input_tokens),
+            u64::from(self.max_output_tokens) * u64::from(self.choices),
+        )
     }
 }
 
@@ -50,7 +61,7 @@ pub fn decide_body(policy: &Policy, head: &InferenceHead, body: &[u8]) -> BodyVe
 }
 
 fn admit(policy: &Policy, head: &InferenceHead, body: &[u8]) -> Result<Admission, LocalReply> {
-    let tier = &policy.tiers[head.identity.tier];
+    let tier = policy.tier_for(&head.identity.tenant, head.identity.tier);
     let max_body = policy.counting.max_body_bytes;
     if body.len() > max_body {
         return Err(LocalReply::new(
@@ -64,6 +75,7 @@ fn admit(policy: &Policy, head: &InferenceHead, body: &[u8]) -> Result<Admission
     let ParsedBody {
         mut json,
         model,
+        encoding,
         stream,
         input,
         max_output,
@@ -144,6 +156,7 @@ fn admit(policy: &Policy, head: &InferenceHead, body: &[u8]) -> Result<Admission
         ],
         identity: head.identity.clone(),
         model,
+        encoding,
         stream,
         input_tokens,
         max_output_tokens,

@@ -28,6 +28,9 @@ pub struct Config {
     pub response: ResponseConfig,
     pub scheduler: SchedulerConfig,
     pub control: ControlConfig,
+    /// Per-tenant overrides of any tier field ("exceptions" to the default policy, seed 004).
+    pub tenants: BTreeMap<String, TierOverride>,
+    pub store: StoreConfig,
     pub shutdown: ShutdownConfig,
 }
 
@@ -118,6 +121,114 @@ pub struct TierConfig {
     /// How long a request may wait for a slot before a 503. About 1 s: a request that waited
     /// longer is a lost cause, and serving it feeds a chain reaction (seed 001).
     pub queue_deadline_ms: u64,
+    /// Token budgets per tenant over rolling windows (absent: no such window).
+    pub tokens_per_minute: Option<u64>,
+    pub tokens_per_hour: Option<u64>,
+    pub tokens_per_day: Option<u64>,
+    pub requests_per_minute: Option<u64>,
+    /// Requests of one tenant in flight at once, across all replicas (absent: unlimited).
+    pub max_concurrent: Option<u32>,
+    /// Extra budgets for requests whose model matches a glob, counted separately.
+    pub model_limits: Vec<ModelLimitConfig>,
+}
+
+/// A budget that applies only to some models.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelLimitConfig {
+    /// Model-name glob (`*` wildcards), e.g. `gpt-4o*`.
+    pub pattern: String,
+    #[serde(default)]
+    pub tokens_per_minute: Option<u64>,
+    #[serde(default)]
+    pub tokens_per_hour: Option<u64>,
+    #[serde(default)]
+    pub tokens_per_day: Option<u64>,
+    #[serde(default)]
+    pub requests_per_minute: Option<u64>,
+}
+
+/// Any tier field, for one tenant; what is absent comes from the tenant's tier.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TierOverride {
+    pub max_input_tokens: Option<u32>,
+    pub max_output_tokens: Option<u32>,
+    pub output_limit: Option<OutputLimitPolicy>,
+    pub default_output_tokens: Option<u32>,
+    pub weight: Option<u32>,
+    pub priority_band: Option<u8>,
+    pub queue_max: Option<u32>,
+    pub queue_deadline_ms: Option<u64>,
+    pub tokens_per_minute: Option<u64>,
+    pub tokens_per_hour: Option<u64>,
+    pub tokens_per_day: Option<u64>,
+    pub requests_per_minute: Option<u64>,
+    pub max_concurrent: Option<u32>,
+    pub model_limits: Option<Vec<ModelLimitConfig>>,
+}
+
+impl TierOverride {
+    /// `tier` with this override's fields in place of its own.
+    pub fn apply(&self, tier: &TierConfig) -> TierConfig {
+        TierConfig {
+            max_input_tokens: self.max_input_tokens.unwrap_or(tier.max_input_tokens),
+            max_output_tokens: self.max_output_tokens.unwrap_or(tier.max_output_tokens),
+            output_limit: self.output_limit.unwrap_or(tier.output_limit),
+            default_output_tokens: self.default_output_tokens.or(tier.default_output_tokens),
+            weight: self.weight.unwrap_or(tier.weight),
+            priority_band: self.priority_band.unwrap_or(tier.priority_band),
+            queue_max: self.queue_max.unwrap_or(tier.queue_max),
+            queue_deadline_ms: self.queue_deadline_ms.unwrap_or(tier.queue_deadline_ms),
+            tokens_per_minute: self.tokens_per_minute.or(tier.tokens_per_minute),
+            tokens_per_hour: self.tokens_per_hour.or(tier.tokens_per_hour),
+            tokens_per_day: self.tokens_per_day.or(tier.tokens_per_day),
+            requests_per_minute: self.requests_per_minute.or(tier.requests_per_minute),
+            max_concurrent: self.max_concurrent.or(tier.max_concurrent),
+            model_limits: self
+                .model_limits
+                .clone()
+                .unwrap_or_else(|| tier.model_limits.clone()),
+        }
+    }
+}
+
+/// Where budgets live, and what happens when that store misbehaves.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreConfig {
+    /// `redis://[:password@]host:port[/db]` or `rediss://` (TLS). Absent: the embedded
+    /// in-memory store (budgets per replica).
+    pub redis_url: Option<String>,
+    /// A file holding the Redis password (a mounted Secret), instead of one in the URL.
+    pub redis_password_file: Option<String>,
+    /// Longest a decision waits for the store: a slow Redis must not make every request slow.
+    pub timeout_ms: u64,
+    /// A concurrency lease lives this long unless renewed; a crashed replica's leases free
+    /// themselves within it.
+    pub lease_ttl_ms: u64,
+    /// How often live leases are renewed (well under the TTL).
+    pub lease_renew_ms: u64,
+    /// Token and request budgets when the store fails: `fail_open` (admit; the budget is not
+    /// charged) or `fail_closed` (503).
+    pub budgets_on_error: FailMode,
+    /// Concurrency when the store fails: `fail_closed` enforces `degraded_max_concurrent` per
+    /// tenant in this replica; `fail_open` admits.
+    pub concurrency_on_error: FailMode,
+    /// The per-replica, per-tenant concurrency cap while the store is failing.
+    pub degraded_max_concurrent: u32,
+    /// Consecutive store failures that open the circuit breaker (calls skip the store and take
+    /// the fail modes at once) ...
+    pub breaker_failures: u32,
+    /// ... for this long, before one probe call tries the store again.
+    pub breaker_open_ms: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailMode {
+    FailOpen,
+    FailClosed,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -250,6 +361,29 @@ impl Default for TierConfig {
             priority_band: 0,
             queue_max: 2,
             queue_deadline_ms: 1_000,
+            tokens_per_minute: None,
+            tokens_per_hour: None,
+            tokens_per_day: None,
+            requests_per_minute: None,
+            max_concurrent: None,
+            model_limits: Vec::new(),
+        }
+    }
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            redis_url: None,
+            redis_password_file: None,
+            timeout_ms: 50,
+            lease_ttl_ms: 30_000,
+            lease_renew_ms: 10_000,
+            budgets_on_error: FailMode::FailOpen,
+            concurrency_on_error: FailMode::FailClosed,
+            degraded_max_concurrent: 1,
+            breaker_failures: 5,
+            breaker_open_ms: 5_000,
         }
     }
 }
@@ -303,20 +437,23 @@ impl Default for ShutdownConfig {
     }
 }
 
-/// The built-in tiers, from seeds 001 and 003: free, standard, premium with weights 1, 2, 4;
+/// The built-in tiers, from seeds 001 and 003: free, standard, premium with weights 1, 2, 4
+/// and 100,000 / 200,000 / 500,000 tokens per rolling hour, 3 concurrent requests per user;
 /// paying tiers queue up to 8 requests for 2 s, free ones 2 for 1 s. Requests without a tier
 /// are free.
 pub fn default_tiers() -> BTreeMap<String, TierConfig> {
-    let paying = |weight| TierConfig {
+    let tier = |weight, tokens_per_hour, paying: bool| TierConfig {
         weight,
-        queue_max: 8,
-        queue_deadline_ms: 2_000,
+        queue_max: if paying { 8 } else { 2 },
+        queue_deadline_ms: if paying { 2_000 } else { 1_000 },
+        tokens_per_hour: Some(tokens_per_hour),
+        max_concurrent: Some(3),
         ..TierConfig::default()
     };
     BTreeMap::from([
-        ("free".to_owned(), TierConfig::default()),
-        ("standard".to_owned(), paying(2)),
-        ("premium".to_owned(), paying(4)),
+        ("free".to_owned(), tier(1, 100_000, false)),
+        ("standard".to_owned(), tier(2, 200_000, true)),
+        ("premium".to_owned(), tier(4, 500_000, true)),
     ])
 }
 
@@ -333,6 +470,8 @@ impl Default for Config {
             response: ResponseConfig::default(),
             scheduler: SchedulerConfig::default(),
             control: ControlConfig::default(),
+            tenants: BTreeMap::new(),
+            store: StoreConfig::default(),
             shutdown: ShutdownConfig::default(),
         }
     }

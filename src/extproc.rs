@@ -29,10 +29,13 @@ use tonic::{Status, Streaming};
 pub use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 
 use crate::admission::{self, Admission, BodyVerdict};
+use crate::budget::ledger::{Grant, Hold, Ledger};
 use crate::config::FairnessCost;
 use crate::observe::response::{ResponseEnd, ResponseObserver};
 use crate::observe::window::LatencyWindow;
-use crate::observe::{GaugeGuard, Metrics, ProtocolError, RequestOutcome, SchedulerOutcome};
+use crate::observe::{
+    GaugeGuard, Metrics, ProtocolError, RequestOutcome, SchedulerOutcome, TokenKind, TokenStage,
+};
 use crate::policy::{ENVOY_TIMEOUT_MARGIN, Policy, TierId};
 use crate::reply::{LocalReply, Reason};
 use crate::request::{self, HeadVerdict, InferenceHead};
@@ -62,6 +65,7 @@ pub struct Shared {
     pub lifecycle: watch::Receiver<Lifecycle>,
     pub open_streams: OpenStreams,
     pub scheduler: Arc<Scheduler>,
+    pub ledger: Arc<Ledger>,
     /// Time to first token over the controller's window, fed by every admitted response.
     pub ttft_window: Arc<Mutex<LatencyWindow>>,
 }
@@ -179,7 +183,15 @@ async fn serve_stream(
             break StreamEnd::Tollgate;
         }
     };
-    exchange.finish(&shared, end);
+    exchange.finish(&shared, end).await;
+}
+
+/// Why a queued request left the queue without a slot.
+enum Left {
+    ProtocolError(ProcessingRequest),
+    ClientGone,
+    Deadline,
+    ShuttingDown,
 }
 
 /// What a message leads to: an answer now, or a wait for a slot first.
@@ -192,6 +204,7 @@ enum Step {
 struct Waiting {
     ticket: Ticket,
     admission: Admission,
+    grant: Grant,
     arrived: Instant,
     enqueued: Instant,
     deadline: Instant,
@@ -256,6 +269,10 @@ struct Watched {
     /// The request's slot in the global budget, freed when the response ends (or, at the
     /// latest, when this drops with the stream).
     permit: Option<Permit>,
+    /// The request's budgets, settled with actual usage when the stream ends.
+    hold: Hold,
+    /// Budget headers for the client's response.
+    budget_headers: Vec<(&'static str, String)>,
 }
 
 impl Exchange {
@@ -293,8 +310,9 @@ impl Exchange {
         match (state, message) {
             (Exchange::Admitted(mut watched), Message::ResponseHeaders(headers)) => {
                 watched.on_response_headers(shared, &headers);
+                let answer = convert::response_headers_continue(&watched.budget_headers);
                 *self = Exchange::Admitted(watched);
-                Ok(convert::continue_unchanged(Answer::ResponseHeaders))
+                Ok(answer)
             }
             (Exchange::Admitted(mut watched), Message::ResponseBody(body)) => {
                 watched.on_response_body(shared, &body, now);
@@ -419,8 +437,23 @@ impl Exchange {
             }
         };
         let policy = &shared.policy;
-        let tier_policy = &policy.tiers[tier];
         let tenant = &admission.identity.tenant;
+        let tier_policy = policy.tier_for(tenant, tier);
+        let grant = match shared
+            .ledger
+            .reserve(
+                tenant,
+                tier_policy,
+                &admission.model,
+                admission.worst_case_tokens(),
+            )
+            .await
+        {
+            Ok(grant) => grant,
+            Err(reply) => {
+                return Step::Answer(Ok(self.reject(shared, &reply, Some(tier), started)));
+            }
+        };
         let limit = shared.scheduler.load().limit;
         let class = FlowClass {
             weight: tier_policy.weight,
@@ -442,7 +475,7 @@ impl Exchange {
                 shared
                     .metrics
                     .scheduler_outcome(tier, SchedulerOutcome::AdmittedNow);
-                let answer = self.admit(shared, admission, arrived, permit);
+                let answer = self.admit(shared, admission, grant, arrived, permit);
                 shared
                     .metrics
                     .decision_duration(started.elapsed().as_secs_f64());
@@ -452,6 +485,8 @@ impl Exchange {
                 shared
                     .metrics
                     .scheduler_outcome(tier, SchedulerOutcome::QueueFull);
+                // A rejected request consumes nothing: give its reservation back.
+                shared.ledger.settle(grant.hold, 0, true).await;
                 let reply = LocalReply::new(
                     Reason::QueueFull,
                     format!(
@@ -470,6 +505,7 @@ impl Exchange {
                 Step::Wait(Waiting {
                     ticket,
                     admission,
+                    grant,
                     arrived,
                     enqueued: started,
                     deadline,
@@ -492,6 +528,7 @@ impl Exchange {
         let Waiting {
             mut ticket,
             admission,
+            grant,
             arrived,
             enqueued,
             deadline,
@@ -499,74 +536,98 @@ impl Exchange {
             ..
         } = waiting;
         let tier = admission.identity.tier;
-        let shed = |exchange: &mut Exchange, outcome, reason, message: String| {
-            shared.metrics.scheduler_outcome(tier, outcome);
-            let reply = LocalReply::new(reason, message).with_header("retry-after", "1");
-            Some(Ok(exchange.reject(shared, &reply, Some(tier), enqueued)))
-        };
-        tokio::select! {
+        let outcome = tokio::select! {
             biased;
-            permit = ticket.granted() => {
-                let now = Instant::now();
-                shared.metrics.queue_wait(tier, now.duration_since(enqueued).as_secs_f64());
-                shared.metrics.scheduler_outcome(tier, SchedulerOutcome::AdmittedAfterWait);
-                shared.metrics.decision_duration(now.duration_since(enqueued).as_secs_f64());
-                Some(Ok(self.admit(shared, admission, arrived, permit)))
-            }
-            message = inbound.message() => match message {
+            permit = ticket.granted() => Ok(permit),
+            message = inbound.message() => Err(match message {
                 // Envoy sends nothing while it waits for this answer.
-                Ok(Some(message)) => {
-                    *self = Exchange::Rejected;
-                    let phase = "waiting in the queue for a slot";
-                    Some(Err(match message.request {
-                        Some(message) => out_of_order(shared, phase, &message),
-                        None => Status::invalid_argument("empty ProcessingRequest while queued"),
-                    }))
-                }
-                Ok(None) | Err(_) => {
-                    shared.metrics.scheduler_outcome(tier, SchedulerOutcome::Cancelled);
-                    shared.metrics.request(RequestOutcome::Abandoned);
-                    *self = Exchange::Rejected;
-                    None
-                }
-            },
-            () = tokio::time::sleep_until(deadline) => shed(
-                self,
+                Ok(Some(message)) => Left::ProtocolError(message),
+                Ok(None) | Err(_) => Left::ClientGone,
+            }),
+            () = tokio::time::sleep_until(deadline) => Err(Left::Deadline),
+            () = reached(lifecycle, Lifecycle::Draining) => Err(Left::ShuttingDown),
+        };
+        drop(ticket);
+        let left = match outcome {
+            Ok(permit) => {
+                let now = Instant::now();
+                let waited = now.duration_since(enqueued).as_secs_f64();
+                shared.metrics.queue_wait(tier, waited);
+                shared
+                    .metrics
+                    .scheduler_outcome(tier, SchedulerOutcome::AdmittedAfterWait);
+                shared.metrics.decision_duration(waited);
+                return Some(Ok(self.admit(shared, admission, grant, arrived, permit)));
+            }
+            Err(left) => left,
+        };
+        // Left the queue without a slot: it consumes nothing, so its reservation goes back.
+        shared.ledger.settle(grant.hold, 0, true).await;
+        *self = Exchange::Rejected;
+        let (outcome, reason, message) = match left {
+            Left::ProtocolError(message) => {
+                let phase = "waiting in the queue for a slot";
+                return Some(Err(match message.request {
+                    Some(message) => out_of_order(shared, phase, &message),
+                    None => Status::invalid_argument("empty ProcessingRequest while queued"),
+                }));
+            }
+            Left::ClientGone => {
+                shared
+                    .metrics
+                    .scheduler_outcome(tier, SchedulerOutcome::Cancelled);
+                shared.metrics.request(RequestOutcome::Abandoned);
+                return None;
+            }
+            Left::Deadline => (
                 SchedulerOutcome::QueueTimeout,
                 Reason::QueueTimeout,
                 format!(
                     "the service is at capacity: no slot freed within the {} ms queue deadline; \
                      retry shortly",
-                    shared.policy.tiers[tier].queue_deadline.as_millis()
+                    shared
+                        .policy
+                        .tier_for(&admission.identity.tenant, tier)
+                        .queue_deadline
+                        .as_millis()
                 ),
             ),
-            () = reached(lifecycle, Lifecycle::Draining) => shed(
-                self,
+            Left::ShuttingDown => (
                 SchedulerOutcome::ShuttingDown,
                 Reason::ShuttingDown,
                 "this tollgate replica is shutting down; retry shortly".to_owned(),
             ),
-        }
+        };
+        shared.metrics.scheduler_outcome(tier, outcome);
+        let reply = LocalReply::new(reason, message).with_header("retry-after", "1");
+        Some(Ok(self.reject(shared, &reply, Some(tier), enqueued)))
     }
 
-    /// Lets an admitted request through, holding `permit` until its response ends.
+    /// Lets an admitted request through, holding `permit` until its response ends and its
+    /// budgets until its stream ends.
     fn admit(
         &mut self,
         shared: &Shared,
         admission: Admission,
+        grant: Grant,
         arrived: Instant,
         permit: Permit,
     ) -> ProcessingResponse {
-        let answer = convert::request_body_admit(&admission);
-        shared.metrics.request(RequestOutcome::Admitted);
-        shared
-            .metrics
-            .estimated_input_tokens(admission.identity.tier, admission.input_tokens);
+        let answer = convert::request_body_admit(&admission, &grant.headers);
+        let tier = admission.identity.tier;
+        let metrics = &shared.metrics;
+        metrics.request(RequestOutcome::Admitted);
+        metrics.estimated_input_tokens(tier, admission.input_tokens);
+        let (input, output) = admission.reserved_tokens();
+        metrics.budget_tokens(tier, TokenKind::Input, TokenStage::Reserved, input);
+        metrics.budget_tokens(tier, TokenKind::Output, TokenStage::Reserved, output);
         *self = Exchange::Admitted(Box::new(Watched {
             admission,
             arrived,
             response: None,
             permit: Some(permit),
+            hold: grant.hold,
+            budget_headers: grant.headers,
         }));
         answer
     }
@@ -591,11 +652,11 @@ impl Exchange {
         convert::immediate(reply)
     }
 
-    /// Records how the stream ended; runs exactly once per stream.
-    fn finish(self, shared: &Shared, end: StreamEnd) {
+    /// Records how the stream ended and settles its budgets; runs exactly once per stream.
+    async fn finish(self, shared: &Shared, end: StreamEnd) {
         match self {
             Exchange::AwaitingBody { .. } => shared.metrics.request(RequestOutcome::Abandoned),
-            Exchange::Admitted(watched) => watched.finish(shared, end),
+            Exchange::Admitted(watched) => watched.finish(shared, end).await,
             Exchange::Start | Exchange::PassedThrough | Exchange::Rejected => {}
         }
     }
@@ -622,7 +683,8 @@ impl Watched {
             status,
             convert::header(map, "content-type"),
             shared.policy.max_buffered_json_bytes,
-        );
+        )
+        .counting_output(self.admission.encoding);
         if headers.end_of_stream {
             observer.on_end_of_stream();
             self.permit = None;
@@ -633,8 +695,10 @@ impl Watched {
     fn on_response_body(&mut self, shared: &Shared, body: &HttpBody, now: Instant) {
         // Without response headers (header mode SKIP) the status is unknown: assume success and
         // sniff nothing but usage from a JSON body.
+        let encoding = self.admission.encoding;
         let observer = self.response.get_or_insert_with(|| {
             ResponseObserver::new(200, None, shared.policy.max_buffered_json_bytes)
+                .counting_output(encoding)
         });
         if observer.on_chunk(&body.body, body.end_of_stream) {
             let tier = self.admission.identity.tier;
@@ -652,23 +716,86 @@ impl Watched {
         }
     }
 
-    fn finish(self, shared: &Shared, _end: StreamEnd) {
-        let tier = self.admission.identity.tier;
-        let Some(observer) = self.response else {
-            shared.metrics.stream_completion(ResponseEnd::NoResponse);
-            return;
-        };
-        let end = observer.end();
-        shared.metrics.stream_completion(end);
+    async fn finish(self, shared: &Shared, _end: StreamEnd) {
+        let Watched {
+            admission,
+            arrived,
+            response,
+            permit,
+            hold,
+            ..
+        } = self;
+        drop(permit);
+        let tier = admission.identity.tier;
+        let metrics = &shared.metrics;
+        let end = response
+            .as_ref()
+            .map_or(ResponseEnd::NoResponse, ResponseObserver::end);
+        metrics.stream_completion(end);
         if end == ResponseEnd::Complete {
-            let seconds = self.arrived.elapsed().as_secs_f64();
-            shared.metrics.request_duration(tier, seconds);
+            metrics.request_duration(tier, arrived.elapsed().as_secs_f64());
         }
-        if let Some(usage) = observer.usage() {
-            shared
-                .metrics
-                .usage(tier, usage.prompt_tokens, usage.completion_tokens);
+        let usage = response.as_ref().and_then(ResponseObserver::usage);
+        if let Some(usage) = usage {
+            metrics.usage(tier, usage.prompt_tokens, usage.completion_tokens);
         }
+        let spent = spent_tokens(&admission, end, usage, response.as_ref());
+        let (reserved_input, reserved_output) = admission.reserved_tokens();
+        for (kind, reserved, actual) in [
+            (TokenKind::Input, reserved_input, spent.input),
+            (TokenKind::Output, reserved_output, spent.output),
+        ] {
+            metrics.budget_tokens(tier, kind, TokenStage::Settled, actual);
+            metrics.budget_tokens(
+                tier,
+                kind,
+                TokenStage::Refunded,
+                reserved.saturating_sub(actual),
+            );
+        }
+        shared
+            .ledger
+            .settle(hold, spent.input + spent.output, spent.refund_request)
+            .await;
+    }
+}
+
+/// What a finished request really cost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Spent {
+    input: u64,
+    output: u64,
+    /// The upstream failed before answering: the request itself is not counted either.
+    refund_request: bool,
+}
+
+/// The settlement rules: the upstream's own usage when it reported one; else the counted input
+/// plus the output tokens that were streamed; nothing at all when the upstream failed.
+fn spent_tokens(
+    admission: &Admission,
+    end: ResponseEnd,
+    usage: Option<crate::observe::response::Usage>,
+    response: Option<&ResponseObserver>,
+) -> Spent {
+    let input = u64::from(admission.input_tokens);
+    match (end, usage) {
+        (ResponseEnd::UpstreamError, _) => Spent {
+            input: 0,
+            output: 0,
+            refund_request: true,
+        },
+        (_, Some(usage)) => Spent {
+            input: usage.prompt_tokens,
+            output: usage.completion_tokens,
+            refund_request: false,
+        },
+        // Complete without usage, truncated, or the client left before any response: the
+        // prompt was (or may have been) processed; charge it and what was generated.
+        _ => Spent {
+            input,
+            output: response.map_or(0, ResponseObserver::output_tokens),
+            refund_request: false,
+        },
     }
 }
 

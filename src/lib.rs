@@ -9,6 +9,7 @@
 
 pub mod admin;
 pub mod admission;
+pub mod budget;
 pub mod config;
 pub mod control;
 pub mod extproc;
@@ -51,6 +52,8 @@ pub enum Error {
     Grpc(#[from] tonic::transport::Error),
     #[error("admin server failed: {0}")]
     Admin(#[from] std::io::Error),
+    #[error("budget store: {0}")]
+    Store(#[from] budget::StoreError),
 }
 
 /// How long the gRPC server may take to wind down once every stream was told to end.
@@ -59,6 +62,37 @@ const GRPC_CLOSE_GRACE: Duration = Duration::from_secs(5);
 const METRICS_UPKEEP_PERIOD: Duration = Duration::from_secs(5);
 /// Sub-windows of the TTFT window: expiry granularity is window / slots.
 const TTFT_WINDOW_SLOTS: u32 = 30;
+
+/// The budget store the configuration names: Redis if `store.redis_url` is set (connected
+/// lazily, so tollgate starts and serves in its fail modes while Redis is still down), else the
+/// embedded in-memory store.
+async fn open_store(config: &config::StoreConfig) -> Result<budget::Store, Error> {
+    let Some(url) = &config.redis_url else {
+        return Ok(budget::Store::Memory(budget::memory::MemoryStore::new()));
+    };
+    let password = match &config.redis_password_file {
+        None => None,
+        Some(path) => Some(
+            tokio::fs::read_to_string(path)
+                .await
+                .map_err(|e| {
+                    config::ConfigError(format!(
+                        "store.redis_password_file: cannot read {path}: {e}"
+                    ))
+                })?
+                .trim_end_matches(['\n', '\r'])
+                .to_owned(),
+        ),
+    };
+    let settings = budget::redis::RedisSettings {
+        url: url.clone(),
+        password,
+        timeout: Duration::from_millis(config.timeout_ms),
+    };
+    Ok(budget::Store::Redis(
+        budget::redis::RedisStore::connect(settings).await?,
+    ))
+}
 
 /// Runs tollgate on TCP listeners until `shutdown` resolves; see `serve`.
 pub async fn run(
@@ -112,12 +146,17 @@ where
         Duration::from_millis(policy.control.window_ms),
         TTFT_WINDOW_SLOTS,
     )));
+    let store = open_store(&policy.store).await?;
+    tracing::info!(store = store.kind(), "budget store");
+    let ledger = budget::ledger::Ledger::new(store, policy.store.clone(), metrics.clone());
+    let renewer = tokio::spawn(ledger.clone().renew_leases());
     let shared = Arc::new(Shared {
         policy: policy.clone(),
         metrics: metrics.clone(),
         lifecycle: lifecycle.clone(),
         open_streams: OpenStreams::default(),
         scheduler: scheduler.clone(),
+        ledger,
         ttft_window: ttft_window.clone(),
     });
     if policy.control.enabled {
@@ -192,6 +231,7 @@ where
             // The server ended on its own: nothing to drain.
             let _ = lifecycle_tx.send(Lifecycle::Closing);
             upkeep.abort();
+            renewer.abort();
             return match result {
                 Ok(inner) => inner.map_err(Error::from),
                 Err(join_error) => Err(Error::Admin(std::io::Error::other(join_error))),
@@ -229,6 +269,7 @@ where
         }
     };
     upkeep.abort();
+    renewer.abort();
     let admin_result = match admin_server.await {
         Ok(result) => result.map_err(Error::from),
         Err(join_error) => Err(Error::Admin(std::io::Error::other(join_error))),

@@ -25,6 +25,10 @@ struct Cli {
     /// Admin HTTP listen address (/metrics, /healthz, /readyz) [default: 0.0.0.0:9464].
     #[arg(long, value_name = "ADDR")]
     admin_addr: Option<SocketAddr>,
+    /// Keep budgets in this Redis (redis://...), shared by every replica [default: the
+    /// embedded in-memory store].
+    #[arg(long, value_name = "URL")]
+    redis_url: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -94,6 +98,9 @@ fn effective_config(
     }
     if let Some(addr) = cli.admin_addr {
         config.listen.admin_addr = addr.to_string();
+    }
+    if let Some(url) = &cli.redis_url {
+        config.store.redis_url = Some(url.clone());
     }
     Policy::from_config(&config)?;
     Ok(config)

@@ -39,6 +39,12 @@ pub const SCHEDULER_SUBMITTED: &str = "tollgate_scheduler_submitted_total";
 pub const SCHEDULER_OUTCOMES: &str = "tollgate_scheduler_outcomes_total";
 pub const CONTROLLER_ACTIONS: &str = "tollgate_controller_actions_total";
 pub const CONTROLLER_P99: &str = "tollgate_controller_observed_p99_ttft_seconds";
+pub const BUDGET_TOKENS: &str = "tollgate_budget_tokens_total";
+pub const STORE_DURATION: &str = "tollgate_store_request_duration_seconds";
+pub const STORE_ERRORS: &str = "tollgate_store_errors_total";
+pub const STORE_BREAKER: &str = "tollgate_store_breaker_state";
+pub const DEGRADED_DECISIONS: &str = "tollgate_degraded_decisions_total";
+pub const ACTIVE_LEASES: &str = "tollgate_active_leases";
 
 /// Seconds from first token targets of tens of ms up to the 30 s+ of an overloaded vLLM.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -51,6 +57,10 @@ const DECISION_BUCKETS: &[f64] = &[
 /// Queue waits: deadlines are around 1-2 s, and never beyond Envoy's max_message_timeout.
 const QUEUE_WAIT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0,
+];
+/// A store round trip: tens of microseconds on loopback, the configured timeout (~50 ms) at worst.
+const STORE_BUCKETS: &[f64] = &[
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 ];
 /// Powers of four from a one-line prompt to a long-context one.
 const TOKEN_BUCKETS: &[f64] = &[
@@ -134,6 +144,62 @@ impl SchedulerOutcome {
     }
 }
 
+/// Budget-store operations, as metric labels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreOp {
+    Reserve,
+    Settle,
+    Renew,
+}
+
+impl StoreOp {
+    const ALL: [StoreOp; 3] = [StoreOp::Reserve, StoreOp::Settle, StoreOp::Renew];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            StoreOp::Reserve => "reserve",
+            StoreOp::Settle => "settle",
+            StoreOp::Renew => "renew",
+        }
+    }
+}
+
+/// Store failure kinds, as metric labels.
+const STORE_ERROR_KINDS: [&str; 3] = ["timeout", "unavailable", "protocol"];
+
+fn store_error_kind(error: &crate::budget::StoreError) -> &'static str {
+    match error {
+        crate::budget::StoreError::Timeout(_) => "timeout",
+        crate::budget::StoreError::Unavailable(_) => "unavailable",
+        crate::budget::StoreError::Protocol(_) => "protocol",
+    }
+}
+
+/// Which control took a fail mode while the store failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DegradedControl {
+    Budgets,
+    Concurrency,
+}
+
+/// The kinds of token amounts a budget sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenStage {
+    /// Taken up front: input counted, output at its maximum.
+    Reserved,
+    /// What the request really cost.
+    Settled,
+    /// Reserved but not used, given back.
+    Refunded,
+}
+
+/// Input or output tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenKind {
+    Input,
+    Output,
+}
+
 /// Ways Envoy's message sequence broke the ext_proc protocol.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProtocolError {
@@ -184,6 +250,15 @@ struct Inner {
     scheduler_outcomes: Vec<Vec<Counter>>,
     controller_actions: Vec<Counter>,
     controller_p99: Gauge,
+    /// `[tier][kind * 3 + stage]`.
+    budget_tokens: Vec<Vec<Counter>>,
+    store_duration: Vec<Histogram>,
+    /// `[op][kind]`.
+    store_errors: Vec<Vec<Counter>>,
+    store_breaker: Gauge,
+    /// `[control][fail_open, fail_closed]`.
+    degraded: Vec<[Counter; 2]>,
+    active_leases: Gauge,
 }
 
 impl Metrics {
@@ -195,6 +270,7 @@ impl Metrics {
             (DECISION_DURATION, DECISION_BUCKETS),
             (ESTIMATED_INPUT_TOKENS, TOKEN_BUCKETS),
             (QUEUE_WAIT, QUEUE_WAIT_BUCKETS),
+            (STORE_DURATION, STORE_BUCKETS),
         ]
         .into_iter()
         .fold(builder, |b, (name, buckets)| {
@@ -298,6 +374,38 @@ impl Metrics {
             "The p99 time to first token the controller saw at its last tick (NaN: no samples).",
         );
 
+        r.describe_counter(
+            BUDGET_TOKENS,
+            Unit::Count,
+            "Budget tokens by tier, kind (input, output) and stage (reserved up front, settled \
+             at the end, refunded when unused).",
+        );
+        r.describe_histogram(
+            STORE_DURATION,
+            Unit::Seconds,
+            "Budget store round trips, by operation (reserve, settle, renew).",
+        );
+        r.describe_counter(
+            STORE_ERRORS,
+            Unit::Count,
+            "Budget store failures, by operation and kind (timeout, unavailable, protocol).",
+        );
+        r.describe_gauge(
+            STORE_BREAKER,
+            Unit::Count,
+            "The budget store's circuit breaker: 0 closed, 1 probing, 2 open (store skipped).",
+        );
+        r.describe_counter(
+            DEGRADED_DECISIONS,
+            Unit::Count,
+            "Decisions taken by a fail mode because the store failed, by control and mode.",
+        );
+        r.describe_gauge(
+            ACTIVE_LEASES,
+            Unit::Count,
+            "Concurrency leases this replica holds in the store now.",
+        );
+
         let tier_names: Vec<&str> = policy.tiers.iter().map(|t| t.name.as_str()).collect();
         let per_tier = |f: &dyn Fn(&str) -> Histogram| tier_names.iter().map(|t| f(t)).collect();
         let inner = Inner {
@@ -369,6 +477,45 @@ impl Metrics {
                 .map(|a| r.counter(CONTROLLER_ACTIONS, &[("action", a.as_str())]))
                 .collect(),
             controller_p99: r.gauge(CONTROLLER_P99, &[]),
+            budget_tokens: tier_names
+                .iter()
+                .map(|t| {
+                    ["input", "output"]
+                        .iter()
+                        .flat_map(|kind| {
+                            ["reserved", "settled", "refunded"].map(|stage| {
+                                r.counter(
+                                    BUDGET_TOKENS,
+                                    &[("tier", t), ("kind", kind), ("stage", stage)],
+                                )
+                            })
+                        })
+                        .collect()
+                })
+                .collect(),
+            store_duration: StoreOp::ALL
+                .iter()
+                .map(|op| r.histogram(STORE_DURATION, &[("op", op.as_str())]))
+                .collect(),
+            store_errors: StoreOp::ALL
+                .iter()
+                .map(|op| {
+                    STORE_ERROR_KINDS
+                        .iter()
+                        .map(|kind| r.counter(STORE_ERRORS, &[("op", op.as_str()), ("kind", kind)]))
+                        .collect()
+                })
+                .collect(),
+            store_breaker: r.gauge(STORE_BREAKER, &[]),
+            degraded: [("budgets"), ("concurrency")]
+                .iter()
+                .map(|control| {
+                    ["fail_open", "fail_closed"].map(|mode| {
+                        r.counter(DEGRADED_DECISIONS, &[("control", control), ("mode", mode)])
+                    })
+                })
+                .collect(),
+            active_leases: r.gauge(ACTIVE_LEASES, &[]),
             handle: recorder.handle(),
         };
         Metrics {
@@ -479,6 +626,41 @@ impl Metrics {
         self.inner
             .controller_p99
             .set(p99_seconds.unwrap_or(f64::NAN));
+    }
+
+    pub fn budget_tokens(&self, tier: TierId, kind: TokenKind, stage: TokenStage, tokens: u64) {
+        let index = (kind as usize) * 3 + stage as usize;
+        self.inner.budget_tokens[tier][index].increment(tokens);
+    }
+
+    pub fn store_call(&self, op: StoreOp, seconds: f64, error: Option<&crate::budget::StoreError>) {
+        let op_index = op as usize;
+        self.inner.store_duration[op_index].record(seconds);
+        if let Some(error) = error {
+            let kind = store_error_kind(error);
+            let kind_index = STORE_ERROR_KINDS
+                .iter()
+                .position(|&k| k == kind)
+                .expect("every kind is listed");
+            self.inner.store_errors[op_index][kind_index].increment(1);
+        }
+    }
+
+    pub fn breaker_state(&self, state: crate::budget::breaker::BreakerState) {
+        self.inner.store_breaker.set(f64::from(state as u8));
+    }
+
+    pub fn degraded(&self, control: DegradedControl, mode: crate::config::FailMode) {
+        let mode = match mode {
+            crate::config::FailMode::FailOpen => 0,
+            crate::config::FailMode::FailClosed => 1,
+        };
+        self.inner.degraded[control as usize][mode].increment(1);
+    }
+
+    /// Counts a live lease until the returned guard drops.
+    pub fn hold_lease(&self) -> GaugeGuard {
+        GaugeGuard::new(self.inner.active_leases.clone())
     }
 
     /// Counts a held ext_proc stream until the returned guard drops, whichever way the stream

@@ -10,7 +10,10 @@ use sha2::{Digest, Sha256};
 
 use std::time::Duration;
 
-use crate::config::{Config, ConfigError, ControlConfig, FairnessCost, OutputLimitPolicy};
+use crate::budget::{Quantity, WindowLimit};
+use crate::config::{
+    Config, ConfigError, ControlConfig, FairnessCost, OutputLimitPolicy, StoreConfig, TierConfig,
+};
 use crate::tokens::{Encoding, EncodingRule};
 
 /// Index of a tier in `Policy::tiers`; also the index of its pre-created metric series.
@@ -29,6 +32,9 @@ pub struct Policy {
     pub max_buffered_json_bytes: usize,
     pub scheduling: SchedulingPolicy,
     pub control: ControlConfig,
+    /// Tenant → every tier with the tenant's override applied, indexed like `tiers`.
+    overrides: HashMap<String, Vec<Tier>>,
+    pub store: StoreConfig,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,6 +48,11 @@ pub struct Tier {
     pub priority_band: u8,
     pub queue_max: u32,
     pub queue_deadline: Duration,
+    /// Rolling windows every request of this tier counts against.
+    pub windows: Vec<WindowLimit>,
+    /// Extra windows for models matching a glob.
+    pub model_windows: Vec<(String, Vec<WindowLimit>)>,
+    pub max_concurrent: Option<u32>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -102,53 +113,34 @@ impl Policy {
                     "tiers.{name}: tier names are 1-64 characters of [a-z0-9_-]"
                 ));
             }
-            for (field, value) in [
-                ("max_input_tokens", tier.max_input_tokens),
-                ("max_output_tokens", tier.max_output_tokens),
-            ] {
-                if value == 0 || value > MAX_SANE_TOKENS {
-                    problems.push(format!(
-                        "tiers.{name}.{field}: {value} is out of range 1..={MAX_SANE_TOKENS}"
-                    ));
-                }
-            }
-            let default_output_tokens =
-                tier.default_output_tokens.unwrap_or(tier.max_output_tokens);
-            if default_output_tokens == 0 || default_output_tokens > tier.max_output_tokens {
-                problems.push(format!(
-                    "tiers.{name}.default_output_tokens: {default_output_tokens} must be between 1 and \
-                     tiers.{name}.max_output_tokens ({})",
-                    tier.max_output_tokens
-                ));
-            }
-            if tier.weight == 0 || tier.weight > MAX_WEIGHT {
-                problems.push(format!(
-                    "tiers.{name}.weight: {} is out of range 1..={MAX_WEIGHT}",
-                    tier.weight
-                ));
-            }
-            let envoy_bound = config.scheduler.envoy_max_message_timeout_ms;
-            let margin = ENVOY_TIMEOUT_MARGIN.as_millis() as u64;
-            if tier.queue_deadline_ms == 0 || tier.queue_deadline_ms + margin > envoy_bound {
-                problems.push(format!(
-                    "tiers.{name}.queue_deadline_ms: {} must be positive and, plus {margin} ms of \
-                     margin, within scheduler.envoy_max_message_timeout_ms ({envoy_bound}), or \
-                     Envoy would time the request out first",
-                    tier.queue_deadline_ms
-                ));
-            }
             tier_by_name.insert(name.clone(), tiers.len());
-            tiers.push(Tier {
-                name: name.clone(),
-                max_input_tokens: tier.max_input_tokens,
-                max_output_tokens: tier.max_output_tokens,
-                output_limit: tier.output_limit,
-                default_output_tokens,
-                weight: tier.weight,
-                priority_band: tier.priority_band,
-                queue_max: tier.queue_max,
-                queue_deadline: Duration::from_millis(tier.queue_deadline_ms),
-            });
+            tiers.push(build_tier(
+                name,
+                tier,
+                config,
+                &format!("tiers.{name}"),
+                &mut problems,
+            ));
+        }
+        // Each overridden tenant gets a full copy of every tier with its override applied, so
+        // the request path resolves a tenant's limits with one hash lookup.
+        let mut overrides = HashMap::new();
+        for (tenant, tier_override) in &config.tenants {
+            let resolved = config
+                .tiers
+                .iter()
+                .map(|(name, tier)| {
+                    let field = format!("tenants.{tenant} (over tier {name})");
+                    build_tier(
+                        name,
+                        &tier_override.apply(tier),
+                        config,
+                        &field,
+                        &mut problems,
+                    )
+                })
+                .collect::<Vec<_>>();
+            overrides.insert(tenant.clone(), resolved);
         }
         let default_tier = match tier_by_name.get(&config.default_tier) {
             Some(&id) => id,
@@ -257,6 +249,7 @@ impl Policy {
             ));
         }
         problems.extend(control_problems(&config.control));
+        problems.extend(store_problems(&config.store));
 
         if !problems.is_empty() {
             return Err(ConfigError(problems.join("\n")));
@@ -295,7 +288,17 @@ impl Policy {
                 ),
             },
             control: config.control.clone(),
+            overrides,
+            store: config.store.clone(),
         })
+    }
+
+    /// The limits that apply to `tenant` in `tier`: the tier's, or the tenant's override of it.
+    pub fn tier_for(&self, tenant: &str, tier: TierId) -> &Tier {
+        match self.overrides.get(tenant) {
+            Some(tiers) => &tiers[tier],
+            None => &self.tiers[tier],
+        }
     }
 
     pub fn tier_named(&self, name: &str) -> Option<TierId> {
@@ -317,6 +320,177 @@ impl IdentityPolicy {
         let hash: [u8; 32] = Sha256::digest(key).into();
         self.api_keys.get(&hash)
     }
+}
+
+/// One tier's validated form; problems are reported under `field`.
+fn build_tier(
+    name: &str,
+    tier: &TierConfig,
+    config: &Config,
+    field: &str,
+    problems: &mut Vec<String>,
+) -> Tier {
+    for (key, value) in [
+        ("max_input_tokens", tier.max_input_tokens),
+        ("max_output_tokens", tier.max_output_tokens),
+    ] {
+        if value == 0 || value > MAX_SANE_TOKENS {
+            problems.push(format!(
+                "{field}.{key}: {value} is out of range 1..={MAX_SANE_TOKENS}"
+            ));
+        }
+    }
+    let default_output_tokens = tier.default_output_tokens.unwrap_or(tier.max_output_tokens);
+    if default_output_tokens == 0 || default_output_tokens > tier.max_output_tokens {
+        problems.push(format!(
+            "{field}.default_output_tokens: {default_output_tokens} must be between 1 and \
+             {field}.max_output_tokens ({})",
+            tier.max_output_tokens
+        ));
+    }
+    if tier.weight == 0 || tier.weight > MAX_WEIGHT {
+        problems.push(format!(
+            "{field}.weight: {} is out of range 1..={MAX_WEIGHT}",
+            tier.weight
+        ));
+    }
+    let envoy_bound = config.scheduler.envoy_max_message_timeout_ms;
+    let margin = ENVOY_TIMEOUT_MARGIN.as_millis() as u64;
+    if tier.queue_deadline_ms == 0 || tier.queue_deadline_ms + margin > envoy_bound {
+        problems.push(format!(
+            "{field}.queue_deadline_ms: {} must be positive and, plus {margin} ms of margin, \
+             within scheduler.envoy_max_message_timeout_ms ({envoy_bound}), or Envoy would time \
+             the request out first",
+            tier.queue_deadline_ms
+        ));
+    }
+    if tier.max_concurrent == Some(0) {
+        problems.push(format!(
+            "{field}.max_concurrent: 0 would refuse every request; leave it out for no limit"
+        ));
+    }
+    // The largest request the hard limits let through; a token budget below it would refuse
+    // such a request forever, which is a contradiction, not a policy.
+    let largest_request = u64::from(tier.max_input_tokens) + u64::from(tier.max_output_tokens);
+    let windows = budget_windows(
+        "",
+        [
+            (tier.tokens_per_minute, "tokens_per_minute"),
+            (tier.tokens_per_hour, "tokens_per_hour"),
+            (tier.tokens_per_day, "tokens_per_day"),
+            (tier.requests_per_minute, "requests_per_minute"),
+        ],
+        field,
+        largest_request,
+        problems,
+    );
+    let model_windows = tier
+        .model_limits
+        .iter()
+        .enumerate()
+        .map(|(i, limit)| {
+            if limit.pattern.is_empty() {
+                problems.push(format!(
+                    "{field}.model_limits[{i}].pattern: must not be empty"
+                ));
+            }
+            let windows = budget_windows(
+                &format!("model{i}_"),
+                [
+                    (limit.tokens_per_minute, "tokens_per_minute"),
+                    (limit.tokens_per_hour, "tokens_per_hour"),
+                    (limit.tokens_per_day, "tokens_per_day"),
+                    (limit.requests_per_minute, "requests_per_minute"),
+                ],
+                &format!("{field}.model_limits[{i}]"),
+                largest_request,
+                problems,
+            );
+            (limit.pattern.clone(), windows)
+        })
+        .collect();
+    Tier {
+        name: name.to_owned(),
+        max_input_tokens: tier.max_input_tokens,
+        max_output_tokens: tier.max_output_tokens,
+        output_limit: tier.output_limit,
+        default_output_tokens,
+        weight: tier.weight,
+        priority_band: tier.priority_band,
+        queue_max: tier.queue_max,
+        queue_deadline: Duration::from_millis(tier.queue_deadline_ms),
+        windows,
+        model_windows,
+        max_concurrent: tier.max_concurrent,
+    }
+}
+
+/// Rolling windows from `(limit, field name)` pairs: a minute in 5 s buckets, an hour in 1 min
+/// buckets, a day in 15 min buckets, so usage rolls off in small steps rather than resetting.
+fn budget_windows(
+    prefix: &str,
+    limits: [(Option<u64>, &str); 4],
+    field: &str,
+    largest_request: u64,
+    problems: &mut Vec<String>,
+) -> Vec<WindowLimit> {
+    let mut windows = Vec::new();
+    for (limit, key) in limits {
+        let Some(limit) = limit else { continue };
+        let (quantity, name, window_ms, bucket_ms) = match key {
+            "tokens_per_minute" => (Quantity::Tokens, "tokens_minute", 60_000, 5_000),
+            "tokens_per_hour" => (Quantity::Tokens, "tokens_hour", 3_600_000, 60_000),
+            "tokens_per_day" => (Quantity::Tokens, "tokens_day", 86_400_000, 900_000),
+            _ => (Quantity::Requests, "requests_minute", 60_000, 5_000),
+        };
+        if limit == 0 {
+            problems.push(format!(
+                "{field}.{key}: 0 would refuse every request; leave it out for no limit"
+            ));
+        } else if quantity == Quantity::Tokens && limit < largest_request {
+            problems.push(format!(
+                "{field}.{key}: {limit} is below the largest request the tier admits \
+                 (max_input_tokens + max_output_tokens = {largest_request}), which could then \
+                 never pass"
+            ));
+        }
+        windows.push(WindowLimit {
+            name: format!("{prefix}{name}"),
+            quantity,
+            window_ms,
+            bucket_ms,
+            limit,
+        });
+    }
+    windows
+}
+
+fn store_problems(store: &StoreConfig) -> Vec<String> {
+    let mut problems = Vec::new();
+    if let Some(url) = &store.redis_url
+        && !(url.starts_with("redis://") || url.starts_with("rediss://"))
+    {
+        problems.push(format!(
+            "store.redis_url: {url:?} must start with redis:// or rediss://"
+        ));
+    }
+    if store.timeout_ms == 0 {
+        problems.push("store.timeout_ms: must be positive".to_owned());
+    }
+    if store.lease_ttl_ms == 0
+        || store.lease_renew_ms == 0
+        || store.lease_renew_ms * 2 > store.lease_ttl_ms
+    {
+        problems.push(format!(
+            "store.lease_renew_ms: {} must be positive and at most half of store.lease_ttl_ms ({}), \
+             so one missed renewal does not expire a live lease",
+            store.lease_renew_ms, store.lease_ttl_ms
+        ));
+    }
+    if store.breaker_failures == 0 {
+        problems.push("store.breaker_failures: must be at least 1".to_owned());
+    }
+    problems
 }
 
 fn control_problems(c: &ControlConfig) -> Vec<String> {

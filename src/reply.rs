@@ -22,13 +22,18 @@ pub enum Reason {
     InvalidMaxTokens,
     InputTokensExceeded,
     OutputTokensExceeded,
+    TokenBudgetExhausted,
+    RequestRateExceeded,
+    ConcurrencyLimitReached,
+    RequestExceedsBudget,
+    BudgetStoreUnavailable,
     QueueFull,
     QueueTimeout,
     ShuttingDown,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 16] = [
+    pub const ALL: [Reason; 21] = [
         Reason::MissingIdentity,
         Reason::InvalidApiKey,
         Reason::UnknownTier,
@@ -42,6 +47,11 @@ impl Reason {
         Reason::InvalidMaxTokens,
         Reason::InputTokensExceeded,
         Reason::OutputTokensExceeded,
+        Reason::TokenBudgetExhausted,
+        Reason::RequestRateExceeded,
+        Reason::ConcurrencyLimitReached,
+        Reason::RequestExceedsBudget,
+        Reason::BudgetStoreUnavailable,
         Reason::QueueFull,
         Reason::QueueTimeout,
         Reason::ShuttingDown,
@@ -62,6 +72,11 @@ impl Reason {
             Reason::InvalidMaxTokens => "invalid_max_tokens",
             Reason::InputTokensExceeded => "input_tokens_exceeded",
             Reason::OutputTokensExceeded => "output_tokens_exceeded",
+            Reason::TokenBudgetExhausted => "token_budget_exhausted",
+            Reason::RequestRateExceeded => "request_rate_exceeded",
+            Reason::ConcurrencyLimitReached => "concurrency_limit_reached",
+            Reason::RequestExceedsBudget => "request_exceeds_budget",
+            Reason::BudgetStoreUnavailable => "budget_store_unavailable",
             Reason::QueueFull => "queue_full",
             Reason::QueueTimeout => "queue_timeout",
             Reason::ShuttingDown => "shutting_down",
@@ -74,7 +89,14 @@ impl Reason {
             Reason::MissingIdentity | Reason::InvalidApiKey | Reason::UnknownTier => 401,
             Reason::BodyTooLarge | Reason::IncompleteBody => 413,
             Reason::UnsupportedContentEncoding => 415,
-            Reason::QueueFull | Reason::QueueTimeout | Reason::ShuttingDown => 503,
+            Reason::TokenBudgetExhausted
+            | Reason::RequestRateExceeded
+            | Reason::ConcurrencyLimitReached
+            | Reason::RequestExceedsBudget => 429,
+            Reason::QueueFull
+            | Reason::QueueTimeout
+            | Reason::ShuttingDown
+            | Reason::BudgetStoreUnavailable => 503,
             Reason::MissingBody
             | Reason::InvalidContentType
             | Reason::MalformedJson
@@ -85,8 +107,13 @@ impl Reason {
         }
     }
 
-    /// OpenAI's `error.type` for this status class.
+    /// OpenAI's `error.type`: for rate limits, which quantity ran out.
     fn error_type(self) -> &'static str {
+        match self {
+            Reason::TokenBudgetExhausted | Reason::RequestExceedsBudget => return "tokens",
+            Reason::RequestRateExceeded | Reason::ConcurrencyLimitReached => return "requests",
+            _ => {}
+        }
         match self.status() {
             401 => "authentication_error",
             503 => "server_error",
@@ -99,6 +126,10 @@ impl Reason {
         match self {
             Reason::InvalidApiKey => "invalid_api_key",
             Reason::InputTokensExceeded => "context_length_exceeded",
+            Reason::TokenBudgetExhausted
+            | Reason::RequestRateExceeded
+            | Reason::ConcurrencyLimitReached
+            | Reason::RequestExceedsBudget => "rate_limit_exceeded",
             other => other.as_str(),
         }
     }

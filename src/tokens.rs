@@ -1,15 +1,23 @@
 //! Exact, linear-time token counting for OpenAI's BPE encodings.
 //!
 //! Admission decisions are only as fair as the token counts behind them, so the
-//! counts here must be the ones the upstream model bills: for every input,
-//! [`Encoding::count`] equals what tiktoken's `encode_ordinary(text).len()`
-//! returns for the same encoding, and special-token text such as
-//! `<|endoftext|>` is counted as ordinary text (a client cannot smuggle a
-//! control token in, and it costs what it costs upstream). Counting is done by
-//! `bpe-openai`, whose backtracking BPE is linear in the input length even on
-//! adversarial bodies (one megabyte without a single space), where tiktoken's
-//! merge loop degrades; that matters because request bodies are attacker
-//! controlled and counted on the request path.
+//! counts here must be the ones the upstream model bills. The invariant: for
+//! every input, [`Encoding::count`] equals tiktoken's
+//! `encode_ordinary(text).len()` for the same encoding, and special-token text
+//! such as `<|endoftext|>` is counted as ordinary text (a client cannot smuggle
+//! a control token in, and it costs what it costs upstream).
+//!
+//! Counting is done by `bpe-openai`, whose backtracking BPE is linear in the
+//! input length even when pre-tokenisation cannot split the input (a megabyte
+//! without a single space), where tiktoken's heap-based merge is one to two
+//! orders of magnitude slower. That matters because request bodies are
+//! attacker controlled and counted on the request path. Linear is not free,
+//! though: long runs of `-`, `/`, `#`, `=` or `*` (both vocabularies hold runs
+//! of them up to 80-112 bytes as single tokens) make the encoder try and drop
+//! many candidates per byte, at about a microsecond or two per byte in a
+//! release build, and since such a body has few tokens the limit given to
+//! [`Encoding::count_till_limit`] does not cut that short. Callers must cap body
+//! size in bytes before counting; `docs/benchmarks.md` has measured figures.
 //!
 //! This module is pure: no I/O, no clocks, no async.
 
@@ -72,10 +80,12 @@ impl Encoding {
     /// None then. Some(n) with n <= limit otherwise.
     ///
     /// The limit is inclusive: a text of exactly `limit` tokens gives
-    /// `Some(limit)`, one more token gives `None`. Work is proportional to the
-    /// text scanned before the limit is crossed, so an oversized body is
-    /// rejected without encoding all of it. (The pre-tokenisation regex still
-    /// scans to the end of the piece it is in, which is linear.)
+    /// `Some(limit)`, one more token gives `None`. Encoding stops at the piece
+    /// (pre-tokenisation chunk) where the limit is crossed, and inside it as
+    /// soon as the running count is clearly past it, so an oversized body is
+    /// rejected without encoding all of it. The piece that crosses the limit is
+    /// still scanned to its end by the pre-tokenisation regex, and a text that
+    /// stays under the limit costs as much as [`Encoding::count`].
     ///
     /// Exactness at the boundary relies on `bpe`'s internal slack: its
     /// backtracking encoder may hold more tokens mid-piece than the piece

@@ -12,9 +12,7 @@ use crate::request::ApiKind;
 
 /// Tiers with small, distinct limits so every number in a message is attributable.
 fn test_config() -> Config {
-    let mut config = Config::default();
-    config.default_tier = "free".to_owned();
-    config.tiers = [
+    let tiers = [
         (
             "free",
             TierConfig {
@@ -39,7 +37,11 @@ fn test_config() -> Config {
     .into_iter()
     .map(|(name, tier)| (name.to_owned(), tier))
     .collect();
-    config
+    Config {
+        default_tier: "free".to_owned(),
+        tiers,
+        ..Config::default()
+    }
 }
 
 fn policy_with(edit: impl FnOnce(&mut Config)) -> Policy {
@@ -349,6 +351,7 @@ fn admission_carries_identity_cost_and_upstream_headers() {
             tier: p.tier_named("clamped").unwrap(),
         },
         model: "gpt-4o".to_owned(),
+        encoding: crate::tokens::Encoding::O200kBase,
         stream: false,
         input_tokens,
         max_output_tokens: 7,

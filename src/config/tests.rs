@@ -169,6 +169,36 @@ tokens:
 }
 
 #[test]
+fn file_tenant_overrides_and_store_settings() {
+    let yaml = "
+tenants:
+  Alice:
+    max_input_tokens: 100
+    output_limit: clamp
+store:
+  redis_url: redis://redis:6379
+  budgets_on_error: fail_closed
+";
+    check(Some(yaml), &[], |c| {
+        c.tenants = BTreeMap::from([(
+            "Alice".to_owned(),
+            TierOverride {
+                max_input_tokens: Some(100),
+                output_limit: Some(OutputLimitPolicy::Clamp),
+                ..TierOverride::default()
+            },
+        )]);
+        c.store.redis_url = Some("redis://redis:6379".to_owned());
+        c.store.budgets_on_error = FailMode::FailClosed;
+    });
+    check_error(
+        Some("tenants:\n  alice:\n    max_inptu_tokens: 1\n"),
+        &[],
+        &["max_inptu_tokens", "tenants.alice"],
+    );
+}
+
+#[test]
 fn env_overrides_a_scalar() {
     check(
         None,

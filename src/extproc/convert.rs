@@ -78,11 +78,16 @@ pub fn request_headers_pass_through() -> ProcessingResponse {
     }
 }
 
-/// CONTINUE on the request body with tollgate's upstream headers and any body rewrite.
-pub fn request_body_admit(admission: &Admission) -> ProcessingResponse {
+/// CONTINUE on the request body with tollgate's upstream headers (the admission's and the
+/// budget's) and any body rewrite.
+pub fn request_body_admit(
+    admission: &Admission,
+    budget_headers: &[(&'static str, String)],
+) -> ProcessingResponse {
     let mut set_headers: Vec<HeaderValueOption> = admission
         .upstream_headers
         .iter()
+        .chain(budget_headers)
         .map(|(name, value)| set_header(name, value.as_bytes()))
         .collect();
     let body_mutation = admission.new_body.as_ref().map(|body| {
@@ -103,6 +108,23 @@ pub fn request_body_admit(admission: &Admission) -> ProcessingResponse {
                 remove_headers: Vec::new(),
             }),
             body_mutation,
+            ..CommonResponse::default()
+        }),
+    }))
+}
+
+/// CONTINUE on the response headers, adding `headers` for the client.
+pub fn response_headers_continue(headers: &[(&'static str, String)]) -> ProcessingResponse {
+    let header_mutation = (!headers.is_empty()).then(|| HeaderMutation {
+        set_headers: headers
+            .iter()
+            .map(|(name, value)| set_header(name, value.as_bytes()))
+            .collect(),
+        remove_headers: Vec::new(),
+    });
+    respond(Response::ResponseHeaders(HeadersResponse {
+        response: Some(CommonResponse {
+            header_mutation,
             ..CommonResponse::default()
         }),
     }))

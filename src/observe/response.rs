@@ -8,6 +8,8 @@
 
 use serde_json::Value;
 
+use crate::tokens::Encoding;
+
 /// Token usage as the upstream reported it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Usage {
@@ -71,6 +73,9 @@ pub struct ResponseObserver {
     usage: Option<Usage>,
     body_bytes: u64,
     ended: bool,
+    /// Counts generated text when set, for settling requests whose upstream reports no usage.
+    output_encoding: Option<Encoding>,
+    output_tokens: u64,
 }
 
 impl ResponseObserver {
@@ -93,7 +98,20 @@ impl ResponseObserver {
             usage: None,
             body_bytes: 0,
             ended: false,
+            output_encoding: None,
+            output_tokens: 0,
         }
+    }
+
+    /// Also counts the generated text's tokens with `encoding` (`output_tokens`).
+    pub fn counting_output(mut self, encoding: Encoding) -> ResponseObserver {
+        self.output_encoding = Some(encoding);
+        self
+    }
+
+    /// Tokens of generated text seen so far (0 unless `counting_output`).
+    pub fn output_tokens(&self) -> u64 {
+        self.output_tokens
     }
 
     /// Feeds one body chunk. Returns true if this chunk carried the first body byte.
@@ -127,6 +145,7 @@ impl ResponseObserver {
             BodyFormat::Json if self.is_success() && !self.overflowed => {
                 if let Ok(doc) = serde_json::from_slice::<Value>(&self.pending) {
                     self.usage = usage_of(&doc);
+                    self.count_output(&doc);
                 }
                 self.pending = Vec::new();
             }
@@ -192,14 +211,14 @@ impl ResponseObserver {
         let data = data.trim_ascii();
         if data == b"[DONE]" {
             self.saw_done = true;
-        } else if contains(data, b"\"usage\"") {
-            // Most chunks carry `"usage": null` or nothing; only a parse finds the real one.
-            if let Some(usage) = serde_json::from_slice::<Value>(data)
-                .ok()
-                .as_ref()
-                .and_then(usage_of)
-            {
-                self.usage = Some(usage);
+        } else if self.output_encoding.is_some() || contains(data, b"\"usage\"") {
+            // Without output counting, only chunks mentioning usage need a parse (most carry
+            // `"usage": null` or nothing).
+            if let Ok(chunk) = serde_json::from_slice::<Value>(data) {
+                if let Some(usage) = usage_of(&chunk) {
+                    self.usage = Some(usage);
+                }
+                self.count_output(&chunk);
             }
         }
     }
@@ -213,6 +232,30 @@ impl ResponseObserver {
             self.overflowed = true;
         } else {
             self.pending.extend_from_slice(chunk);
+        }
+    }
+}
+
+impl ResponseObserver {
+    /// Adds the tokens of generated text in a chunk or body: chat `delta.content` /
+    /// `message.content`, completions `text`.
+    fn count_output(&mut self, doc: &Value) {
+        let Some(encoding) = self.output_encoding else {
+            return;
+        };
+        let Some(choices) = doc.get("choices").and_then(Value::as_array) else {
+            return;
+        };
+        for choice in choices {
+            let text = choice
+                .get("delta")
+                .or_else(|| choice.get("message"))
+                .and_then(|m| m.get("content"))
+                .or_else(|| choice.get("text"))
+                .and_then(Value::as_str);
+            if let Some(text) = text {
+                self.output_tokens += encoding.count(text) as u64;
+            }
         }
     }
 }

@@ -106,6 +106,12 @@ const METRICS: &[(&str, &str)] = &[
     (SCHEDULER_OUTCOMES, "counter"),
     (CONTROLLER_ACTIONS, "counter"),
     (CONTROLLER_P99, "gauge"),
+    (BUDGET_TOKENS, "counter"),
+    (STORE_DURATION, "histogram"),
+    (STORE_ERRORS, "counter"),
+    (STORE_BREAKER, "gauge"),
+    (DEGRADED_DECISIONS, "counter"),
+    (ACTIVE_LEASES, "gauge"),
 ];
 
 #[test]
@@ -196,12 +202,14 @@ fn every_scheduler_and_controller_series_exists_at_zero_before_any_event() {
 
 #[test]
 fn series_per_tier_follow_the_configured_tiers() {
-    let mut config = Config::default();
-    config.tiers = BTreeMap::from([
-        ("gold".to_owned(), Default::default()),
-        ("silver".to_owned(), Default::default()),
-    ]);
-    config.default_tier = "silver".to_owned();
+    let config = Config {
+        tiers: BTreeMap::from([
+            ("gold".to_owned(), Default::default()),
+            ("silver".to_owned(), Default::default()),
+        ]),
+        default_tier: "silver".to_owned(),
+        ..Config::default()
+    };
     let scraped = scrape(&Metrics::new(&Policy::from_config(&config).unwrap()));
     let tiers_of = |name: &str| -> BTreeSet<String> {
         scraped
@@ -280,6 +288,33 @@ fn histograms_have_explicit_buckets_before_any_event() {
         check_buckets(&scraped, QUEUE_WAIT, &labels, QUEUE_WAIT_BUCKETS, 0.0);
     }
     check_buckets(&scraped, DECISION_DURATION, &[], DECISION_BUCKETS, 0.0);
+    for op in StoreOp::ALL {
+        let labels = [("op", op.as_str())];
+        check_buckets(&scraped, STORE_DURATION, &labels, STORE_BUCKETS, 0.0);
+    }
+}
+
+#[test]
+fn every_histogram_renders_buckets() {
+    // Generic over whatever histograms exist, so a new one without buckets (a summary) fails.
+    let rendered = Metrics::new(&default_policy()).render();
+    let histograms: Vec<&str> = rendered
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" histogram"))
+        .collect();
+    assert!(histograms.len() >= 6, "{histograms:?}");
+    for name in histograms {
+        let bucket = format!("{name}_bucket{{");
+        let buckets: Vec<&str> = rendered
+            .lines()
+            .filter(|l| l.starts_with(&bucket))
+            .collect();
+        assert!(buckets.len() >= 2, "{name} has no buckets");
+        assert!(
+            buckets.iter().any(|l| l.contains("le=\"+Inf\"")),
+            "{name}: {buckets:?}"
+        );
+    }
 }
 
 #[test]
@@ -525,6 +560,10 @@ fn labels_are_bounded_sets_never_a_user() {
         "kind",
         "result",
         "action",
+        "stage",
+        "op",
+        "control",
+        "mode",
         "le",
     ]
     .into_iter()

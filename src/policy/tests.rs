@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use sha2::{Digest, Sha256};
 
 use super::*;
-use crate::config::{ApiKeyConfig, TierConfig};
+use crate::budget::{Quantity, WindowLimit};
+use crate::config::{ApiKeyConfig, ModelLimitConfig, TierConfig, TierOverride};
 
 fn sha256_hex(key: &str) -> String {
     hex::encode(Sha256::digest(key.as_bytes()))
@@ -111,12 +112,19 @@ fn token_ceilings_must_be_positive_and_sane() {
         |c| free(c).max_input_tokens = 0,
         &["tiers.free.max_input_tokens: 0 is out of range"],
     );
+    // Without token budgets, which huge ceilings would also contradict (see below).
     check_problems(
-        |c| free(c).max_input_tokens = 10_000_001,
+        |c| {
+            free(c).tokens_per_hour = None;
+            free(c).max_input_tokens = 10_000_001;
+        },
         &["tiers.free.max_input_tokens: 10000001 is out of range"],
     );
     check_problems(
-        |c| free(c).max_output_tokens = 10_000_001,
+        |c| {
+            free(c).tokens_per_hour = None;
+            free(c).max_output_tokens = 10_000_001;
+        },
         &["tiers.free.max_output_tokens: 10000001 is out of range"],
     );
     // A zero output ceiling also makes the implied default output zero.
@@ -128,6 +136,7 @@ fn token_ceilings_must_be_positive_and_sane() {
         ],
     );
     check_valid(|c| {
+        free(c).tokens_per_hour = None;
         free(c).max_input_tokens = 10_000_000;
         free(c).max_output_tokens = 10_000_000;
     });
@@ -441,6 +450,210 @@ fn control_loop_settings_must_be_usable() {
         &["control.demand_fraction: 0 must be in (0, 1]"],
     );
     check_valid(|c| c.control.demand_fraction = 1.0);
+}
+
+#[test]
+fn absurd_lease_renewal_is_a_problem_not_a_panic() {
+    // BUG (see the report): `lease_renew_ms * 2` overflows; debug builds panic, release builds
+    // wrap around and accept a renewal period longer than the lease.
+    check_problems(
+        |c| c.store.lease_renew_ms = u64::MAX,
+        &["store.lease_renew_ms: 18446744073709551615 must be positive and at most half"],
+    );
+}
+
+fn window(
+    name: &str,
+    quantity: Quantity,
+    window_ms: u64,
+    bucket_ms: u64,
+    limit: u64,
+) -> WindowLimit {
+    WindowLimit {
+        name: name.to_owned(),
+        quantity,
+        window_ms,
+        bucket_ms,
+        limit,
+    }
+}
+
+#[test]
+fn budgets_become_rolling_windows() {
+    let policy = check_valid(|c| {
+        let free = free(c);
+        free.tokens_per_minute = Some(30_000);
+        free.tokens_per_day = Some(1_000_000);
+        free.requests_per_minute = Some(1);
+        free.model_limits = vec![ModelLimitConfig {
+            pattern: "gpt-4o*".to_owned(),
+            tokens_per_minute: None,
+            tokens_per_hour: Some(50_000),
+            tokens_per_day: None,
+            requests_per_minute: Some(5),
+        }];
+    });
+    let free = &policy.tiers[policy.tier_named("free").unwrap()];
+    use Quantity::*;
+    assert_eq!(
+        free.windows,
+        [
+            window("tokens_minute", Tokens, 60_000, 5_000, 30_000),
+            window("tokens_hour", Tokens, 3_600_000, 60_000, 100_000),
+            window("tokens_day", Tokens, 86_400_000, 900_000, 1_000_000),
+            window("requests_minute", Requests, 60_000, 5_000, 1),
+        ]
+    );
+    assert_eq!(
+        free.model_windows,
+        [(
+            "gpt-4o*".to_owned(),
+            vec![
+                window("model0_tokens_hour", Tokens, 3_600_000, 60_000, 50_000),
+                window("model0_requests_minute", Requests, 60_000, 5_000, 5),
+            ]
+        )]
+    );
+}
+
+#[test]
+fn default_tiers_have_hourly_token_budgets_and_a_concurrency_cap() {
+    let policy = check_valid(|_| {});
+    for (name, tokens_per_hour) in [
+        ("free", 100_000),
+        ("standard", 200_000),
+        ("premium", 500_000),
+    ] {
+        let tier = &policy.tiers[policy.tier_named(name).unwrap()];
+        let hourly = window(
+            "tokens_hour",
+            Quantity::Tokens,
+            3_600_000,
+            60_000,
+            tokens_per_hour,
+        );
+        assert_eq!(tier.windows, [hourly], "{name}");
+        assert_eq!(tier.max_concurrent, Some(3), "{name}");
+    }
+}
+
+#[test]
+fn token_budgets_must_admit_the_largest_request() {
+    // The default free tier admits 16000 input + 4096 output tokens.
+    check_valid(|c| free(c).tokens_per_hour = Some(20_096));
+    check_problems(
+        |c| free(c).tokens_per_hour = Some(20_095),
+        &[
+            "tiers.free.tokens_per_hour: 20095 is below the largest request the tier admits (max_input_tokens + max_output_tokens = 20096)",
+        ],
+    );
+    check_problems(
+        |c| free(c).tokens_per_minute = Some(0),
+        &["tiers.free.tokens_per_minute: 0 would refuse every request"],
+    );
+    check_problems(
+        |c| free(c).requests_per_minute = Some(0),
+        &["tiers.free.requests_per_minute: 0 would refuse every request"],
+    );
+    // Requests are counted, not tokens: one a minute is a policy, not a contradiction.
+    check_valid(|c| free(c).requests_per_minute = Some(1));
+    check_problems(
+        |c| free(c).max_concurrent = Some(0),
+        &["tiers.free.max_concurrent: 0 would refuse every request"],
+    );
+    check_problems(
+        |c| {
+            free(c).model_limits = vec![ModelLimitConfig {
+                pattern: String::new(),
+                tokens_per_minute: Some(10),
+                tokens_per_hour: None,
+                tokens_per_day: None,
+                requests_per_minute: None,
+            }]
+        },
+        &[
+            "tiers.free.model_limits[0].pattern: must not be empty",
+            "tiers.free.model_limits[0].tokens_per_minute: 10 is below the largest request",
+        ],
+    );
+}
+
+#[test]
+fn tenant_overrides_apply_over_every_tier() {
+    let policy = check_valid(|c| {
+        c.tenants.insert(
+            "alice".to_owned(),
+            TierOverride {
+                max_input_tokens: Some(100),
+                tokens_per_hour: Some(1_000_000),
+                ..TierOverride::default()
+            },
+        );
+    });
+    for name in ["free", "premium"] {
+        let id = policy.tier_named(name).unwrap();
+        let alice = policy.tier_for("alice", id);
+        assert_eq!(alice.name, name);
+        assert_eq!(alice.max_input_tokens, 100, "{name}");
+        assert_eq!(alice.max_output_tokens, 4_096, "{name}");
+        assert_eq!(alice.windows[0].limit, 1_000_000, "{name}");
+        assert_eq!(policy.tier_for("bob", id), &policy.tiers[id], "{name}");
+        assert_eq!(policy.tier_for("Alice", id), &policy.tiers[id], "{name}");
+    }
+}
+
+#[test]
+fn tenant_override_problems_name_the_tenant_and_the_tier() {
+    check_problems(
+        |c| {
+            c.tenants.insert(
+                "alice".to_owned(),
+                TierOverride {
+                    weight: Some(0),
+                    ..TierOverride::default()
+                },
+            );
+        },
+        &[
+            "tenants.alice (over tier free).weight: 0 is out of range",
+            "tenants.alice (over tier premium).weight: 0 is out of range",
+            "tenants.alice (over tier standard).weight: 0 is out of range",
+        ],
+    );
+}
+
+#[test]
+fn store_settings_must_be_usable() {
+    check_valid(|c| c.store.redis_url = Some("rediss://:secret@redis:6380/1".to_owned()));
+    check_problems(
+        |c| c.store.redis_url = Some("http://redis:6379".to_owned()),
+        &[r#"store.redis_url: "http://redis:6379" must start with redis:// or rediss://"#],
+    );
+    check_problems(
+        |c| c.store.timeout_ms = 0,
+        &["store.timeout_ms: must be positive"],
+    );
+    check_valid(|c| {
+        c.store.lease_ttl_ms = 10_000;
+        c.store.lease_renew_ms = 5_000;
+    });
+    check_problems(
+        |c| {
+            c.store.lease_ttl_ms = 10_000;
+            c.store.lease_renew_ms = 5_001;
+        },
+        &[
+            "store.lease_renew_ms: 5001 must be positive and at most half of store.lease_ttl_ms (10000)",
+        ],
+    );
+    check_problems(
+        |c| c.store.lease_renew_ms = 0,
+        &["store.lease_renew_ms: 0 must be positive"],
+    );
+    check_problems(
+        |c| c.store.breaker_failures = 0,
+        &["store.breaker_failures: must be at least 1"],
+    );
 }
 
 #[test]

@@ -842,7 +842,7 @@ fn ceiling_is_inclusive() {
 }
 
 #[test]
-fn huge_prompt_over_the_ceiling_is_not_counted_to_the_end() {
+fn megabytes_of_prompt_over_a_small_ceiling_are_over_the_ceiling() {
     let text = "lorem ipsum dolor sit amet ".repeat(100_000);
     let body = format!(r#"{{"model":"gpt-4o","prompt":"{text}"}}"#);
     assert_eq!(

@@ -40,12 +40,14 @@
 //! behind.
 //!
 //! Reserved slots are outside the fair competition: a dispatch (or an immediate grant) that
-//! fills a reservation moves neither the flow's `finish` nor `V`. A reserved flow therefore gets
-//! its reserved slots *plus* its weighted share of the unreserved pool, the way a guaranteed
-//! rate plus a share of the spare works in hierarchical token bucket schedulers. The
-//! alternative, charging reserved dispatches to the flow's fair tag, would let the tag run ahead
-//! of `V` without bound whenever the reservation exceeds the weighted share, and the flow would
-//! then be starved of pool slots long after the load that caused it had gone.
+//! fills a reservation moves neither the flow's `finish` nor `V`. The reservation is a floor,
+//! not an addition: a flow below it is topped up first; at or above it, it competes for the
+//! rest by weight like any flow. In steady state a reserved flow holds its weighted share when
+//! that is larger (the reservation never binds), and a little more than its reservation
+//! otherwise (under a flood, 4 reserved of 10 at weight 1 against weight 3 holds about 4.5).
+//! Charging reserved dispatches to the fair tag instead would let the tag run ahead of `V`
+//! without bound whenever the reservation exceeds the weighted share, and the flow would then be
+//! starved of unreserved slots long after the load that caused it had gone.
 //!
 //! A request granted at once (nobody waiting) outside a reservation is charged like a fair
 //! dispatch, so `V` keeps pace with what actually ran and a flow that used the idle budget does
@@ -358,7 +360,9 @@ impl<T> FairQueue<T> {
     }
 
     /// A slot held by `flow` is free again. Does not dispatch: the caller calls `dispatch_next`.
-    /// A stale key (its flow holds no slot, or is gone) is a no-op.
+    /// A stale key (its flow holds no slot, or is gone) is a no-op. The key names the flow, not
+    /// the grant: all slots of a flow share it, so the caller must release each grant exactly
+    /// once (the facade's `Permit` does).
     pub fn release(&mut self, flow: FlowKey) {
         let Some(record) = self.live_flow_mut(flow) else {
             return;

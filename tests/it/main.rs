@@ -6,4 +6,6 @@ mod e2e;
 mod envoy_config;
 mod grpc;
 mod queue;
+mod redis_store;
+mod store_contract;
 mod support;

@@ -76,12 +76,17 @@ impl InMemory {
     }
 }
 
-/// One slot, no controller, free tier: queue of 1 with a 1 s deadline.
+/// One slot, no controller, no per-user budgets (these tests are about the queue), free tier:
+/// queue of `queue_max` with a 1 s deadline.
 fn one_slot(queue_max: u32) -> Config {
     let mut config = Config::default();
     config.scheduler.initial_limit = 1;
     config.control.enabled = false;
     config.shutdown.drain_deadline_ms = 100;
+    for tier in config.tiers.values_mut() {
+        tier.max_concurrent = None;
+        tier.tokens_per_hour = None;
+    }
     let free = config.tiers.get_mut("free").unwrap();
     free.queue_max = queue_max;
     free.queue_deadline_ms = 1_000;

@@ -3,4 +3,5 @@
 
 pub mod envoy;
 pub mod process;
+pub mod redis;
 pub mod server;

@@ -494,3 +494,99 @@ fn every_end_has_a_distinct_metric_label() {
         ["complete", "truncated", "upstream_error", "no_response"]
     );
 }
+
+static TIKTOKEN_O200K: std::sync::LazyLock<tiktoken_rs::CoreBPE> =
+    std::sync::LazyLock::new(|| tiktoken_rs::o200k_base().expect("tiktoken-rs ships o200k_base"));
+
+/// Reference count of each piece of generated text, summed: the upstream streams text in
+/// pieces, and each piece is counted as it arrives.
+fn o200k(pieces: &[&str]) -> u64 {
+    pieces
+        .iter()
+        .map(|p| TIKTOKEN_O200K.encode_ordinary(p).len() as u64)
+        .sum()
+}
+
+/// A 200 response of `content_type` in `chunks`, watched with output counting (o200k), counts
+/// `expected` generated tokens.
+#[track_caller]
+fn check_output_tokens(content_type: Option<&str>, chunks: &[&str], expected: u64) {
+    let mut observer = ResponseObserver::new(200, content_type.map(str::as_bytes), JSON_LIMIT)
+        .counting_output(Encoding::O200kBase);
+    for (i, chunk) in chunks.iter().enumerate() {
+        observer.on_chunk(chunk.as_bytes(), i + 1 == chunks.len());
+    }
+    assert_eq!(observer.output_tokens(), expected, "{chunks:?}");
+}
+
+/// A chat SSE chunk whose choices' deltas are `delta` objects.
+fn chat_chunk(deltas: &[&str]) -> String {
+    let choices: Vec<String> = deltas
+        .iter()
+        .enumerate()
+        .map(|(i, d)| format!(r#"{{"index":{i},"delta":{d}}}"#))
+        .collect();
+    format!("data: {{\"choices\":[{}]}}\n\n", choices.join(","))
+}
+
+#[test]
+fn generated_text_is_counted_when_asked() {
+    let role = chat_chunk(&[r#"{"role":"assistant","content":""}"#]);
+    let pieces = ["Hello", ",", " wonderful", " world", "! 日本語"];
+    let mut chunks = vec![role];
+    chunks.extend(
+        pieces
+            .iter()
+            .map(|p| chat_chunk(&[&format!(r#"{{"content":"{p}"}}"#)])),
+    );
+    chunks.push(USAGE.to_owned());
+    chunks.push(DONE.to_owned());
+    let chunks: Vec<&str> = chunks.iter().map(String::as_str).collect();
+    check_output_tokens(SSE, &chunks, o200k(&pieces));
+    // Every choice of n counts.
+    let two = chat_chunk(&[
+        r#"{"content":"Hello there"}"#,
+        r#"{"content":"General Kenobi"}"#,
+    ]);
+    check_output_tokens(
+        SSE,
+        &[&two, DONE],
+        o200k(&["Hello there", "General Kenobi"]),
+    );
+    // Completions stream `text`.
+    let text = "data: {\"choices\":[{\"index\":0,\"text\":\"Once upon a time\"}]}\n\n";
+    check_output_tokens(SSE, &[text, DONE], o200k(&["Once upon a time"]));
+    // Chunks without text count nothing.
+    let finish = chat_chunk(&[r#"{"content":null}"#]);
+    check_output_tokens(SSE, &[&finish, USAGE, DONE], 0);
+}
+
+#[test]
+fn generated_text_of_a_json_body_is_counted_at_the_end() {
+    let (a, b) = JSON_BODY.split_at(50);
+    check_output_tokens(JSON, &[a, b], o200k(&["Hi"]));
+    let chat = r#"{"choices":[{"message":{"role":"assistant","content":"The sky is blue because of Rayleigh scattering."}}]}"#;
+    check_output_tokens(
+        JSON,
+        &[chat],
+        o200k(&["The sky is blue because of Rayleigh scattering."]),
+    );
+    let completion =
+        r#"{"choices":[{"text":" in a land far away"},{"text":" there lived a dragon"}]}"#;
+    check_output_tokens(
+        JSON,
+        &[completion],
+        o200k(&[" in a land far away", " there lived a dragon"]),
+    );
+}
+
+#[test]
+fn generated_text_is_not_counted_unless_asked_or_for_errors() {
+    let hello = chat_chunk(&[r#"{"content":"Hello"}"#]);
+    let observer = observe(200, SSE, JSON_LIMIT, &[&hello, DONE], End::OnLastChunk);
+    assert_eq!(observer.output_tokens(), 0);
+    let mut failed = ResponseObserver::new(500, SSE.map(str::as_bytes), JSON_LIMIT)
+        .counting_output(Encoding::O200kBase);
+    failed.on_chunk(hello.as_bytes(), true);
+    assert_eq!(failed.output_tokens(), 0);
+}

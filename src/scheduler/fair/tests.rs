@@ -320,7 +320,7 @@ fn backlogged_run(
     let mut held: VecDeque<FlowKey> = (0..limit)
         .map(|_| granted(q.submit("warm", class(1), 1, (usize::MAX, 0))))
         .collect();
-    let mut submit = |q: &mut FairQueue<(usize, u64)>, rng: &mut Lcg, tenant: usize| {
+    let submit = |q: &mut FairQueue<(usize, u64)>, rng: &mut Lcg, tenant: usize| {
         let (class, size) = tenants[tenant];
         let tokens = size.draw(rng);
         let cost = if token_cost { tokens } else { 1 };
@@ -589,7 +589,8 @@ fn reservation_run(r_class: FlowClass, f_class: FlowClass) -> (Vec<u32>, f64) {
                 r_dispatches += 1;
             }
         }
-        if round >= 2 {
+        // Warm-up: r waits for f's slots to come free one by one.
+        if round >= 10 {
             r_in_flight.push(held.iter().filter(|(_, t)| *t == "r").count() as u32);
         }
     }
@@ -622,6 +623,12 @@ fn reservation_is_a_floor_not_an_addition() {
     let (r_in_flight, share) = reservation_run(reserved(1, 2), class(1));
     assert!(r_in_flight.iter().all(|&n| n >= 2));
     assert!((0.49..=0.51).contains(&share), "r got {share:.3}");
+
+    // Reservation 4 above the weighted share (1/4 of 10): r holds its 4 and a little of the
+    // rest, far from 4 + a quarter of the other 6.
+    let (r_in_flight, share) = reservation_run(reserved(1, 4), class(3));
+    assert!(r_in_flight.iter().all(|&n| n >= 4));
+    assert!((0.40..=0.48).contains(&share), "r got {share:.3}");
 }
 
 #[test]
@@ -993,10 +1000,10 @@ impl Model {
 
     /// Forgets a tenant's flow key once it has nothing queued and nothing in flight.
     fn note_if_idle(&mut self, tenant: usize) {
-        if self.queue[tenant].is_empty() && self.in_flight[tenant] == 0 {
-            if let Some(key) = self.key[tenant].take() {
-                self.stale_flows.push(key);
-            }
+        if !self.live(tenant)
+            && let Some(key) = self.key[tenant].take()
+        {
+            self.stale_flows.push(key);
         }
     }
 

@@ -1,0 +1,1132 @@
+//! `bench_held_streams`: what it costs tollgate to hold many queued ext_proc streams at once,
+//! and whether every one of them is answered at its queue deadline.
+//!
+//! A queued request is an open gRPC stream whose body tollgate has not answered yet: Envoy waits
+//! (tollgate asked it to, with `override_message_timeout`) while the request sits in its
+//! tenant's queue. Under overload thousands of them pile up, so their memory decides how deep a
+//! queue one replica can afford, and their deadline is what bounds a client's wait.
+//!
+//! The program starts the release `tollgate` binary on free 127.0.0.1 ports with a budget of one
+//! slot (`scheduler.initial_limit: 1`, controller off) and one tier whose queue is deep enough
+//! for every stream, then plays Envoy over `--connections` HTTP/2 connections:
+//!
+//! 1. a *holder* stream sends request headers and a small chat body, is admitted (a
+//!    `request_body` answer) and then simply stays open: it holds the only slot for good;
+//! 2. `--streams` more streams each send headers and the same body and must get an
+//!    `override_message_timeout` answer, meaning "queued". tollgate's resident memory (VmRSS and
+//!    RssAnon from /proc/PID/status) is read once the holder is admitted and again once every
+//!    stream is queued; the difference over the number of streams is the memory per held stream.
+//!    `tollgate_held_streams` and `tollgate_queued_requests` from /metrics confirm the count;
+//! 3. nothing frees the slot, so every queued stream must get an ImmediateResponse 503 with
+//!    `x-tollgate-reason: queue_timeout`, at its deadline. Lateness is measured here, on the
+//!    client side: answer time − the time its body was sent − `--deadline-ms`. tollgate starts
+//!    the clock when the body arrives, so lateness includes the trip there and back. A stream
+//!    answered otherwise, or not within the deadline + `--grace-ms`, is a failure.
+//!
+//! tollgate's CPU time (utime + stime from /proc/PID/stat) is read at each step, so the table
+//! shows what opening, holding (the quiet time between the last stream queued and the first
+//! deadline) and answering cost. Everything goes to 127.0.0.1 only. tollgate is killed when the
+//! program ends, also on an error, a panic, Ctrl-C or SIGTERM.
+//!
+//! ```text
+//! cargo build --release --bin tollgate
+//! cargo run --release --example bench_held_streams -- --streams 10000 --deadline-ms 20000 --connections 4
+//! ```
+//!
+//! `scripts/bench-held-streams.sh` does both; results and how to read them are in
+//! `docs/benchmarks.md` ("Held streams"). The program prints a Markdown table and exits with
+//! status 3 if any stream was answered wrongly or not at all (after printing the table).
+
+use std::fmt::Write as _;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use clap::Parser;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse,
+};
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+/// Start-up budget for tollgate; generous because the machine may be compiling meanwhile.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// A single answer during opening (headers, or the queued body) slower than this is a failure:
+/// opening is a handful of microseconds of work per message.
+const OPEN_ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+/// The holding window stops this long before the first deadline can fire, so no answer
+/// falls into it.
+const HOLD_MARGIN: Duration = Duration::from_millis(500);
+/// How long to wait for tollgate's gauges to settle after the last stream closed.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(5);
+/// tollgate enforces queue_deadline_ms + this ≤ scheduler.envoy_max_message_timeout_ms.
+const ENVOY_TIMEOUT_MARGIN_MS: u64 = 500;
+/// tollgate's default scheduler.envoy_max_message_timeout_ms.
+const DEFAULT_ENVOY_MAX_MESSAGE_TIMEOUT_MS: u64 = 30_000;
+/// The user whose admitted request holds the only slot.
+const HOLDER: &str = "holder";
+
+/// Holds many queued ext_proc streams in tollgate at once and measures memory per stream, CPU
+/// while holding, and how punctually each is answered at its queue deadline (see the file header
+/// of examples/bench_held_streams.rs).
+#[derive(Parser, Debug)]
+#[command(name = "bench_held_streams")]
+struct Args {
+    /// Queued streams to hold at once (on top of the one admitted holder).
+    #[arg(long, default_value_t = 10_000)]
+    streams: usize,
+    /// The tier's queue deadline (queue_deadline_ms); must be longer than opening every stream
+    /// takes, or the first answers come before the last stream is queued.
+    #[arg(long, default_value_t = 20_000)]
+    deadline_ms: u64,
+    /// HTTP/2 connections the streams are spread over (round robin), as Envoy's cluster would.
+    #[arg(long, default_value_t = 4)]
+    connections: usize,
+    /// Distinct `x-user-id`s of the queued streams: 1 puts every stream in one tenant's queue.
+    #[arg(long, default_value_t = 1)]
+    users: usize,
+    /// Streams being opened (headers and body sent, "queued" not yet received) at any moment.
+    #[arg(long, default_value_t = 256)]
+    open_concurrency: usize,
+    /// Pad the chat message so each request body is this many bytes (default: the small
+    /// ~100-byte body), to see whether tollgate keeps body bytes while a request waits.
+    #[arg(long)]
+    body_bytes: Option<usize>,
+    /// A stream not answered within its deadline plus this long counts as unanswered.
+    #[arg(long, default_value_t = 5_000)]
+    grace_ms: u64,
+    /// Tokio worker threads of this client (tollgate runs its own 2 workers).
+    #[arg(long, default_value_t = 1)]
+    client_threads: usize,
+    /// The server to measure [default: target/release/tollgate next to this example]. Anything
+    /// that takes tollgate's --config, --grpc-addr and --admin-addr flags and serves /readyz and
+    /// /metrics works, e.g. a stripped-down server to compare with.
+    #[arg(long, value_name = "FILE")]
+    tollgate_bin: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.client_threads.max(1))
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("bench_held_streams: cannot start the tokio runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        // Dropping `bench` on a signal drops the tollgate process guard it owns, killing it.
+        tokio::select! {
+            result = bench(&args) => result,
+            signal = interrupted() => Err(anyhow!("interrupted by {signal}; tollgate stopped")),
+        }
+    });
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("bench_held_streams: some streams were not answered as expected; see above");
+            ExitCode::from(3)
+        }
+        Err(error) => {
+            eprintln!("bench_held_streams: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Resolves on Ctrl-C or SIGTERM, naming the signal.
+async fn interrupted() -> &'static str {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        // Without a SIGTERM handler the default action still ends the process.
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return "SIGINT";
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    }
+}
+
+/// Runs the whole benchmark; `Ok(false)` if any stream failed (the table is printed anyway).
+async fn bench(args: &Args) -> Result<bool> {
+    ensure!(args.streams > 0, "--streams must be at least 1");
+    ensure!(args.connections > 0, "--connections must be at least 1");
+    ensure!(args.users > 0, "--users must be at least 1");
+    ensure!(
+        args.open_concurrency > 0,
+        "--open-concurrency must be at least 1"
+    );
+    ensure!(args.deadline_ms > 0, "--deadline-ms must be positive");
+
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let binary = locate_tollgate(args)?;
+    if let Some(warning) = stale_warning(&binary, root) {
+        eprintln!("WARNING: {warning}");
+    }
+    let machine = Machine::describe();
+    let body = chat_body(args.body_bytes)?;
+
+    let dir = tempfile::tempdir().context("create a temporary directory")?;
+    let config_path = dir.path().join("tollgate.yaml");
+    std::fs::write(&config_path, config_yaml(args)).context("write the tollgate config")?;
+    let grpc = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
+    let admin = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
+    let mut command = Command::new(&binary);
+    command
+        .arg("--config")
+        .arg(&config_path)
+        .arg("--grpc-addr")
+        .arg(grpc.to_string())
+        .arg("--admin-addr")
+        .arg(admin.to_string())
+        // Info logs are a line per start-up step, none per stream.
+        .env("RUST_LOG", "info");
+    // The config file must be the whole configuration: TOLLGATE__* variables would override it.
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("TOLLGATE__") {
+            command.env_remove(name);
+        }
+    }
+    let mut tollgate = Proc::spawn(&mut command, dir.path().join("tollgate.log"))?;
+    let http = reqwest::Client::builder()
+        // An http_proxy in the environment must not capture loopback traffic.
+        .no_proxy()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .context("build the admin HTTP client")?;
+    wait_ready(&mut tollgate, &http, admin).await?;
+    let pid = tollgate.pid();
+    let idle = Snapshot::take(pid)?;
+
+    let channels = connect(grpc, args.connections).await?;
+    let holder = Holder::admit(&channels[0], &body).await?;
+    // Let the admitted holder's allocations (and the connections') settle before the baseline.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = Snapshot::take(pid)?;
+    let client_before = status_kib(std::process::id(), "VmRSS")?;
+    let gauges_before = Gauges::read(&http, admin).await?;
+
+    // Open every queued stream; each task reports once it is queued (or failed to be).
+    let opening_started = Instant::now();
+    let opening = Arc::new(Semaphore::new(args.open_concurrency));
+    let (queued_tx, mut queued_rx) = mpsc::unbounded_channel::<bool>();
+    let deadline = Duration::from_millis(args.deadline_ms);
+    let grace = Duration::from_millis(args.grace_ms);
+    let mut tasks = JoinSet::new();
+    for i in 0..args.streams {
+        let client = client(&channels[i % channels.len()]);
+        let user = format!("waiter-{}", i % args.users);
+        let body = body.clone();
+        let opening = opening.clone();
+        let queued_tx = queued_tx.clone();
+        tasks.spawn(async move {
+            queued_stream(client, user, body, opening, queued_tx, deadline, grace).await
+        });
+    }
+    drop(queued_tx);
+    let mut reported = 0;
+    let mut failed_opening = 0;
+    while reported < args.streams {
+        match queued_rx.recv().await {
+            Some(queued) => {
+                reported += 1;
+                if !queued {
+                    failed_opening += 1;
+                }
+            }
+            None => bail!("stream tasks ended before all reported whether they were queued"),
+        }
+    }
+    let all_queued = Instant::now();
+    let held = Snapshot::take(pid)?;
+    let client_held = status_kib(std::process::id(), "VmRSS")?;
+    let gauges_held = Gauges::read(&http, admin).await?;
+
+    // Holding: nothing happens until the first deadline, which is at the earliest one deadline
+    // after opening started. CPU over this quiet time is what holding costs by itself.
+    let hold_end = opening_started + deadline;
+    let hold = if hold_end > all_queued + HOLD_MARGIN {
+        tokio::time::sleep_until(hold_end - HOLD_MARGIN).await;
+        Some(Snapshot::take(pid)?)
+    } else {
+        None
+    };
+
+    let mut outcomes = Vec::with_capacity(args.streams);
+    while let Some(joined) = tasks.join_next().await {
+        outcomes.push(joined.context("a stream task panicked")?);
+    }
+    // Streams close as soon as their answer is read; wait until tollgate has seen every close.
+    let gauges_after = Gauges::settle(&http, admin, 1).await?;
+    let after = Snapshot::take(pid)?;
+    holder.close().await?;
+    tollgate.check_alive()?;
+
+    let report = Report {
+        args,
+        machine,
+        binary,
+        body_len: body.len(),
+        idle,
+        before,
+        held,
+        hold,
+        after,
+        opening_seconds: all_queued.duration_since(opening_started).as_secs_f64(),
+        client_before,
+        client_held,
+        gauges_before,
+        gauges_held,
+        gauges_after,
+        failed_opening,
+        outcomes,
+    };
+    print!("{}", report.table());
+    Ok(report.clean())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tollgate process
+
+fn locate_tollgate(args: &Args) -> Result<PathBuf> {
+    // This example runs from target/<profile>/examples/; `cargo run --example` does not build
+    // the binary, which sits in the same profile directory after `cargo build --release`.
+    let binary = match &args.tollgate_bin {
+        Some(path) => path.clone(),
+        None => std::env::current_exe()
+            .context("path of this executable")?
+            .parent()
+            .and_then(Path::parent)
+            .context("this example should live in target/<profile>/examples")?
+            .join("tollgate"),
+    };
+    ensure!(
+        binary.is_file(),
+        "{} is missing: run `cargo build --release --bin tollgate` first (or pass --tollgate-bin)",
+        binary.display()
+    );
+    Ok(binary)
+}
+
+/// A warning when the binary is older than the sources it is built from, since
+/// `cargo run --example` would otherwise silently measure a stale tollgate.
+fn stale_warning(binary: &Path, root: &Path) -> Option<String> {
+    let built = std::fs::metadata(binary).and_then(|m| m.modified()).ok()?;
+    let sources = newest_mtime(&[root.join("src"), root.join("Cargo.lock")])?;
+    (sources > built).then(|| {
+        format!(
+            "{} is older than its sources; rebuild with `cargo build --release --bin tollgate` \
+             to measure the current code",
+            binary.display()
+        )
+    })
+}
+
+/// Newest modification time of the files under `paths`.
+fn newest_mtime(paths: &[PathBuf]) -> Option<SystemTime> {
+    let mut newest = None;
+    let mut pending = paths.to_vec();
+    while let Some(path) = pending.pop() {
+        let Ok(metadata) = std::fs::metadata(&path) else {
+            continue;
+        };
+        if metadata.is_dir() {
+            if let Ok(entries) = std::fs::read_dir(&path) {
+                pending.extend(entries.filter_map(|e| e.ok().map(|e| e.path())));
+            }
+        } else if let Ok(modified) = metadata.modified() {
+            newest = newest.max(Some(modified));
+        }
+    }
+    newest
+}
+
+/// One slot, no controller (so the slot count never changes), and one tier deep enough to queue
+/// every stream.
+fn config_yaml(args: &Args) -> String {
+    let queue_max = args.streams.max(20_000);
+    let envoy_max =
+        (args.deadline_ms + ENVOY_TIMEOUT_MARGIN_MS).max(DEFAULT_ENVOY_MAX_MESSAGE_TIMEOUT_MS);
+    format!(
+        "scheduler:\n  initial_limit: 1\n  envoy_max_message_timeout_ms: {envoy_max}\n\
+         control:\n  enabled: false\n\
+         default_tier: free\n\
+         tiers:\n  free:\n    queue_max: {queue_max}\n    queue_deadline_ms: {deadline}\n\
+         \x20   max_input_tokens: 1000000\n",
+        deadline = args.deadline_ms,
+    )
+}
+
+/// A child process, killed and reaped on drop (on every way out: return, `?`, panic, signal).
+struct Proc {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn spawn(command: &mut Command, log: PathBuf) -> Result<Proc> {
+        let file =
+            std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .context("spawn tollgate")?;
+        Ok(Proc { child, log })
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn check_alive(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait().context("poll tollgate")? {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            bail!(
+                "tollgate exited ({status}); end of its log:\n{}",
+                lines[lines.len().saturating_sub(40)..].join("\n")
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // SIGKILL, then reap so no zombie is left. Errors mean it is already gone.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|listener| listener.local_addr())
+        .context("bind 127.0.0.1:0")?
+        .port())
+}
+
+async fn wait_ready(tollgate: &mut Proc, http: &reqwest::Client, admin: SocketAddr) -> Result<()> {
+    let started = Instant::now();
+    let url = format!("http://{admin}/readyz");
+    loop {
+        tollgate.check_alive()?;
+        if let Ok(response) = http.get(&url).send().await
+            && response.status() == reqwest::StatusCode::OK
+        {
+            return Ok(());
+        }
+        ensure!(
+            started.elapsed() < READY_TIMEOUT,
+            "tollgate's /readyz did not answer 200 within {READY_TIMEOUT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Measurements
+
+/// tollgate's memory and CPU at one instant.
+#[derive(Clone, Copy)]
+struct Snapshot {
+    at: Instant,
+    vm_rss_kib: u64,
+    rss_anon_kib: u64,
+    cpu_seconds: f64,
+}
+
+impl Snapshot {
+    fn take(pid: u32) -> Result<Snapshot> {
+        Ok(Snapshot {
+            at: Instant::now(),
+            vm_rss_kib: status_kib(pid, "VmRSS")?,
+            rss_anon_kib: status_kib(pid, "RssAnon")?,
+            cpu_seconds: cpu_seconds(pid)?,
+        })
+    }
+}
+
+/// A `Name:   123 kB` field of /proc/PID/status.
+fn status_kib(pid: u32, field: &str) -> Result<u64> {
+    let path = format!("/proc/{pid}/status");
+    let status = std::fs::read_to_string(&path).with_context(|| format!("read {path}"))?;
+    status
+        .lines()
+        .find_map(|line| {
+            let (name, value) = line.split_once(':')?;
+            (name == field).then(|| value.trim().trim_end_matches("kB").trim().parse().ok())?
+        })
+        .with_context(|| format!("no {field} in {path}"))
+}
+
+/// utime + stime of the whole process (all threads), in seconds.
+fn cpu_seconds(pid: u32) -> Result<f64> {
+    let path = format!("/proc/{pid}/stat");
+    let stat = std::fs::read_to_string(&path).with_context(|| format!("read {path}"))?;
+    // The command name (field 2) is in parentheses and may contain spaces: count fields after
+    // the last ')'. Field 3 (state) is then index 0, utime (14) index 11, stime (15) index 12.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| -> Result<u64> {
+        fields
+            .get(i)
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("field {} of {path}", i + 3))
+    };
+    Ok((ticks(11)? + ticks(12)?) as f64 / clock_ticks_per_second())
+}
+
+/// USER_HZ, the unit of utime and stime in /proc/PID/stat (100 on every common Linux).
+fn clock_ticks_per_second() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|out| String::from_utf8(out.stdout).ok())
+        .and_then(|text| text.trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// The two gauges that count what tollgate holds.
+#[derive(Clone, Copy)]
+struct Gauges {
+    held_streams: f64,
+    queued: f64,
+}
+
+impl Gauges {
+    async fn read(http: &reqwest::Client, admin: SocketAddr) -> Result<Gauges> {
+        let text = http
+            .get(format!("http://{admin}/metrics"))
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .context("GET /metrics")?
+            .text()
+            .await
+            .context("read /metrics")?;
+        Ok(Gauges {
+            held_streams: metric_sum(&text, "tollgate_held_streams")?,
+            // One series per tier; the sum is every queued request.
+            queued: metric_sum(&text, "tollgate_queued_requests")?,
+        })
+    }
+
+    /// Reads until `held_streams` is down to `held` (stream closes reach tollgate
+    /// asynchronously) or SETTLE_TIMEOUT passes, then returns the last reading.
+    async fn settle(http: &reqwest::Client, admin: SocketAddr, held: u32) -> Result<Gauges> {
+        let started = Instant::now();
+        loop {
+            let gauges = Gauges::read(http, admin).await?;
+            if gauges.held_streams <= f64::from(held) || started.elapsed() > SETTLE_TIMEOUT {
+                return Ok(gauges);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Sum over every series of `name` in a Prometheus text exposition.
+fn metric_sum(text: &str, name: &str) -> Result<f64> {
+    let mut found = false;
+    let mut sum = 0.0;
+    for line in text.lines().filter(|line| !line.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        if series.split('{').next() == Some(name) {
+            found = true;
+            sum += value.parse::<f64>().unwrap_or(f64::NAN);
+        }
+    }
+    ensure!(found, "/metrics has no {name}");
+    Ok(sum)
+}
+
+/// What the numbers were measured on, for the report.
+struct Machine {
+    cpus: usize,
+    cpu_model: String,
+    loadavg_at_start: String,
+}
+
+impl Machine {
+    fn describe() -> Machine {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let field = |name: &str| {
+            cpuinfo
+                .lines()
+                .find_map(|line| {
+                    let (key, value) = line.split_once(':')?;
+                    (key.trim() == name).then(|| value.trim().to_owned())
+                })
+                .unwrap_or_else(|| "?".to_owned())
+        };
+        // The model name of a KVM guest is often just "Intel(R) Xeon(R) Processor"; family and
+        // model numbers say which generation it is.
+        let cpu_model = format!(
+            "{}, family {} model {}",
+            field("model name"),
+            field("cpu family"),
+            field("model")
+        );
+        Machine {
+            cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            cpu_model,
+            loadavg_at_start: std::fs::read_to_string("/proc/loadavg")
+                .map(|text| {
+                    text.split_whitespace()
+                        .take(3)
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .unwrap_or_else(|_| "?".to_owned()),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Playing Envoy
+
+/// Opens `count` HTTP/2 connections; each `Endpoint::connect` is a connection of its own.
+async fn connect(grpc: SocketAddr, count: usize) -> Result<Vec<Channel>> {
+    let mut channels = Vec::with_capacity(count);
+    for _ in 0..count {
+        let channel = Endpoint::from_shared(format!("http://{grpc}"))
+            .context("gRPC endpoint")?
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .with_context(|| format!("connect to tollgate's gRPC port {grpc}"))?;
+        channels.push(channel);
+    }
+    Ok(channels)
+}
+
+fn client(channel: &Channel) -> ExternalProcessorClient<Channel> {
+    ExternalProcessorClient::new(channel.clone())
+}
+
+/// One ext_proc stream, driven message by message as Envoy does.
+struct Stream {
+    tx: mpsc::Sender<ProcessingRequest>,
+    rx: tonic::Streaming<ProcessingResponse>,
+}
+
+impl Stream {
+    async fn open(mut client: ExternalProcessorClient<Channel>) -> Result<Stream> {
+        // Envoy sends one message and waits for its answer; two slots never block.
+        let (tx, rx) = mpsc::channel(2);
+        let response = client
+            .process(ReceiverStream::new(rx))
+            .await
+            .context("open an ext_proc stream")?;
+        Ok(Stream {
+            tx,
+            rx: response.into_inner(),
+        })
+    }
+
+    async fn send(&self, message: ProcessingRequest) -> Result<()> {
+        self.tx
+            .send(message)
+            .await
+            .map_err(|_| anyhow!("the request stream closed"))
+    }
+
+    /// The next answer, or why there is none.
+    async fn recv(&mut self) -> Result<ProcessingResponse> {
+        match self.rx.message().await {
+            Ok(Some(answer)) => Ok(answer),
+            Ok(None) => bail!("stream ended with OK and no answer"),
+            Err(status) => bail!(
+                "stream ended with {:?}: {}",
+                status.code(),
+                status.message()
+            ),
+        }
+    }
+}
+
+/// The admitted request that holds the only slot for the whole run.
+struct Holder(Stream);
+
+impl Holder {
+    async fn admit(channel: &Channel, body: &[u8]) -> Result<Holder> {
+        let mut stream = Stream::open(client(channel)).await?;
+        stream.send(chat_headers(HOLDER)).await?;
+        let answer = stream.recv().await.context("holder: request headers")?;
+        ensure!(
+            matches!(answer.response, Some(Response::RequestHeaders(_))),
+            "holder: request headers got {}",
+            describe(&answer)
+        );
+        stream.send(chat_body_message(body)).await?;
+        let answer = stream.recv().await.context("holder: request body")?;
+        ensure!(
+            matches!(answer.response, Some(Response::RequestBody(_))),
+            "holder: expected admission (a request_body answer), got {}",
+            describe(&answer)
+        );
+        Ok(Holder(stream))
+    }
+
+    /// Half-closes as Envoy does when the request ends; tollgate then ends the stream with OK.
+    async fn close(self) -> Result<()> {
+        let Stream { tx, mut rx } = self.0;
+        drop(tx);
+        match tokio::time::timeout(Duration::from_secs(5), rx.message()).await {
+            Ok(Ok(None)) => Ok(()),
+            Ok(Ok(Some(answer))) => {
+                bail!("holder: unexpected answer at close: {}", describe(&answer))
+            }
+            Ok(Err(status)) => bail!("holder: closed with {:?}", status.code()),
+            Err(_) => bail!("holder: tollgate did not end the stream within 5 s of the half-close"),
+        }
+    }
+}
+
+/// How one queued stream ended.
+enum Outcome {
+    /// 503 `queue_timeout`, `lateness_ms` after its deadline (client-side: answer − body sent −
+    /// deadline).
+    AtDeadline { lateness_ms: f64 },
+    /// Not queued: the headers or the body got something other than the expected answer.
+    NotQueued(String),
+    /// Queued, but then answered with something other than a 503 `queue_timeout`.
+    Wrong(String),
+    /// Queued, and no answer within the deadline plus the grace time.
+    Unanswered,
+}
+
+/// One queued stream from start to finish. Reports on `queued` once it is queued (true) or has
+/// failed to be (false), then waits for its answer.
+async fn queued_stream(
+    client: ExternalProcessorClient<Channel>,
+    user: String,
+    body: Arc<[u8]>,
+    opening: Arc<Semaphore>,
+    queued: mpsc::UnboundedSender<bool>,
+    deadline: Duration,
+    grace: Duration,
+) -> Outcome {
+    // The permit bounds how many streams are mid-opening; it is released once this one is
+    // queued, so it does not limit how many are held.
+    let permit = opening.acquire_owned().await;
+    let opened = tokio::time::timeout(OPEN_ANSWER_TIMEOUT, open_queued(client, &user, &body)).await;
+    drop(permit);
+    let (mut stream, sent) = match opened {
+        Ok(Ok(opened)) => opened,
+        Ok(Err(error)) => {
+            let _ = queued.send(false);
+            return Outcome::NotQueued(format!("{error:#}"));
+        }
+        Err(_) => {
+            let _ = queued.send(false);
+            return Outcome::NotQueued(format!("no answer within {OPEN_ANSWER_TIMEOUT:?}"));
+        }
+    };
+    let _ = queued.send(true);
+    let answer = tokio::time::timeout_at(sent + deadline + grace, stream.recv()).await;
+    let answered = Instant::now();
+    match answer {
+        Err(_) => Outcome::Unanswered,
+        Ok(Err(error)) => Outcome::Wrong(format!("{error:#}")),
+        Ok(Ok(answer)) => match &answer.response {
+            Some(Response::ImmediateResponse(reply)) if is_queue_timeout(reply) => {
+                Outcome::AtDeadline {
+                    lateness_ms: (answered.duration_since(sent).as_secs_f64()
+                        - deadline.as_secs_f64())
+                        * 1e3,
+                }
+            }
+            _ => Outcome::Wrong(describe(&answer)),
+        },
+    }
+    // Dropping `stream` here resets it, as Envoy does once it has sent the local reply.
+}
+
+/// Sends headers and body and waits for "queued"; returns the stream and when its body was sent.
+async fn open_queued(
+    client: ExternalProcessorClient<Channel>,
+    user: &str,
+    body: &[u8],
+) -> Result<(Stream, Instant)> {
+    let mut stream = Stream::open(client).await?;
+    stream.send(chat_headers(user)).await?;
+    let answer = stream.recv().await.context("request headers")?;
+    ensure!(
+        matches!(answer.response, Some(Response::RequestHeaders(_))),
+        "request headers got {}",
+        describe(&answer)
+    );
+    let sent = Instant::now();
+    stream.send(chat_body_message(body)).await?;
+    let answer = stream.recv().await.context("request body")?;
+    ensure!(
+        answer.override_message_timeout.is_some() && answer.response.is_none(),
+        "request body: expected override_message_timeout (queued), got {}",
+        describe(&answer)
+    );
+    Ok((stream, sent))
+}
+
+fn is_queue_timeout(reply: &ImmediateResponse) -> bool {
+    reply.status.as_ref().map(|s| s.code) == Some(503)
+        && reason(reply) == Some(b"queue_timeout".as_slice())
+}
+
+/// The `x-tollgate-reason` header a local reply sets.
+fn reason(reply: &ImmediateResponse) -> Option<&[u8]> {
+    reply.headers.as_ref().and_then(|headers| {
+        headers
+            .set_headers
+            .iter()
+            .filter_map(|option| option.header.as_ref())
+            .find(|header| header.key == "x-tollgate-reason")
+            .map(|header| header.raw_value.as_slice())
+    })
+}
+
+/// A short description of an answer for failure messages.
+fn describe(answer: &ProcessingResponse) -> String {
+    match &answer.response {
+        Some(Response::ImmediateResponse(reply)) => {
+            format!(
+                "immediate_response {} ({})",
+                reply.status.as_ref().map_or(0, |s| s.code),
+                reason(reply).map_or_else(
+                    || reply.details.clone(),
+                    |r| String::from_utf8_lossy(r).into_owned()
+                )
+            )
+        }
+        Some(Response::RequestHeaders(_)) => "request_headers".to_owned(),
+        Some(Response::RequestBody(_)) => "request_body (admitted)".to_owned(),
+        Some(other) => format!("{other:?}").chars().take(80).collect(),
+        None if answer.override_message_timeout.is_some() => {
+            "override_message_timeout (queued)".to_owned()
+        }
+        None => "an empty answer".to_owned(),
+    }
+}
+
+fn chat_headers(user: &str) -> ProcessingRequest {
+    let header = |key: &str, value: &str| HeaderValue {
+        key: key.to_owned(),
+        value: String::new(),
+        // Envoy sends values as raw bytes.
+        raw_value: value.as_bytes().to_vec(),
+    };
+    ProcessingRequest {
+        request: Some(Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![
+                    header(":method", "POST"),
+                    header(":path", "/v1/chat/completions"),
+                    header("content-type", "application/json"),
+                    header("x-user-id", user),
+                ],
+            }),
+            end_of_stream: false,
+            ..HttpHeaders::default()
+        })),
+        ..ProcessingRequest::default()
+    }
+}
+
+fn chat_body_message(body: &[u8]) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Request::RequestBody(HttpBody {
+            body: body.to_vec(),
+            end_of_stream: true,
+            ..HttpBody::default()
+        })),
+        ..ProcessingRequest::default()
+    }
+}
+
+/// The small chat body, or one padded to exactly `bytes` with words in the message content.
+fn chat_body(bytes: Option<usize>) -> Result<Arc<[u8]>> {
+    let with = |content: &str| {
+        format!(
+            r#"{{"model":"gpt-4o-mini","messages":[{{"role":"user","content":"{content}"}}],"max_tokens":16}}"#
+        )
+    };
+    let small = with("hi");
+    let Some(bytes) = bytes else {
+        return Ok(small.into_bytes().into());
+    };
+    ensure!(
+        bytes >= small.len(),
+        "--body-bytes must be at least {} (the unpadded body)",
+        small.len()
+    );
+    // "hi " repeated, then cut: plain ASCII, so the JSON stays valid at any length.
+    let content: String = "hi ".repeat(bytes / 3 + 1)[..bytes - small.len() + 2].to_owned();
+    let body = with(&content);
+    debug_assert_eq!(body.len(), bytes);
+    Ok(body.into_bytes().into())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The report
+
+struct Report<'a> {
+    args: &'a Args,
+    machine: Machine,
+    binary: PathBuf,
+    body_len: usize,
+    /// tollgate ready, nothing connected.
+    idle: Snapshot,
+    /// The holder admitted; nothing queued.
+    before: Snapshot,
+    /// Every stream queued.
+    held: Snapshot,
+    /// Just before the first deadline; `None` if opening took so long that there was no quiet
+    /// time before it.
+    hold: Option<Snapshot>,
+    /// Every queued stream closed (only the holder left).
+    after: Snapshot,
+    opening_seconds: f64,
+    client_before: u64,
+    client_held: u64,
+    gauges_before: Gauges,
+    gauges_held: Gauges,
+    gauges_after: Gauges,
+    failed_opening: usize,
+    outcomes: Vec<Outcome>,
+}
+
+impl Report<'_> {
+    fn lateness(&self) -> Vec<f64> {
+        let mut lateness: Vec<f64> = self
+            .outcomes
+            .iter()
+            .filter_map(|o| match o {
+                Outcome::AtDeadline { lateness_ms } => Some(*lateness_ms),
+                _ => None,
+            })
+            .collect();
+        lateness.sort_by(f64::total_cmp);
+        lateness
+    }
+
+    fn count(&self, kind: fn(&Outcome) -> bool) -> usize {
+        self.outcomes.iter().filter(|o| kind(o)).count()
+    }
+
+    fn clean(&self) -> bool {
+        let streams = self.args.streams as f64;
+        self.lateness().len() == self.args.streams
+            && self.gauges_held.queued == streams
+            && self.gauges_held.held_streams == streams + 1.0
+            && self.gauges_after.queued == 0.0
+    }
+
+    fn table(&self) -> String {
+        let args = self.args;
+        let streams = args.streams as f64;
+        let per_stream =
+            |after: u64, before: u64| (after as f64 - before as f64) * 1024.0 / streams;
+        let mib = |kib: u64| kib as f64 / 1024.0;
+        let lateness = self.lateness();
+        let late = |q: f64| percentile(&lateness, q).map_or("-".to_owned(), |v| format!("{v:.1}"));
+        let cpu = |to: Snapshot, from: Snapshot| to.cpu_seconds - from.cpu_seconds;
+        let not_queued = self.count(|o| matches!(o, Outcome::NotQueued(_)));
+        let wrong = self.count(|o| matches!(o, Outcome::Wrong(_)));
+        let unanswered = self.count(|o| matches!(o, Outcome::Unanswered));
+
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "Held streams: {} queued ext_proc streams ({} user{}, {}-byte bodies) over {} HTTP/2 \
+             connection{}, queue deadline {} ms, one slot held by an admitted request.",
+            args.streams,
+            args.users,
+            if args.users == 1 { "" } else { "s" },
+            self.body_len,
+            args.connections,
+            if args.connections == 1 { "" } else { "s" },
+            args.deadline_ms,
+        );
+        let _ = writeln!(
+            out,
+            "Machine: nproc {}, {}; load average {} at start. Server: {}.",
+            self.machine.cpus,
+            self.machine.cpu_model,
+            self.machine.loadavg_at_start,
+            self.binary.display(),
+        );
+        let _ = writeln!(out);
+        let _ = writeln!(out, "| measure | value |");
+        let _ = writeln!(out, "|---|---|");
+        let mut row = |name: &str, value: String| {
+            let _ = writeln!(out, "| {name} | {value} |");
+        };
+        row(
+            "held at once: `tollgate_held_streams` / `tollgate_queued_requests`",
+            format!(
+                "{} / {} (before opening: {} / {})",
+                self.gauges_held.held_streams,
+                self.gauges_held.queued,
+                self.gauges_before.held_streams,
+                self.gauges_before.queued
+            ),
+        );
+        row(
+            "time to open and queue every stream",
+            format!(
+                "{:.2} s ({:.0} streams/s, {} at a time)",
+                self.opening_seconds,
+                streams / self.opening_seconds,
+                args.open_concurrency
+            ),
+        );
+        row(
+            "tollgate VmRSS: ready / holder admitted / all queued / all answered and closed",
+            format!(
+                "{:.1} / {:.1} / {:.1} / {:.1} MiB",
+                mib(self.idle.vm_rss_kib),
+                mib(self.before.vm_rss_kib),
+                mib(self.held.vm_rss_kib),
+                mib(self.after.vm_rss_kib)
+            ),
+        );
+        row(
+            "**memory per held stream** (VmRSS all queued − holder admitted) / streams",
+            format!(
+                "**{:.0} B** ({:.2} KiB)",
+                per_stream(self.held.vm_rss_kib, self.before.vm_rss_kib),
+                per_stream(self.held.vm_rss_kib, self.before.vm_rss_kib) / 1024.0
+            ),
+        );
+        row(
+            "same from RssAnon (heap only, no binary pages)",
+            format!(
+                "{:.0} B",
+                per_stream(self.held.rss_anon_kib, self.before.rss_anon_kib)
+            ),
+        );
+        if let Some(hold) = self.hold {
+            row(
+                "VmRSS growth while holding (all queued → just before the first deadline)",
+                format!(
+                    "{:+.1} MiB",
+                    (hold.vm_rss_kib as f64 - self.held.vm_rss_kib as f64) / 1024.0
+                ),
+            );
+        }
+        row(
+            "client (this program) VmRSS per stream",
+            format!("{:.0} B", per_stream(self.client_held, self.client_before)),
+        );
+        row(
+            "tollgate CPU opening (headers + body + queued answer)",
+            format!(
+                "{:.2} s ({:.0} µs per stream)",
+                cpu(self.held, self.before),
+                cpu(self.held, self.before) * 1e6 / streams
+            ),
+        );
+        row(
+            "tollgate CPU while holding",
+            match self.hold {
+                Some(hold) => {
+                    let seconds = hold.at.duration_since(self.held.at).as_secs_f64();
+                    format!(
+                        "{:.2} s over {seconds:.1} s ({:.2} % of one core)",
+                        cpu(hold, self.held),
+                        cpu(hold, self.held) * 100.0 / seconds.max(1e-9)
+                    )
+                }
+                None => "n/a: opening took longer than the deadline allows".to_owned(),
+            },
+        );
+        row(
+            "tollgate CPU answering at the deadlines (503s + closes)",
+            format!(
+                "{:.2} s ({:.0} µs per stream)",
+                cpu(self.after, self.hold.unwrap_or(self.held)),
+                cpu(self.after, self.hold.unwrap_or(self.held)) * 1e6 / streams
+            ),
+        );
+        row(
+            "answered 503 `queue_timeout`",
+            format!("{} / {}", lateness.len(), args.streams),
+        );
+        row(
+            "lateness (answer − body sent − deadline) min / p50 / p99 / max",
+            format!(
+                "{} / {} / {} / {} ms",
+                late(0.0),
+                late(0.5),
+                late(0.99),
+                late(1.0)
+            ),
+        );
+        row(
+            &format!(
+                "not queued / answered otherwise / unanswered within deadline + {} ms",
+                args.grace_ms
+            ),
+            format!("{not_queued} / {wrong} / {unanswered}"),
+        );
+        row(
+            "after: `tollgate_held_streams` / `tollgate_queued_requests`",
+            format!(
+                "{} / {}",
+                self.gauges_after.held_streams, self.gauges_after.queued
+            ),
+        );
+        debug_assert_eq!(not_queued, self.failed_opening);
+
+        // The first few failures of each kind say what went wrong.
+        let failures: Vec<String> = self
+            .outcomes
+            .iter()
+            .filter_map(|o| match o {
+                Outcome::NotQueued(why) => Some(format!("not queued: {why}")),
+                Outcome::Wrong(what) => Some(format!("answered otherwise: {what}")),
+                Outcome::Unanswered | Outcome::AtDeadline { .. } => None,
+            })
+            .take(5)
+            .collect();
+        if !failures.is_empty() {
+            let _ = writeln!(out, "\nFirst failures:");
+            for failure in failures {
+                let _ = writeln!(out, "- {failure}");
+            }
+        }
+        out
+    }
+}
+
+/// Nearest-rank percentile of sorted values (`q` in 0..=1).
+fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted.get(rank.clamp(1, sorted.len().max(1)) - 1).copied()
+}

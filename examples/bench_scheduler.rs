@@ -1,0 +1,146 @@
+//! Cost of the fair queue's pure core (`tollgate::scheduler::fair::FairQueue`), in nanoseconds
+//! per operation, with few and many tenants and short and long queues.
+//!
+//! ```sh
+//! cargo run --release --example bench_scheduler
+//! ```
+//!
+//! Each scenario fills the budget (1,000 slots), queues `queued` requests spread at random over
+//! `tenants` tenants (weights 1 to 4, token costs 1 to 4,000), then measures:
+//! - a steady-state cycle: release the oldest slot, `dispatch_next`, submit a new request for a
+//!   random tenant (it queues, so the queue length stays put);
+//! - `cancel` of random queued requests (mostly from the middle of their tenant's queue), on a
+//!   fresh queue, down to half its length.
+//!
+//! Every figure is the best of five runs. Nothing here is asserted: see docs/benchmarks.md.
+
+use std::collections::VecDeque;
+use std::hint::black_box;
+
+use tokio::time::Instant;
+use tollgate::scheduler::fair::{EntryKey, FairQueue, FlowClass, FlowKey, Submit};
+
+const LIMIT: u32 = 1_000;
+const CYCLES: usize = 1_000_000;
+const RUNS: usize = 5;
+
+/// A tiny deterministic generator (Knuth's MMIX LCG): the same requests on every run.
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (self.0 >> 33) % n
+    }
+}
+
+struct Scenario {
+    names: Vec<String>,
+    queued: usize,
+}
+
+impl Scenario {
+    fn class(&self, tenant: usize) -> FlowClass {
+        FlowClass {
+            weight: 1 + (tenant % 4) as u32,
+            band: 0,
+            queue_max: u32::MAX,
+            reserved_slots: 0,
+        }
+    }
+
+    fn submit(&self, q: &mut FairQueue<u64>, rng: &mut Lcg, id: u64) -> Submit<u64> {
+        let tenant = rng.below(self.names.len() as u64) as usize;
+        let cost = 1 + rng.below(4_000);
+        q.submit(&self.names[tenant], self.class(tenant), cost, id)
+    }
+
+    /// A queue with the budget full and `queued` requests waiting; returns the slots held
+    /// (oldest first) and the waiting requests' keys.
+    fn filled(&self, rng: &mut Lcg) -> (FairQueue<u64>, VecDeque<FlowKey>, Vec<EntryKey>) {
+        let mut q = FairQueue::new(LIMIT);
+        let mut held = VecDeque::new();
+        let mut waiting = Vec::with_capacity(self.queued);
+        let mut id = 0;
+        while waiting.len() < self.queued {
+            match self.submit(&mut q, rng, id) {
+                Submit::Granted(flow) => held.push_back(flow),
+                Submit::Queued(entry) => waiting.push(entry),
+                Submit::Full(_) => unreachable!("queue_max is unbounded"),
+            }
+            id += 1;
+        }
+        (q, held, waiting)
+    }
+
+    /// Nanoseconds per release + dispatch_next + submit, in steady state.
+    fn cycle_ns(&self, seed: u64) -> f64 {
+        let mut rng = Lcg(seed);
+        let (mut q, mut held, _) = self.filled(&mut rng);
+        let started = Instant::now();
+        for id in 0..CYCLES as u64 {
+            let oldest = held.pop_front().expect("the budget is full");
+            q.release(oldest);
+            let (flow, payload) = q.dispatch_next().expect("requests are waiting");
+            black_box(payload);
+            held.push_back(flow);
+            match self.submit(&mut q, &mut rng, id) {
+                Submit::Queued(entry) => {
+                    black_box(entry);
+                }
+                _ => unreachable!("the budget is full, so a new request queues"),
+            }
+        }
+        let elapsed = started.elapsed();
+        assert_eq!(q.queued() as usize, self.queued);
+        elapsed.as_nanos() as f64 / CYCLES as f64
+    }
+
+    /// Nanoseconds per cancel of a random waiting request, down to half the queue.
+    fn cancel_ns(&self, seed: u64) -> f64 {
+        let mut rng = Lcg(seed);
+        let (mut q, _, mut waiting) = self.filled(&mut rng);
+        // Shuffle (Fisher-Yates) so cancels hit random tenants at random queue positions.
+        for i in (1..waiting.len()).rev() {
+            let j = rng.below(i as u64 + 1) as usize;
+            waiting.swap(i, j);
+        }
+        let cancels = waiting.len() / 2;
+        let started = Instant::now();
+        for &entry in &waiting[..cancels] {
+            black_box(q.cancel(entry).expect("still waiting"));
+        }
+        let elapsed = started.elapsed();
+        elapsed.as_nanos() as f64 / cancels as f64
+    }
+}
+
+fn best_of(runs: usize, mut measure: impl FnMut(u64) -> f64) -> f64 {
+    (0..runs)
+        .map(|run| measure(run as u64 + 1))
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn main() {
+    println!(
+        "limit {LIMIT}, budget full; cycle = release + dispatch_next + submit; best of {RUNS} runs"
+    );
+    println!();
+    println!("| tenants | queued  | active flows | ns/cycle | ns/cancel |");
+    println!("|--------:|--------:|-------------:|---------:|----------:|");
+    for tenants in [10, 10_000] {
+        for queued in [1_000, 100_000] {
+            let scenario = Scenario {
+                names: (0..tenants).map(|i| format!("tenant-{i:05}")).collect(),
+                queued,
+            };
+            let flows = scenario.filled(&mut Lcg(1)).0.flow_count();
+            let cycle = best_of(RUNS, |seed| scenario.cycle_ns(seed));
+            let cancel = best_of(RUNS, |seed| scenario.cancel_ns(seed));
+            println!("| {tenants:>7} | {queued:>7} | {flows:>12} | {cycle:>8.0} | {cancel:>9.0} |");
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! What clients are told about their budgets: OpenAI's `x-ratelimit-*` headers, the IETF
+//! `RateLimit-Policy` / `RateLimit` fields (draft-ietf-httpapi-ratelimit-headers-10), and the 429
+//! that names the limit, the usage and when to come back.
+//!
+//! Pure: windows and their states in, header pairs and replies out.
+
+use super::{Denied, DeniedLimit, Quantity, WindowLimit, WindowState};
+use crate::reply::{LocalReply, Reason};
+
+/// A `Retry-After` longer than this makes OpenAI's SDKs give up rather than wait (they honour up
+/// to 60 s, newer ones 120 s), and waiting that long for a request is rarely what a caller wants:
+/// say so with `x-should-retry: false`.
+const RETRY_SOON_MS: u64 = 60_000;
+
+/// Headers describing `windows` (with their `states`, same order) and concurrency.
+pub fn rate_limit_headers(
+    windows: &[WindowLimit],
+    states: &[WindowState],
+    concurrency: Option<(u32, u32)>,
+) -> Vec<(&'static str, String)> {
+    let mut headers = Vec::new();
+    let pairs = || windows.iter().zip(states);
+    // OpenAI's headers describe one requests limit and one tokens limit: the tightest of each.
+    let tightest = |quantity| {
+        pairs()
+            .filter(|(w, _)| w.quantity == quantity)
+            .min_by_key(|(_, s)| s.limit.saturating_sub(s.used))
+    };
+    for (quantity, suffix) in [
+        (Quantity::Requests, "requests"),
+        (Quantity::Tokens, "tokens"),
+    ] {
+        if let Some((_, state)) = tightest(quantity) {
+            let (limit, remaining, reset) = match suffix {
+                "requests" => (
+                    "x-ratelimit-limit-requests",
+                    "x-ratelimit-remaining-requests",
+                    "x-ratelimit-reset-requests",
+                ),
+                _ => (
+                    "x-ratelimit-limit-tokens",
+                    "x-ratelimit-remaining-tokens",
+                    "x-ratelimit-reset-tokens",
+                ),
+            };
+            headers.push((limit, state.limit.to_string()));
+            headers.push((
+                remaining,
+                state.limit.saturating_sub(state.used).to_string(),
+            ));
+            headers.push((reset, go_duration(state.reset_ms)));
+        }
+    }
+    let mut policies: Vec<String> = pairs()
+        .map(|(w, _)| {
+            let unit = match w.quantity {
+                Quantity::Tokens => ";qu=\"tokens\"",
+                Quantity::Requests => "",
+            };
+            format!(
+                "\"{}\";q={};w={}{unit}",
+                w.name,
+                w.limit,
+                w.window_ms / 1000
+            )
+        })
+        .collect();
+    let mut remaining: Vec<String> = pairs()
+        .map(|(w, s)| {
+            format!(
+                "\"{}\";r={};t={}",
+                w.name,
+                s.limit.saturating_sub(s.used),
+                s.reset_ms.div_ceil(1000)
+            )
+        })
+        .collect();
+    if let Some((used, limit)) = concurrency {
+        policies.push(format!(
+            "\"concurrency\";q={limit};qu=\"concurrent-requests\""
+        ));
+        remaining.push(format!("\"concurrency\";r={}", limit.saturating_sub(used)));
+    }
+    if !policies.is_empty() {
+        headers.push(("ratelimit-policy", policies.join(", ")));
+        headers.push(("ratelimit", remaining.join(", ")));
+    }
+    headers
+}
+
+/// The 429 for a denied reservation.
+pub fn refusal(
+    windows: &[WindowLimit],
+    denied: &Denied,
+    concurrency_limit: Option<u32>,
+    tier: &str,
+) -> LocalReply {
+    let (reason, what) = match denied.limit {
+        DeniedLimit::Window(i) => {
+            let window = &windows[i];
+            let reason = match (window.quantity, denied.retry_after_ms) {
+                (_, None) => Reason::RequestExceedsBudget,
+                (Quantity::Tokens, _) => Reason::TokenBudgetExhausted,
+                (Quantity::Requests, _) => Reason::RequestRateExceeded,
+            };
+            (reason, format!("{} ({})", describe(window), window.name))
+        }
+        DeniedLimit::Concurrency => (
+            Reason::ConcurrencyLimitReached,
+            "concurrent requests (concurrency)".to_owned(),
+        ),
+    };
+    let message = match denied.retry_after_ms {
+        None => format!(
+            "Request too large for {what} in tier {tier:?}: it needs {} but the limit is {}. \
+             Reduce the prompt or max_tokens; retrying will not help.",
+            denied.requested, denied.allowed
+        ),
+        Some(ms) => format!(
+            "Rate limit reached for {what} in tier {tier:?}: limit {}, used {}, requested {}. \
+             Please try again in {}.",
+            denied.allowed,
+            denied.used,
+            denied.requested,
+            go_duration(ms)
+        ),
+    };
+    let mut reply = LocalReply::new(reason, message);
+    match denied.retry_after_ms {
+        Some(ms) => {
+            // Whole seconds, rounded up: retrying a moment early just earns another 429.
+            reply = reply
+                .with_header("retry-after", ms.div_ceil(1000).max(1).to_string())
+                .with_header("retry-after-ms", ms.to_string());
+            if ms > RETRY_SOON_MS {
+                reply = reply.with_header("x-should-retry", "false");
+            }
+        }
+        None => reply = reply.with_header("x-should-retry", "false"),
+    }
+    let concurrency = concurrency_limit.map(|limit| {
+        let used = match denied.limit {
+            DeniedLimit::Concurrency => denied.used as u32,
+            DeniedLimit::Window(_) => 0,
+        };
+        (used, limit)
+    });
+    for (name, value) in rate_limit_headers(windows, &denied.windows, concurrency) {
+        reply = reply.with_header(name, value);
+    }
+    reply
+}
+
+fn describe(window: &WindowLimit) -> &'static str {
+    match (window.quantity, window.window_ms) {
+        (Quantity::Tokens, 60_000) => "tokens per minute",
+        (Quantity::Tokens, 3_600_000) => "tokens per hour",
+        (Quantity::Tokens, 86_400_000) => "tokens per day",
+        (Quantity::Tokens, _) => "tokens",
+        (Quantity::Requests, 60_000) => "requests per minute",
+        (Quantity::Requests, _) => "requests",
+    }
+}
+
+/// A duration the way OpenAI writes resets: `12ms`, `1.5s`, `6m0s`, `1h2m3s`.
+pub fn go_duration(ms: u64) -> String {
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let (hours, rest) = (ms / 3_600_000, ms % 3_600_000);
+    let (minutes, rest) = (rest / 60_000, rest % 60_000);
+    let seconds = if rest % 1000 == 0 {
+        format!("{}s", rest / 1000)
+    } else {
+        let text = format!("{:.3}", rest as f64 / 1000.0);
+        format!("{}s", text.trim_end_matches('0'))
+    };
+    match (hours, minutes) {
+        (0, 0) => seconds,
+        (0, m) => format!("{m}m{seconds}"),
+        (h, m) => format!("{h}h{m}m{seconds}"),
+    }
+}
+
+#[cfg(test)]
+mod tests;
