@@ -8,15 +8,20 @@
 //! * **B**: `envoy/front-proxy.yaml` as shipped, with the release `tollgate` binary (built-in
 //!   default configuration) as its ext_proc service.
 //!
-//! Both Envoys run `--concurrency 1 --disable-hot-restart`; everything listens on 127.0.0.1
+//! With `--configs A,B,C` a third Envoy runs **C**: B with Envoy's response phases off, so
+//! tollgate gets two ext_proc messages per request instead of four; B − C is what observing the
+//! response (time to first token, usage) costs.
+//!
+//! Every Envoy runs `--concurrency 1 --disable-hot-restart`; everything listens on 127.0.0.1
 //! ports picked at start-up, and no request leaves the machine.
 //!
 //! The load is open loop: request `i` of a run is *due* at `start + i / rate` whatever happened
 //! to the earlier ones, and its latency is measured from that due time to the last byte of the
 //! response. A slow response therefore cannot delay the next requests and hide itself
 //! (coordinated omission). Due times are kept by a dedicated thread with `std::thread::sleep`
-//! (tens of µs late at worst) rather than by tokio's millisecond timer wheel, whose up-to-1-ms
-//! rounding would be as large as the effect being measured. Requests go over a pool of HTTP/1.1
+//! (typically tens of µs late; the report prints this lag's p99) rather than by tokio's
+//! millisecond timer wheel, whose up-to-1-ms rounding would be as large as the effect being
+//! measured. Requests go over a pool of HTTP/1.1
 //! keep-alive connections, one pool per Envoy. Every request is the same ~4 KB non-streaming
 //! `POST /v1/chat/completions` with `max_tokens: 16`, from one of a few `x-user-id`s in turn.
 //!
@@ -78,7 +83,7 @@ struct Args {
     /// Length of each measured run.
     #[arg(long, default_value_t = 10.0)]
     seconds: f64,
-    /// Measured rounds per rate (each round is one A run followed by one B run).
+    /// Measured rounds per rate (each round is one run of every configuration, A first).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
     /// Length of each warm-up run (per configuration and rate; discarded).
@@ -181,9 +186,10 @@ async fn bench(args: &Args) -> Result<Verdict> {
         args.rates.iter().all(|&rate| rate > 0),
         "--rates must be positive"
     );
+    ensure!(args.seconds > 0.0, "--seconds must be positive");
     ensure!(
-        args.seconds > 0.0 && args.warmup_seconds >= 0.0,
-        "--seconds must be positive"
+        args.warmup_seconds >= 0.0,
+        "--warmup-seconds must not be negative"
     );
     ensure!(args.rounds > 0, "--rounds must be at least 1");
     ensure!(args.users > 0, "--users must be at least 1");
@@ -396,7 +402,11 @@ impl Binaries {
         let checks = [
             (
                 &self.tollgate,
-                newest_mtime(&[root.join("src"), root.join("Cargo.lock")]),
+                newest_mtime(&[
+                    root.join("src"),
+                    root.join("Cargo.toml"),
+                    root.join("Cargo.lock"),
+                ]),
             ),
             (
                 &self.upstream,
@@ -1180,7 +1190,6 @@ impl Drop for CancelOnDrop {
 async fn open_loop(target: &Target, rate: u32, seconds: f64, users: &[String]) -> Result<Run> {
     let count = (f64::from(rate) * seconds).round() as u64;
     let interval_ns = 1e9 / f64::from(rate);
-    let start = Instant::now() + SCHEDULE_LEAD;
     let cancel = Arc::new(AtomicBool::new(false));
     let _cancel_on_drop = CancelOnDrop(cancel.clone());
     let runtime = tokio::runtime::Handle::current();
@@ -1189,6 +1198,8 @@ async fn open_loop(target: &Target, rate: u32, seconds: f64, users: &[String]) -
         .map(|i| target.request(&users[i as usize % users.len()]))
         .collect();
     let dispatcher = tokio::task::spawn_blocking(move || {
+        // The clock starts once the requests are built and this thread runs.
+        let start = Instant::now() + SCHEDULE_LEAD;
         let mut handles = Vec::with_capacity(requests.len());
         for (i, request) in requests.into_iter().enumerate() {
             if cancel.load(Ordering::Relaxed) {
@@ -1201,9 +1212,9 @@ async fn open_loop(target: &Target, rate: u32, seconds: f64, users: &[String]) -
             }
             handles.push(runtime.spawn(one_request(request, due)));
         }
-        handles
+        (start, handles)
     });
-    let handles = dispatcher.await.context("dispatcher thread")?;
+    let (start, handles) = dispatcher.await.context("dispatcher thread")?;
     let mut samples = Vec::with_capacity(handles.len());
     for handle in handles {
         samples.push(handle.await.context("request task")?);

@@ -12,7 +12,9 @@
 //! - `cancel` of random queued requests (mostly from the middle of their tenant's queue), on a
 //!   fresh queue, down to half its length.
 //!
-//! Every figure is the best of five runs. Nothing here is asserted: see docs/benchmarks.md.
+//! Each figure is taken over many short chunks (20 of 50,000 cycles; 10 chunks of cancels per
+//! fill, 3 fills): the best chunk shows the cost on an undisturbed core, the median how much a
+//! busy machine adds. Nothing here is asserted: see docs/benchmarks.md.
 
 use std::collections::VecDeque;
 use std::hint::black_box;
@@ -21,8 +23,10 @@ use tokio::time::Instant;
 use tollgate::scheduler::fair::{EntryKey, FairQueue, FlowClass, FlowKey, Submit};
 
 const LIMIT: u32 = 1_000;
-const CYCLES: usize = 1_000_000;
-const RUNS: usize = 5;
+const CYCLE_CHUNKS: usize = 20;
+const CYCLES_PER_CHUNK: usize = 50_000;
+const CANCEL_CHUNKS: usize = 10;
+const CANCEL_FILLS: u64 = 3;
 
 /// A tiny deterministic generator (Knuth's MMIX LCG): the same requests on every run.
 struct Lcg(u64);
@@ -76,61 +80,71 @@ impl Scenario {
         (q, held, waiting)
     }
 
-    /// Nanoseconds per release + dispatch_next + submit, in steady state.
-    fn cycle_ns(&self, seed: u64) -> f64 {
-        let mut rng = Lcg(seed);
+    /// Nanoseconds per release + dispatch_next + submit in steady state, one figure per chunk.
+    fn cycle_ns(&self) -> Vec<f64> {
+        let mut rng = Lcg(1);
         let (mut q, mut held, _) = self.filled(&mut rng);
-        let started = Instant::now();
-        for id in 0..CYCLES as u64 {
-            let oldest = held.pop_front().expect("the budget is full");
-            q.release(oldest);
-            let (flow, payload) = q.dispatch_next().expect("requests are waiting");
-            black_box(payload);
-            held.push_back(flow);
-            match self.submit(&mut q, &mut rng, id) {
-                Submit::Queued(entry) => {
-                    black_box(entry);
+        let mut id = 0;
+        let mut chunks = Vec::with_capacity(CYCLE_CHUNKS);
+        for _ in 0..CYCLE_CHUNKS {
+            let started = Instant::now();
+            for _ in 0..CYCLES_PER_CHUNK {
+                let oldest = held.pop_front().expect("the budget is full");
+                q.release(oldest);
+                let (flow, payload) = q.dispatch_next().expect("requests are waiting");
+                black_box(payload);
+                held.push_back(flow);
+                match self.submit(&mut q, &mut rng, id) {
+                    Submit::Queued(entry) => {
+                        black_box(entry);
+                    }
+                    _ => unreachable!("the budget is full, so a new request queues"),
                 }
-                _ => unreachable!("the budget is full, so a new request queues"),
+                id += 1;
             }
+            chunks.push(started.elapsed().as_nanos() as f64 / CYCLES_PER_CHUNK as f64);
         }
-        let elapsed = started.elapsed();
         assert_eq!(q.queued() as usize, self.queued);
-        elapsed.as_nanos() as f64 / CYCLES as f64
+        chunks
     }
 
-    /// Nanoseconds per cancel of a random waiting request, down to half the queue.
-    fn cancel_ns(&self, seed: u64) -> f64 {
-        let mut rng = Lcg(seed);
-        let (mut q, _, mut waiting) = self.filled(&mut rng);
-        // Shuffle (Fisher-Yates) so cancels hit random tenants at random queue positions.
-        for i in (1..waiting.len()).rev() {
-            let j = rng.below(i as u64 + 1) as usize;
-            waiting.swap(i, j);
+    /// Nanoseconds per cancel of a random waiting request, down to half the queue, one figure
+    /// per chunk.
+    fn cancel_ns(&self) -> Vec<f64> {
+        let mut chunks = Vec::new();
+        for seed in 1..=CANCEL_FILLS {
+            let mut rng = Lcg(seed);
+            let (mut q, _, mut waiting) = self.filled(&mut rng);
+            // Shuffle (Fisher-Yates) so cancels hit random tenants at random queue positions.
+            for i in (1..waiting.len()).rev() {
+                let j = rng.below(i as u64 + 1) as usize;
+                waiting.swap(i, j);
+            }
+            let per_chunk = waiting.len() / 2 / CANCEL_CHUNKS;
+            for chunk in waiting.chunks(per_chunk).take(CANCEL_CHUNKS) {
+                let started = Instant::now();
+                for &entry in chunk {
+                    black_box(q.cancel(entry).expect("still waiting"));
+                }
+                chunks.push(started.elapsed().as_nanos() as f64 / chunk.len() as f64);
+            }
         }
-        let cancels = waiting.len() / 2;
-        let started = Instant::now();
-        for &entry in &waiting[..cancels] {
-            black_box(q.cancel(entry).expect("still waiting"));
-        }
-        let elapsed = started.elapsed();
-        elapsed.as_nanos() as f64 / cancels as f64
+        chunks
     }
 }
 
-fn best_of(runs: usize, mut measure: impl FnMut(u64) -> f64) -> f64 {
-    (0..runs)
-        .map(|run| measure(run as u64 + 1))
-        .fold(f64::INFINITY, f64::min)
+/// (best, median) of the chunk figures.
+fn best_and_median(mut figures: Vec<f64>) -> (f64, f64) {
+    figures.sort_by(f64::total_cmp);
+    (figures[0], figures[figures.len() / 2])
 }
 
 fn main() {
-    println!(
-        "limit {LIMIT}, budget full; cycle = release + dispatch_next + submit; best of {RUNS} runs"
-    );
+    println!("limit {LIMIT}, budget full; cycle = release + dispatch_next + submit");
+    println!("ns per operation: best chunk / median chunk");
     println!();
-    println!("| tenants | queued  | active flows | ns/cycle | ns/cancel |");
-    println!("|--------:|--------:|-------------:|---------:|----------:|");
+    println!("| tenants | queued  | active flows |    ns/cycle |   ns/cancel |");
+    println!("|--------:|--------:|-------------:|------------:|------------:|");
     for tenants in [10, 10_000] {
         for queued in [1_000, 100_000] {
             let scenario = Scenario {
@@ -138,9 +152,11 @@ fn main() {
                 queued,
             };
             let flows = scenario.filled(&mut Lcg(1)).0.flow_count();
-            let cycle = best_of(RUNS, |seed| scenario.cycle_ns(seed));
-            let cancel = best_of(RUNS, |seed| scenario.cancel_ns(seed));
-            println!("| {tenants:>7} | {queued:>7} | {flows:>12} | {cycle:>8.0} | {cancel:>9.0} |");
+            let (cycle, cycle_median) = best_and_median(scenario.cycle_ns());
+            let (cancel, cancel_median) = best_and_median(scenario.cancel_ns());
+            let cycle = format!("{cycle:.0} / {cycle_median:.0}");
+            let cancel = format!("{cancel:.0} / {cancel_median:.0}");
+            println!("| {tenants:>7} | {queued:>7} | {flows:>12} | {cycle:>11} | {cancel:>11} |");
         }
     }
 }

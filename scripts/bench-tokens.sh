@@ -64,7 +64,7 @@ else
 fi
 
 # The tiktoken-rs sources that cargo resolved for this workspace hold the .tiktoken files.
-tiktoken_rs_manifest="$(cargo metadata --format-version 1 | python3 -c '
+tiktoken_rs_manifest="$(cargo metadata --format-version 1 --filter-platform "$(rustc -vV | sed -n 's/^host: //p')" | python3 -c '
 import json, sys
 packages = json.load(sys.stdin)["packages"]
 print(next(p["manifest_path"] for p in packages if p["name"] == "tiktoken-rs"))

@@ -54,7 +54,8 @@ pub enum Quantity {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct WindowLimit {
     /// Stable and key-safe (`[a-z0-9_]`), e.g. `tokens_hour`, `requests_minute`,
-    /// `model_gpt4o_tokens_hour`: it names the stored key and the limit in headers and errors.
+    /// `model0_tokens_hour` (the first model limit's): it names the stored key and the limit in
+    /// headers and errors.
     pub name: String,
     pub quantity: Quantity,
     pub window_ms: u64,
@@ -171,7 +172,8 @@ pub enum StoreError {
 /// two, and the request path pays no boxing for the choice.
 pub enum Store {
     Memory(memory::MemoryStore),
-    Redis(redis::RedisStore),
+    /// Boxed: the Redis client is several times the embedded store's size.
+    Redis(Box<redis::RedisStore>),
 }
 
 impl Store {

@@ -188,7 +188,8 @@ async fn serve_stream(
 
 /// Why a queued request left the queue without a slot.
 enum Left {
-    ProtocolError(ProcessingRequest),
+    /// Boxed: a stray message is rare and large.
+    ProtocolError(Box<ProcessingRequest>),
     ClientGone,
     Deadline,
     ShuttingDown,
@@ -541,7 +542,7 @@ impl Exchange {
             permit = ticket.granted() => Ok(permit),
             message = inbound.message() => Err(match message {
                 // Envoy sends nothing while it waits for this answer.
-                Ok(Some(message)) => Left::ProtocolError(message),
+                Ok(Some(message)) => Left::ProtocolError(Box::new(message)),
                 Ok(None) | Err(_) => Left::ClientGone,
             }),
             () = tokio::time::sleep_until(deadline) => Err(Left::Deadline),

@@ -89,9 +89,9 @@ async fn open_store(config: &config::StoreConfig) -> Result<budget::Store, Error
         password,
         timeout: Duration::from_millis(config.timeout_ms),
     };
-    Ok(budget::Store::Redis(
+    Ok(budget::Store::Redis(Box::new(
         budget::redis::RedisStore::connect(settings).await?,
-    ))
+    )))
 }
 
 /// Runs tollgate on TCP listeners until `shutdown` resolves; see `serve`.

@@ -95,8 +95,8 @@ pub const ENVOY_TIMEOUT_MARGIN: Duration = Duration::from_millis(500);
 /// Weights above this make one tenant's share indistinguishable from all of it.
 const MAX_WEIGHT: u32 = 10_000;
 
-/// Output ceilings above this are almost certainly a typo (no model generates a million tokens
-/// in one response) and would make budget arithmetic meaningless.
+/// Token ceilings above this are almost certainly a typo (no model takes or generates ten
+/// million tokens in one request) and would make budget arithmetic meaningless.
 const MAX_SANE_TOKENS: u32 = 10_000_000;
 
 impl Policy {
@@ -200,6 +200,12 @@ impl Policy {
             );
         }
 
+        if config.routes.completions_suffix.is_empty() {
+            problems.push(
+                "routes.completions_suffix: must not be empty (every route would parse as completions)"
+                    .to_owned(),
+            );
+        }
         if config.routes.inference_paths.is_empty() {
             problems.push("routes.inference_paths: at least one path is required".to_owned());
         }
@@ -356,7 +362,7 @@ fn build_tier(
     }
     let envoy_bound = config.scheduler.envoy_max_message_timeout_ms;
     let margin = ENVOY_TIMEOUT_MARGIN.as_millis() as u64;
-    if tier.queue_deadline_ms == 0 || tier.queue_deadline_ms + margin > envoy_bound {
+    if tier.queue_deadline_ms == 0 || tier.queue_deadline_ms.saturating_add(margin) > envoy_bound {
         problems.push(format!(
             "{field}.queue_deadline_ms: {} must be positive and, plus {margin} ms of margin, \
              within scheduler.envoy_max_message_timeout_ms ({envoy_bound}), or Envoy would time \
@@ -479,7 +485,7 @@ fn store_problems(store: &StoreConfig) -> Vec<String> {
     }
     if store.lease_ttl_ms == 0
         || store.lease_renew_ms == 0
-        || store.lease_renew_ms * 2 > store.lease_ttl_ms
+        || store.lease_renew_ms > store.lease_ttl_ms / 2
     {
         problems.push(format!(
             "store.lease_renew_ms: {} must be positive and at most half of store.lease_ttl_ms ({}), \

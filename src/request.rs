@@ -61,11 +61,14 @@ pub fn classify_head(policy: &Policy, headers: &[Header<'_>], end_of_stream: boo
     let find = |name: &str| headers.iter().find(|h| h.name == name).map(|h| h.value);
     let path = find(":path").unwrap_or_default();
     let path = path.split(|&b| b == b'?').next().unwrap_or_default();
+    // Match the path the upstream will route on: vLLM (uvicorn) percent-decodes before routing,
+    // so `/v1/chat/%63ompletions` must not slip past as a non-inference route.
+    let path = percent_decode(path);
     let is_post = find(":method") == Some(b"POST".as_slice());
     let Some(route) = policy
         .inference_paths
         .iter()
-        .find(|p| p.as_bytes() == path)
+        .find(|p| p.as_bytes() == path.as_slice())
         .filter(|_| is_post)
     else {
         return HeadVerdict::PassThrough;
@@ -122,6 +125,28 @@ pub fn classify_head(policy: &Policy, headers: &[Header<'_>], end_of_stream: boo
     })
 }
 
+/// Decodes `%XX` escapes as Python's `unquote` does: a malformed escape stays as it is.
+fn percent_decode(path: &[u8]) -> Vec<u8> {
+    let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
+    let mut out = Vec::with_capacity(path.len());
+    let mut i = 0;
+    while i < path.len() {
+        if path[i] == b'%'
+            && let (Some(hi), Some(lo)) = (
+                path.get(i + 1).copied().and_then(hex),
+                path.get(i + 2).copied().and_then(hex),
+            )
+        {
+            out.push(hi << 4 | lo);
+            i += 3;
+        } else {
+            out.push(path[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
 /// API key first (it is proof), then the identity header set by a trusted layer in front.
 fn identify<'a>(
     policy: &Policy,
@@ -174,7 +199,9 @@ fn identify<'a>(
             ));
         }
     };
-    let tier = match find(&rules.tier_header).filter(|_| !rules.tier_header.is_empty()) {
+    let tier = match find(&rules.tier_header)
+        .filter(|v| !rules.tier_header.is_empty() && !v.trim_ascii().is_empty())
+    {
         None => policy.default_tier,
         Some(raw) => {
             let name = String::from_utf8_lossy(raw);

@@ -12,6 +12,11 @@ use crate::reply::{LocalReply, Reason};
 /// say so with `x-should-retry: false`.
 const RETRY_SOON_MS: u64 = 60_000;
 
+/// When a concurrency slot frees is when some request of the tenant ends, which nobody knows;
+/// the store can only say when a lease would expire (its TTL, tens of seconds, and pessimistic
+/// for a live request). Clients are told to retry this soon instead.
+const CONCURRENCY_RETRY_MS: u64 = 1_000;
+
 /// Headers describing `windows` (with their `states`, same order) and concurrency.
 pub fn rate_limit_headers(
     windows: &[WindowLimit],
@@ -110,7 +115,11 @@ pub fn refusal(
             "concurrent requests (concurrency)".to_owned(),
         ),
     };
-    let message = match denied.retry_after_ms {
+    let retry_after_ms = match denied.limit {
+        DeniedLimit::Concurrency => denied.retry_after_ms.map(|ms| ms.min(CONCURRENCY_RETRY_MS)),
+        DeniedLimit::Window(_) => denied.retry_after_ms,
+    };
+    let message = match retry_after_ms {
         None => format!(
             "Request too large for {what} in tier {tier:?}: it needs {} but the limit is {}. \
              Reduce the prompt or max_tokens; retrying will not help.",
@@ -126,7 +135,7 @@ pub fn refusal(
         ),
     };
     let mut reply = LocalReply::new(reason, message);
-    match denied.retry_after_ms {
+    match retry_after_ms {
         Some(ms) => {
             // Whole seconds, rounded up: retrying a moment early just earns another 429.
             reply = reply

@@ -25,6 +25,10 @@
 //! The window name is the key, not its shape: a reload that changes a window's `bucket_ms` keeps
 //! its usage (the next script renumbers the buckets by their start time, as `window.rs` keeps
 //! buckets by start time), and one that changes `window_ms` or `limit` just applies from then.
+//! Across reloads the scripts round a bucket's start to the last bucket size it was stored at,
+//! and `usage` (which writes nothing) does not forget buckets it skips as expired; both differ
+//! from `window.rs` by at most one bucket, and only after a reload (see `renumber` in
+//! `common.lua`).
 //!
 //! # Scripts
 //!
@@ -59,10 +63,13 @@
 //! `StoreError::Protocol`. Nothing here panics on a bad reply. A call that timed out may still
 //! run on the server later (a paused Redis runs its queue when it resumes), but each script is
 //! atomic: a reservation is then either taken whole or not at all, and its lease expires by TTL
-//! since the request never learned it was granted.
+//! since the request never learned it was granted. Likewise a timed-out settle may or may not
+//! have applied; settling twice adjusts twice (as in the embedded store), so a caller should not
+//! retry one blindly: a lost settle only leaves the reservation charged in full and the lease to
+//! expire.
 //!
 //! **Redis down at start-up**: [`RedisStore::connect`] does not wait for Redis. It fails only
-//! for settings that can never work (an unparsable URL, `rediss://` in this build); otherwise
+//! for settings that can never work (an unparsable URL); otherwise
 //! it returns at once with a store whose connection is made in the background, and calls fail
 //! with `Unavailable`/`Timeout` until Redis answers. The connection manager reconnects by itself
 //! after any I/O error (backoff 100 ms doubling to at most 1 s), so the store recovers when
@@ -72,10 +79,10 @@
 //! a node that was demoted in a failover) drops the connection for a fresh one, at most once a
 //! second, because a reconnect through a Service address or DNS name reaches the new primary.
 //!
-//! **TLS**: not in this build. redis-rs's rustls support needs a rustls crypto provider chosen
-//! by the application (a direct `rustls` dependency with `ring` or `aws-lc-rs`), which this
-//! crate does not have; without it redis-rs would panic at the first TLS connection. So a
-//! `rediss://` URL is refused by `connect` with an error saying so.
+//! **TLS** (`rediss://`) uses redis-rs's rustls support with the ring crypto provider (both in
+//! `Cargo.toml`; without a provider redis-rs would panic at the first TLS connection). The
+//! server's certificate is checked against the system roots (`SSL_CERT_FILE` / `SSL_CERT_DIR`
+//! point elsewhere, e.g. a private CA).
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
@@ -126,11 +133,11 @@ const SETTLE: &str = include_str!("redis/settle.lua");
 const RENEW: &str = include_str!("redis/renew.lua");
 const USAGE: &str = include_str!("redis/usage.lua");
 
-/// How to reach Redis.
-#[derive(Clone, Debug)]
+/// How to reach Redis. `Debug` shows neither password (the URL's or the file's).
+#[derive(Clone)]
 pub struct RedisSettings {
-    /// `redis://[user[:password]@]host[:port][/db]` (`rediss://` is refused: see the module
-    /// docs on TLS).
+    /// `redis://[user[:password]@]host[:port][/db]`, or `rediss://` for TLS (see
+    /// the module docs).
     pub url: String,
     /// Read from a file; overrides the URL's password. A trailing newline (as most secret files
     /// end) is not part of it.
@@ -139,9 +146,41 @@ pub struct RedisSettings {
     pub timeout: Duration,
 }
 
+impl std::fmt::Debug for RedisSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisSettings")
+            .field("url", &redacted_url(&self.url))
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+/// `url` with the password of its user info (if any) replaced by `***`, for logs.
+pub(crate) fn redacted_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (authority, tail) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((user_info, host)) if user_info.contains(':') => {
+            let user = user_info
+                .split_once(':')
+                .map_or(user_info, |(user, _)| user);
+            format!("{scheme}://{user}:***@{host}{tail}")
+        }
+        _ => url.to_owned(),
+    }
+}
+
 /// The Redis budget store. Every method takes `&self` and may run concurrently: calls share one
 /// multiplexed connection.
 pub struct RedisStore {
+    /// Boxed: the client and its configuration are large, and `Store` is an enum of stores.
+    inner: Box<Inner>,
+}
+
+struct Inner {
     client: Client,
     manager_config: ConnectionManagerConfig,
     connection: Mutex<Connection>,
@@ -184,7 +223,7 @@ impl RedisStore {
     /// A store for `settings`, returned without waiting for Redis: the connection (and loading
     /// the scripts) happens in the background, and calls fail with `Unavailable`/`Timeout`
     /// until Redis answers, then succeed without further action. Fails only for settings that
-    /// can never work (an unparsable URL, `rediss://`); retrying those is pointless.
+    /// can never work (an unparsable URL); retrying those is pointless.
     pub async fn connect(settings: RedisSettings) -> Result<RedisStore, StoreError> {
         let client = client(&settings)?;
         let manager_config = ConnectionManagerConfig::new()
@@ -202,21 +241,24 @@ impl RedisStore {
         let scripts = Scripts::new();
         warm_up(manager.clone(), scripts.clone());
         Ok(RedisStore {
-            client,
-            manager_config,
-            connection: Mutex::new(Connection {
-                generation: 0,
-                manager,
-                replaced_at: None,
+            inner: Box::new(Inner {
+                client,
+                manager_config,
+                connection: Mutex::new(Connection {
+                    generation: 0,
+                    manager,
+                    replaced_at: None,
+                }),
+                scripts,
+                timeout: settings.timeout,
             }),
-            scripts,
-            timeout: settings.timeout,
         })
     }
 
     /// One `EVALSHA` of `reserve.lua`.
     pub async fn reserve(&self, r: &Reservation<'_>) -> Result<Reserve, StoreError> {
-        let mut invocation = self.scripts.reserve.prepare_invoke();
+        let this = &*self.inner;
+        let mut invocation = this.scripts.reserve.prepare_invoke();
         invocation
             .key(leases_key(r.tenant))
             .arg(r.lease_id)
@@ -234,19 +276,20 @@ impl RedisStore {
                 .arg(exact(limit.bucket_ms))
                 .arg(exact(limit.limit));
         }
-        let (generation, mut connection) = self.connection();
+        let (generation, mut connection) = this.connection();
         let reply = tokio::time::timeout(
-            self.timeout,
+            this.timeout,
             invocation.invoke_async::<Vec<i64>>(&mut connection),
         )
         .await;
-        let reply = self.answer(generation, reply)?;
+        let reply = this.answer(generation, reply)?;
         decode_reserve(&reply, r.windows, r.max_concurrent)
     }
 
     /// One `EVALSHA` of `settle.lua`.
     pub async fn settle(&self, s: &Settlement<'_>) -> Result<(), StoreError> {
-        let mut invocation = self.scripts.settle.prepare_invoke();
+        let this = &*self.inner;
+        let mut invocation = this.scripts.settle.prepare_invoke();
         invocation
             .key(leases_key(s.tenant))
             .arg(s.lease_id)
@@ -265,13 +308,13 @@ impl RedisStore {
                 .arg(exact(limit.window_ms))
                 .arg(exact(limit.bucket_ms));
         }
-        let (generation, mut connection) = self.connection();
+        let (generation, mut connection) = this.connection();
         let reply = tokio::time::timeout(
-            self.timeout,
+            this.timeout,
             invocation.invoke_async::<redis::Value>(&mut connection),
         )
         .await;
-        self.answer(generation, reply).map(drop)
+        this.answer(generation, reply).map(drop)
     }
 
     /// One `EVALSHA` of `renew.lua` per tenant, all in one pipeline (one round trip; a
@@ -291,7 +334,8 @@ impl RedisStore {
         if by_tenant.is_empty() {
             return Ok(());
         }
-        let script = &self.scripts.renew;
+        let this = &*self.inner;
+        let script = &this.scripts.renew;
         let mut pipe = redis::pipe();
         for (tenant, ids) in &by_tenant {
             pipe.cmd("EVALSHA")
@@ -301,8 +345,8 @@ impl RedisStore {
                 .arg(exact(lease_ttl_ms))
                 .arg(ids);
         }
-        let (generation, mut connection) = self.connection();
-        let reply = tokio::time::timeout(self.timeout, async {
+        let (generation, mut connection) = this.connection();
+        let reply = tokio::time::timeout(this.timeout, async {
             match pipe.query_async::<Vec<i64>>(&mut connection).await {
                 Err(e) if is_noscript(&e) => {
                     script.load_async(&mut connection).await?;
@@ -312,7 +356,7 @@ impl RedisStore {
             }
         })
         .await;
-        let reply = self.answer(generation, reply)?;
+        let reply = this.answer(generation, reply)?;
         if reply.len() != by_tenant.len() {
             return Err(StoreError::Protocol(format!(
                 "renew: {} replies for {} tenants",
@@ -325,7 +369,8 @@ impl RedisStore {
 
     /// One `EVALSHA` of `usage.lua`, which writes nothing.
     pub async fn usage(&self, tenant: &str, windows: &[WindowLimit]) -> Result<Usage, StoreError> {
-        let mut invocation = self.scripts.usage.prepare_invoke();
+        let this = &*self.inner;
+        let mut invocation = this.scripts.usage.prepare_invoke();
         invocation.key(leases_key(tenant));
         for limit in windows {
             invocation
@@ -333,16 +378,18 @@ impl RedisStore {
                 .arg(exact(limit.window_ms))
                 .arg(exact(limit.bucket_ms));
         }
-        let (generation, mut connection) = self.connection();
+        let (generation, mut connection) = this.connection();
         let reply = tokio::time::timeout(
-            self.timeout,
+            this.timeout,
             invocation.invoke_async::<Vec<i64>>(&mut connection),
         )
         .await;
-        let reply = self.answer(generation, reply)?;
+        let reply = this.answer(generation, reply)?;
         decode_usage(&reply, windows)
     }
+}
 
+impl Inner {
     /// The current connection manager (a cheap clone of a shared handle) and its generation.
     fn connection(&self) -> (u64, ConnectionManager) {
         let connection = self
@@ -406,13 +453,6 @@ impl RedisStore {
 /// The redis-rs client for `settings`: URL, password override, TCP options.
 fn client(settings: &RedisSettings) -> Result<Client, StoreError> {
     let url = settings.url.trim();
-    if url.starts_with("rediss://") || url.starts_with("valkeys://") {
-        return Err(StoreError::Unavailable(
-            "TLS (rediss://) is not supported by this build of tollgate: reach Redis over \
-             redis:// (a TLS sidecar or a private network)"
-                .to_owned(),
-        ));
-    }
     // redis-rs's parse errors never echo the URL, which may hold a password.
     let mut info = url
         .into_connection_info()

@@ -44,6 +44,9 @@ fn header<'a>(headers: &'a reqwest::header::HeaderMap, name: &str) -> Option<&'a
     headers.get(name).and_then(|v| v.to_str().ok())
 }
 
+/// Request headers as (name, value) pairs.
+type Headers<'a> = &'a [(&'a str, &'a str)];
+
 const USER: [(&str, &str); 2] = [("content-type", "application/json"), ("x-user-id", "alice")];
 
 /// Drops the fields that differ between two answers by the upstream (id, created).
@@ -169,7 +172,7 @@ async fn streamed_chat_passes_with_usage_requested_and_observed() {
 #[tokio::test]
 async fn refusals_reach_the_client_as_openai_errors() {
     let stack = Stack::start(DEFAULTS, &[]).await;
-    let cases: [(&[(&str, &str)], Vec<u8>, u16, &str); 4] = [
+    let cases: [(Headers<'_>, Vec<u8>, u16, &str); 4] = [
         (
             &[("content-type", "application/json")],
             serde_json::to_vec(&chat(json!({}))).unwrap(),
@@ -479,5 +482,70 @@ async fn a_queue_timeout_reaches_the_client_as_503_with_retry_after() {
     assert_eq!(header(&headers, "retry-after"), Some("1"));
     let error: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(error["error"]["type"], "server_error");
+    assert_eq!(holder.await.unwrap(), 200);
+}
+
+#[tokio::test]
+async fn a_429_carries_rate_limit_headers_and_a_client_honouring_retry_after_gets_through() {
+    // One request at a time per user; the first holds its lease for 1.5 s.
+    let stack = Stack::start(
+        "tiers:\n  free:\n    max_concurrent: 1\n    tokens_per_hour: 100000\n",
+        &[],
+    )
+    .await;
+    let holder = hold_the_slot(&stack, "1500").await;
+    let body = serde_json::to_vec(&chat(json!({}))).unwrap();
+    let holder_headers = [
+        ("content-type", "application/json"),
+        ("x-user-id", "holder"),
+    ];
+
+    let (status, headers, text) = send(
+        &stack,
+        "/v1/chat/completions",
+        &holder_headers,
+        body.clone(),
+    )
+    .await;
+    assert_eq!(status, 429, "{text}");
+    assert_eq!(
+        header(&headers, "x-tollgate-reason"),
+        Some("concurrency_limit_reached")
+    );
+    assert_eq!(header(&headers, "retry-after"), Some("1"));
+    assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some("100000"));
+    assert!(header(&headers, "x-ratelimit-remaining-tokens").is_some());
+    assert!(header(&headers, "x-ratelimit-reset-tokens").is_some());
+    assert!(
+        header(&headers, "ratelimit-policy")
+            .unwrap()
+            .contains("\"concurrency\";q=1")
+    );
+    assert!(
+        header(&headers, "ratelimit")
+            .unwrap()
+            .contains("\"concurrency\";r=0")
+    );
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "rate_limit_exceeded");
+
+    // A well-behaved client waits as told and tries again.
+    let mut attempts = 1;
+    let status = loop {
+        let (status, headers, _) = send(
+            &stack,
+            "/v1/chat/completions",
+            &holder_headers,
+            body.clone(),
+        )
+        .await;
+        attempts += 1;
+        if status != 429 || attempts > 10 {
+            break status;
+        }
+        let wait: u64 = header(&headers, "retry-after").unwrap().parse().unwrap();
+        tokio::time::sleep(Duration::from_secs(wait)).await;
+    };
+    assert_eq!(status, 200, "got through after {attempts} attempts");
     assert_eq!(holder.await.unwrap(), 200);
 }

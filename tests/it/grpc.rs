@@ -203,7 +203,9 @@ async fn chat_request_is_admitted_and_its_stream_observed() {
 #[tokio::test]
 async fn local_replies_are_openai_shaped_with_a_reason() {
     let server = TestServer::start(Config::default()).await;
-    let cases: Vec<(Vec<u8>, &[(&str, &str)], i32, &str)> = vec![
+    // (body, header overrides, status, reason)
+    type Case<'a> = (Vec<u8>, &'a [(&'a str, &'a str)], i32, &'a str);
+    let cases: Vec<Case<'_>> = vec![
         (
             chat_body(serde_json::json!({})),
             &[("x-user-id", "")],
@@ -527,5 +529,54 @@ async fn shutdown_ends_undecided_streams_with_an_error_and_decided_ones_with_ok(
         decided.recv().await.expect("OK close").is_none(),
         "decided streams end with OK"
     );
+    server.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn grpc_health_serves_until_shutdown_begins() {
+    use tonic_health::pb::{
+        HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+    };
+    let mut config = Config::default();
+    config.shutdown.drain_deadline_ms = 200;
+    let mut server = TestServer::start(config).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    for service in ["", "envoy.service.ext_proc.v3.ExternalProcessor"] {
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.to_owned(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(status, ServingStatus::Serving as i32, "{service:?}");
+    }
+    // A watch opened while serving sees the change (new checks after GOAWAY cannot open).
+    let mut watch = health
+        .watch(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap().status;
+    assert_eq!(first, ServingStatus::Serving as i32);
+    // Keep a stream open so the server drains rather than exiting at once.
+    let mut open = server.stream().await;
+    open.exchange(chat_headers("ivan")).await;
+    server.begin_shutdown();
+    let status = tokio::time::timeout(Duration::from_secs(10), watch.message())
+        .await
+        .expect("the watch reports the change")
+        .unwrap()
+        .unwrap()
+        .status;
+    assert_eq!(status, ServingStatus::NotServing as i32);
     server.stop().await.unwrap();
 }

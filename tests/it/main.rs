@@ -1,6 +1,7 @@
 //! The single integration-test binary: gRPC against the server on port 0, and end to end
 //! through real Envoy, the tollgate binary and the example upstream.
 
+mod budgets;
 mod cli;
 mod e2e;
 mod envoy_config;

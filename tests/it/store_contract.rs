@@ -672,5 +672,5 @@ async fn redis_store() -> (RedisServer, Store) {
     })
     .await
     .expect("settings are valid");
-    (server, Store::Redis(store))
+    (server, Store::Redis(Box::new(store)))
 }

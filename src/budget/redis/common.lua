@@ -93,8 +93,10 @@ end
 
 -- A reload changed bucket_ms: each bucket keeps its start time (old number * old bucket_ms) and
 -- so expires with the new bucket holding that start, as window.rs keeps buckets by start time.
--- Buckets that land on the same new number are merged (window.rs keeps them apart; the only
--- difference is how far one refund may reach across them).
+-- Two approximations, both within one bucket and only across reloads: buckets that land on the
+-- same new number are merged (window.rs keeps them apart, so one refund may reach across them
+-- here), and a start is remembered only to the bucket size it was last stored at (so after a
+-- coarser then a finer size, a bucket may expire up to one coarse bucket early).
 local function renumber(w, old_bms)
   local all = redis.call('HGETALL', w.key)
   redis.call('DEL', w.key)

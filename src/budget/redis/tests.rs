@@ -357,7 +357,6 @@ async fn settings_that_can_never_work_fail_at_connect() {
     for url in [
         "not a url",
         "http://127.0.0.1:6379",
-        "rediss://127.0.0.1:6379",
         "redis://127.0.0.1:6379/not-a-db",
     ] {
         let result = RedisStore::connect(settings(url)).await;
@@ -365,6 +364,14 @@ async fn settings_that_can_never_work_fail_at_connect() {
             matches!(result, Err(StoreError::Unavailable(_))),
             "{url}: {:?}",
             result.err()
+        );
+    }
+    // Without TLS in the build, rediss:// is refused up front, saying why (a build with TLS
+    // connects lazily like redis://).
+    if let Err(e) = RedisStore::connect(settings("rediss://127.0.0.1:6379")).await {
+        assert!(
+            matches!(&e, StoreError::Unavailable(message) if message.contains("TLS")),
+            "{e:?}"
         );
     }
     // A URL that parses connects lazily: no server is needed to get a store.
@@ -410,4 +417,32 @@ fn every_script_starts_with_the_shared_prelude() {
         );
     }
     assert!(COMMON.contains("local function now_ms"));
+}
+
+#[test]
+fn debug_output_hides_passwords() {
+    let settings = RedisSettings {
+        url: "redis://user:hunter2@redis.example:6379/1".into(),
+        password: Some("from-a-file".into()),
+        timeout: Duration::from_millis(50),
+    };
+    let shown = format!("{settings:?}");
+    assert!(
+        !shown.contains("hunter2") && !shown.contains("from-a-file"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("redis://user:***@redis.example:6379/1"),
+        "{shown}"
+    );
+
+    for (url, expected) in [
+        ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379"),
+        ("redis://:pw@host", "redis://:***@host"),
+        ("redis://user@host/0", "redis://user@host/0"),
+        ("redis://u:p@ss@host:1/2", "redis://u:***@host:1/2"),
+        ("not a url", "not a url"),
+    ] {
+        assert_eq!(redacted_url(url), expected, "{url}");
+    }
 }

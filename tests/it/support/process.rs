@@ -74,6 +74,12 @@ pub struct Tollgate {
 
 impl Tollgate {
     pub async fn start(config_yaml: &str) -> Tollgate {
+        Tollgate::start_with(config_yaml, &[], &[]).await
+    }
+
+    /// Like [`Tollgate::start`], with extra command-line arguments (e.g. `--redis-url`) and
+    /// environment variables (e.g. `SSL_CERT_FILE`) for the process.
+    pub async fn start_with(config_yaml: &str, args: &[&str], envs: &[(&str, &str)]) -> Tollgate {
         let config = tempfile::Builder::new()
             .suffix(".yaml")
             .tempfile()
@@ -90,7 +96,9 @@ impl Tollgate {
                 "--admin-addr",
                 &admin.to_string(),
             ])
+            .args(args)
             .env("RUST_LOG", "warn")
+            .envs(envs.iter().copied())
             .stdin(Stdio::null())
             .spawn()
             .expect("spawn the tollgate binary");
@@ -143,6 +151,12 @@ impl Tollgate {
             .status()
             .expect("run kill");
         assert!(status.success());
+    }
+
+    /// SIGKILLs the process (no drain, no settling: a crashed replica) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// Waits for the process to exit (bounded).

@@ -9,6 +9,8 @@ use std::io::ErrorKind;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
 use super::envoy::free_port;
 
 /// How long a fresh server may take to answer PING: milliseconds when idle, the margin is for
@@ -156,6 +158,26 @@ impl RedisServer {
         keys
     }
 
+    /// Starts `MONITOR` on a raw connection of its own: from now on it sees every command the
+    /// server runs, telling clients' commands from those scripts run.
+    pub async fn monitor(&self) -> Monitor {
+        let stream = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .unwrap_or_else(|e| panic!("connect to redis-server {} for MONITOR: {e}", self.port));
+        let mut monitor = Monitor {
+            lines: BufReader::new(stream),
+            marks: 0,
+        };
+        monitor
+            .lines
+            .get_mut()
+            .write_all(b"MONITOR\r\n")
+            .await
+            .expect("send MONITOR");
+        assert_eq!(monitor.next_line().await, "+OK", "MONITOR's answer");
+        monitor
+    }
+
     /// A plain connection that sends nothing of its own (no `CLIENT SETINFO`), so it adds only
     /// the test's commands to `INFO commandstats`.
     pub async fn connection(&self) -> redis::aio::MultiplexedConnection {
@@ -255,6 +277,49 @@ impl RedisServer {
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A `MONITOR` connection (see [`RedisServer::monitor`]).
+pub struct Monitor {
+    lines: BufReader<tokio::net::TcpStream>,
+    marks: u64,
+}
+
+impl Monitor {
+    /// The names (uppercase) of the commands clients sent since the last call, in order,
+    /// leaving out the commands scripts ran (`EVALSHA` counts once, not its `HSET`s). Knows
+    /// where "now" is by sending a marker `ECHO` through `server` and reading up to it.
+    pub async fn client_commands(&mut self, server: &RedisServer) -> Vec<String> {
+        self.marks += 1;
+        let mark = format!("tollgate-monitor-mark-{}", self.marks);
+        server.cmd(&["ECHO", &mark]).await;
+        let mut commands = Vec::new();
+        loop {
+            let line = tokio::time::timeout(Duration::from_secs(10), self.next_line())
+                .await
+                .expect("MONITOR shows the marker");
+            if line.contains(&mark) {
+                return commands;
+            }
+            // `+<time> [<db> <client>] "<COMMAND>" "<arg>" ...`; a script's calls show the
+            // client `lua`.
+            let Some((source, command)) = line.split_once("] ") else {
+                continue;
+            };
+            if source.ends_with(" lua") {
+                continue;
+            }
+            let name = command.split('"').nth(1).unwrap_or(command);
+            commands.push(name.to_ascii_uppercase());
+        }
+    }
+
+    async fn next_line(&mut self) -> String {
+        let mut line = String::new();
+        let read = self.lines.read_line(&mut line).await.expect("read MONITOR");
+        assert!(read > 0, "the MONITOR connection closed");
+        line.trim_end().to_owned()
     }
 }
 
