@@ -29,9 +29,12 @@ note() {
 #   <path>/envoy  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL
 # so the version is matched between slashes, not anywhere on the line.
 envoy_reports_version() {
-    local binary="$1" version="$2"
+    local binary="$1" version="$2" reported
     [[ -x "${binary}" ]] || return 1
-    "${binary}" --version 2>/dev/null | grep -q "/${version}/"
+    # Captured, not piped into `grep -q`: under pipefail, grep exiting at its first match can
+    # kill envoy with SIGPIPE and fail the check at random.
+    reported="$("${binary}" --version 2>/dev/null)" || return 1
+    [[ "${reported}" == *"/${version}/"* ]]
 }
 
 install_envoy() {
