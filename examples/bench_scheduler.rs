@@ -12,9 +12,10 @@
 //! - `cancel` of random queued requests (mostly from the middle of their tenant's queue), on a
 //!   fresh queue, down to half its length.
 //!
-//! Each figure is taken over many short chunks (20 of 50,000 cycles; 10 chunks of cancels per
-//! fill, 3 fills): the best chunk shows the cost on an undisturbed core, the median how much a
-//! busy machine adds. Nothing here is asserted: see docs/benchmarks.md.
+//! Each figure is taken over many short chunks (100 of 10,000 cycles; 10 chunks of cancels per
+//! fill, 5 fills): the best chunk shows the cost on an undisturbed core, the median how much a
+//! busy machine adds (a chunk in which the thread was preempted is simply not the best). Nothing
+//! here is asserted: see docs/benchmarks.md.
 
 use std::collections::VecDeque;
 use std::hint::black_box;
@@ -23,10 +24,10 @@ use tokio::time::Instant;
 use tollgate::scheduler::fair::{EntryKey, FairQueue, FlowClass, FlowKey, Submit};
 
 const LIMIT: u32 = 1_000;
-const CYCLE_CHUNKS: usize = 20;
-const CYCLES_PER_CHUNK: usize = 50_000;
+const CYCLE_CHUNKS: usize = 100;
+const CYCLES_PER_CHUNK: usize = 10_000;
 const CANCEL_CHUNKS: usize = 10;
-const CANCEL_FILLS: u64 = 3;
+const CANCEL_FILLS: u64 = 5;
 
 /// A tiny deterministic generator (Knuth's MMIX LCG): the same requests on every run.
 struct Lcg(u64);
