@@ -50,9 +50,15 @@ const O200K_MODEL_PATTERNS: &[&str] = &[
     "o4*",
 ];
 
-/// Text that walks every branch of the pre-tokenisation regexes (letters,
-/// contractions, digits, punctuation, whitespace runs, newlines, non-Latin
-/// script) so that [`Encoding::warm_up`] also populates the lazy DFA caches.
+/// No token of either vocabulary is longer than this many bytes (128 spaces is
+/// one token in both; the tests check every entry), so a text of `n` bytes has
+/// at least `n / MAX_TOKEN_BYTES` tokens, rounded up.
+const MAX_TOKEN_BYTES: usize = 128;
+
+/// Text for [`Encoding::warm_up`] that walks every branch of the
+/// pre-tokenisation regexes (letters, contractions, digits, punctuation,
+/// whitespace runs, newlines, non-Latin script), so the warm-up call also
+/// builds the regex search state a first real request would otherwise build.
 const WARM_UP_TEXT: &str =
     "Hello, world! It's 2024-06-01T12:00:00Z.\n\n  fn main() { let x = 42; }  \t\n日本語 😀";
 
@@ -80,12 +86,14 @@ impl Encoding {
     /// None then. Some(n) with n <= limit otherwise.
     ///
     /// The limit is inclusive: a text of exactly `limit` tokens gives
-    /// `Some(limit)`, one more token gives `None`. Encoding stops at the piece
+    /// `Some(limit)`, one more token gives `None`. A text longer than
+    /// `128 * limit` bytes is answered `None` without being looked at (no token
+    /// is longer than 128 bytes), so the work of a call is bounded by the
+    /// limit, not by the body. Otherwise encoding stops at the piece
     /// (pre-tokenisation chunk) where the limit is crossed, and inside it as
-    /// soon as the running count is clearly past it, so an oversized body is
-    /// rejected without encoding all of it. The piece that crosses the limit is
-    /// still scanned to its end by the pre-tokenisation regex, and a text that
-    /// stays under the limit costs as much as [`Encoding::count`].
+    /// soon as the running count is clearly past it. The piece that crosses the
+    /// limit is still scanned to its end by the pre-tokenisation regex, and a
+    /// text that stays under the limit costs as much as [`Encoding::count`].
     ///
     /// Exactness at the boundary relies on `bpe`'s internal slack: its
     /// backtracking encoder may hold more tokens mid-piece than the piece
@@ -94,6 +102,9 @@ impl Encoding {
     /// every cl100k and o200k vocabulary entry's prefixes is 6; the boundary
     /// tests in `tokens/tests.rs` pin this down for the crate version in use.
     pub fn count_till_limit(self, text: &str, limit: usize) -> Option<usize> {
+        if text.len().div_ceil(MAX_TOKEN_BYTES) > limit {
+            return None;
+        }
         let tokenizer = self.tokenizer();
         // cl100k and o200k do not normalise, so this borrows `text` unchanged;
         // going through `normalize` keeps us right should that ever change.

@@ -404,6 +404,9 @@ fn parity_and_limit_boundary_on_long_token_runs() {
     }
 }
 
+static SPACES_256: LazyLock<String> = LazyLock::new(|| " ".repeat(2 * MAX_TOKEN_BYTES));
+static SPACES_257: LazyLock<String> = LazyLock::new(|| " ".repeat(2 * MAX_TOKEN_BYTES + 1));
+
 #[test]
 fn count_till_limit_table() {
     use Encoding::*;
@@ -424,6 +427,15 @@ fn count_till_limit_table() {
         (Cl100kBase, "a", 0, None),
         (O200kBase, "a", 0, None),
         (Cl100kBase, " ", 0, None),
+        // 128 spaces are one token in both vocabularies, the longest there is,
+        // so these sit exactly on the byte-length bound that lets
+        // count_till_limit answer None without encoding.
+        (Cl100kBase, &SPACES_256, 2, Some(2)),
+        (O200kBase, &SPACES_256, 2, Some(2)),
+        (Cl100kBase, &SPACES_257, 2, None),
+        (O200kBase, &SPACES_257, 2, None),
+        (Cl100kBase, &SPACES_257, 3, Some(3)),
+        (O200kBase, &SPACES_257, 3, Some(3)),
         // Empty text fits any limit.
         (Cl100kBase, "", 5, Some(0)),
         (O200kBase, "", usize::MAX, Some(0)),
@@ -433,16 +445,21 @@ fn count_till_limit_table() {
         assert_eq!(
             encoding.count_till_limit(text, limit),
             expected,
-            "{encoding:?} count_till_limit({text:?}, {limit})"
+            "{encoding:?} count_till_limit({}, {limit})",
+            describe(text)
         );
     }
+    // The expectations above for the space runs assume tiktoken's counts.
+    check_parity(&SPACES_256);
+    check_parity(&SPACES_257);
 }
 
 /// `count_till_limit` relies on `bpe` giving up only once its working stack
 /// exceeds the budget by more than 10 tokens; if a stack could overshoot the
 /// final count by more, a text of exactly `limit` tokens would be rejected.
 /// Every vocabulary entry on its own is the hardest such case we know of, so
-/// check each one at exactly its own count (this guards `bpe` upgrades).
+/// check each one at exactly its own count (this guards `bpe` upgrades). The
+/// same walk checks `MAX_TOKEN_BYTES`, which the byte-length shortcut relies on.
 #[test]
 fn count_till_limit_is_exact_for_every_vocabulary_entry() {
     for encoding in ENCODINGS {
@@ -450,6 +467,11 @@ fn count_till_limit_is_exact_for_every_vocabulary_entry() {
         for id in 0..bpe.num_tokens() {
             let id = u32::try_from(id).expect("vocabularies have fewer than 2^32 entries");
             let bytes = bpe.token_bytes(id);
+            assert!(
+                bytes.len() <= MAX_TOKEN_BYTES,
+                "{encoding:?} token {id} is {} bytes long",
+                bytes.len()
+            );
             let count = bpe.count(bytes);
             assert_eq!(
                 bpe.count_till_limit(bytes, count),
@@ -479,9 +501,12 @@ fn megabyte_without_whitespace_is_counted() {
             None,
             "{encoding:?}"
         );
-        // The first megabyte-sized piece is bounded below by its byte length
-        // over the longest token (128 bytes), so it cannot be tiny.
-        assert!(count >= body.len() / 128, "{encoding:?} counted {count}");
+        // A single piece is bounded below by its byte length over the
+        // longest token, so it cannot be tiny.
+        assert!(
+            count >= body.len() / MAX_TOKEN_BYTES,
+            "{encoding:?} counted {count}"
+        );
     }
     let smaller = "a".repeat(50_000);
     for encoding in ENCODINGS {
