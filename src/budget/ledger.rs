@@ -146,7 +146,10 @@ impl Ledger {
                 .iter()
                 .map(|(lease, tenant)| (tenant.clone(), lease.clone()))
                 .collect();
-            if live.is_empty() || self.permission() == Permission::Skip {
+            // Not skipped while the breaker is open: renewal is background work, nobody waits
+            // on it, and skipping it would let live leases expire after a short blip (the
+            // tenant could then exceed its concurrency cap). Its result still feeds the breaker.
+            if live.is_empty() {
                 continue;
             }
             let leases: Vec<LeaseRef<'_>> = live

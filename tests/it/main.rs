@@ -8,5 +8,6 @@ mod envoy_config;
 mod grpc;
 mod queue;
 mod redis_store;
+mod replicas;
 mod store_contract;
 mod support;
