@@ -600,8 +600,8 @@ impl<T> FairQueue<T> {
         }
     }
 
-    /// Takes an occupied entry out of its flow's list and frees its slot. Keeps the counts; the
-    /// caller re-keys the flow if the head changed.
+    /// Takes an occupied entry out of its flow's list, frees its slot and counts it out of the
+    /// queue. The caller re-keys the flow if the head changed.
     fn unlink(&mut self, slot: u32) -> Entry<T> {
         let vacant = Slot::Vacant {
             next_free: self.free_entry,
