@@ -20,8 +20,10 @@
 //! 3. nothing frees the slot, so every queued stream must get an ImmediateResponse 503 with
 //!    `x-tollgate-reason: queue_timeout`, at its deadline. Lateness is measured here, on the
 //!    client side: answer time − the time its body was sent − `--deadline-ms`. tollgate starts
-//!    the clock when the body arrives, so lateness includes the trip there and back. A stream
-//!    answered otherwise, or not within the deadline + `--grace-ms`, is a failure.
+//!    its clock when it begins deciding on the body, so lateness includes the trip there (and
+//!    any wait for a worker) and the trip back; the intake round trip (body sent → "queued"
+//!    received) and answer − "queued" received − deadline are shown to tell the two apart. A
+//!    stream answered otherwise, or not within the deadline + `--grace-ms`, is a failure.
 //!
 //! tollgate's CPU time (utime + stime from /proc/PID/stat) is read at each step, so the table
 //! shows what opening, holding (the quiet time between the last stream queued and the first
@@ -35,7 +37,8 @@
 //!
 //! `scripts/bench-held-streams.sh` does both; results and how to read them are in
 //! `docs/benchmarks.md` ("Held streams"). The program prints a Markdown table and exits with
-//! status 3 if any stream was answered wrongly or not at all (after printing the table).
+//! status 3 (after printing the table) if any stream was answered wrongly or not at all, or the
+//! gauges did not show every stream held at once and none left afterwards.
 
 use std::fmt::Write as _;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
@@ -272,9 +275,9 @@ async fn bench(args: &Args) -> Result<bool> {
         None
     };
 
-    let mut outcomes = Vec::with_capacity(args.streams);
+    let mut results = Vec::with_capacity(args.streams);
     while let Some(joined) = tasks.join_next().await {
-        outcomes.push(joined.context("a stream task panicked")?);
+        results.push(joined.context("a stream task panicked")?);
     }
     // Streams close as soon as their answer is read; wait until tollgate has seen every close.
     let gauges_after = Gauges::settle(&http, admin, 1).await?;
@@ -300,7 +303,7 @@ async fn bench(args: &Args) -> Result<bool> {
         gauges_held,
         gauges_after,
         failed_opening,
-        outcomes,
+        results,
     };
     print!("{}", report.table());
     Ok(report.clean())
@@ -712,11 +715,24 @@ impl Holder {
     }
 }
 
+/// One queued stream's story, as this client saw it.
+struct StreamResult {
+    /// Body sent → "queued" received, if it was queued. tollgate starts its deadline clock
+    /// within this round trip (when it begins deciding on the body), so it bounds how much
+    /// earlier than tollgate the client started its own.
+    intake_ms: Option<f64>,
+    outcome: Outcome,
+}
+
 /// How one queued stream ended.
 enum Outcome {
-    /// 503 `queue_timeout`, `lateness_ms` after its deadline (client-side: answer − body sent −
-    /// deadline).
-    AtDeadline { lateness_ms: f64 },
+    /// 503 `queue_timeout`. `lateness_ms` = answer − body sent − deadline, what a client sees;
+    /// `after_queued_ms` = answer − "queued" answer − deadline, close to tollgate's own
+    /// punctuality (its clock starts just before it sends "queued").
+    AtDeadline {
+        lateness_ms: f64,
+        after_queued_ms: f64,
+    },
     /// Not queued: the headers or the body got something other than the expected answer.
     NotQueued(String),
     /// Queued, but then answered with something other than a 503 `queue_timeout`.
@@ -735,49 +751,57 @@ async fn queued_stream(
     queued: mpsc::UnboundedSender<bool>,
     deadline: Duration,
     grace: Duration,
-) -> Outcome {
+) -> StreamResult {
     // The permit bounds how many streams are mid-opening; it is released once this one is
     // queued, so it does not limit how many are held.
     let permit = opening.acquire_owned().await;
     let opened = tokio::time::timeout(OPEN_ANSWER_TIMEOUT, open_queued(client, &user, &body)).await;
     drop(permit);
-    let (mut stream, sent) = match opened {
+    let not_queued = |why: String| {
+        let _ = queued.send(false);
+        StreamResult {
+            intake_ms: None,
+            outcome: Outcome::NotQueued(why),
+        }
+    };
+    let (mut stream, sent, queued_at) = match opened {
         Ok(Ok(opened)) => opened,
-        Ok(Err(error)) => {
-            let _ = queued.send(false);
-            return Outcome::NotQueued(format!("{error:#}"));
-        }
-        Err(_) => {
-            let _ = queued.send(false);
-            return Outcome::NotQueued(format!("no answer within {OPEN_ANSWER_TIMEOUT:?}"));
-        }
+        Ok(Err(error)) => return not_queued(format!("{error:#}")),
+        Err(_) => return not_queued(format!("no answer within {OPEN_ANSWER_TIMEOUT:?}")),
     };
     let _ = queued.send(true);
     let answer = tokio::time::timeout_at(sent + deadline + grace, stream.recv()).await;
     let answered = Instant::now();
-    match answer {
+    let late_ms = |since: Instant| {
+        (answered.duration_since(since).as_secs_f64() - deadline.as_secs_f64()) * 1e3
+    };
+    let outcome = match answer {
         Err(_) => Outcome::Unanswered,
         Ok(Err(error)) => Outcome::Wrong(format!("{error:#}")),
         Ok(Ok(answer)) => match &answer.response {
             Some(Response::ImmediateResponse(reply)) if is_queue_timeout(reply) => {
                 Outcome::AtDeadline {
-                    lateness_ms: (answered.duration_since(sent).as_secs_f64()
-                        - deadline.as_secs_f64())
-                        * 1e3,
+                    lateness_ms: late_ms(sent),
+                    after_queued_ms: late_ms(queued_at),
                 }
             }
             _ => Outcome::Wrong(describe(&answer)),
         },
-    }
+    };
     // Dropping `stream` here resets it, as Envoy does once it has sent the local reply.
+    StreamResult {
+        intake_ms: Some(queued_at.duration_since(sent).as_secs_f64() * 1e3),
+        outcome,
+    }
 }
 
-/// Sends headers and body and waits for "queued"; returns the stream and when its body was sent.
+/// Sends headers and body and waits for "queued"; returns the stream, when its body was sent and
+/// when "queued" came back.
 async fn open_queued(
     client: ExternalProcessorClient<Channel>,
     user: &str,
     body: &[u8],
-) -> Result<(Stream, Instant)> {
+) -> Result<(Stream, Instant, Instant)> {
     let mut stream = Stream::open(client).await?;
     stream.send(chat_headers(user)).await?;
     let answer = stream.recv().await.context("request headers")?;
@@ -794,7 +818,7 @@ async fn open_queued(
         "request body: expected override_message_timeout (queued), got {}",
         describe(&answer)
     );
-    Ok((stream, sent))
+    Ok((stream, sent, Instant::now()))
 }
 
 fn is_queue_timeout(reply: &ImmediateResponse) -> bool {
@@ -923,25 +947,26 @@ struct Report<'a> {
     gauges_held: Gauges,
     gauges_after: Gauges,
     failed_opening: usize,
-    outcomes: Vec<Outcome>,
+    results: Vec<StreamResult>,
 }
 
 impl Report<'_> {
+    /// One figure of every stream that has it, sorted.
+    fn sorted(&self, figure: impl Fn(&StreamResult) -> Option<f64>) -> Vec<f64> {
+        let mut values: Vec<f64> = self.results.iter().filter_map(figure).collect();
+        values.sort_by(f64::total_cmp);
+        values
+    }
+
     fn lateness(&self) -> Vec<f64> {
-        let mut lateness: Vec<f64> = self
-            .outcomes
-            .iter()
-            .filter_map(|o| match o {
-                Outcome::AtDeadline { lateness_ms } => Some(*lateness_ms),
-                _ => None,
-            })
-            .collect();
-        lateness.sort_by(f64::total_cmp);
-        lateness
+        self.sorted(|r| match r.outcome {
+            Outcome::AtDeadline { lateness_ms, .. } => Some(lateness_ms),
+            _ => None,
+        })
     }
 
     fn count(&self, kind: fn(&Outcome) -> bool) -> usize {
-        self.outcomes.iter().filter(|o| kind(o)).count()
+        self.results.iter().filter(|r| kind(&r.outcome)).count()
     }
 
     fn clean(&self) -> bool {
@@ -959,7 +984,6 @@ impl Report<'_> {
             |after: u64, before: u64| (after as f64 - before as f64) * 1024.0 / streams;
         let mib = |kib: u64| kib as f64 / 1024.0;
         let lateness = self.lateness();
-        let late = |q: f64| percentile(&lateness, q).map_or("-".to_owned(), |v| format!("{v:.1}"));
         let cpu = |to: Snapshot, from: Snapshot| to.cpu_seconds - from.cpu_seconds;
         let not_queued = self.count(|o| matches!(o, Outcome::NotQueued(_)));
         let wrong = self.count(|o| matches!(o, Outcome::Wrong(_)));
@@ -1085,13 +1109,20 @@ impl Report<'_> {
         );
         row(
             "lateness (answer − body sent − deadline) min / p50 / p99 / max",
-            format!(
-                "{} / {} / {} / {} ms",
-                late(0.0),
-                late(0.5),
-                late(0.99),
-                late(1.0)
-            ),
+            spread(&lateness),
+        );
+        row(
+            "intake round trip (body sent → \"queued\" received) min / p50 / p99 / max",
+            spread(&self.sorted(|r| r.intake_ms)),
+        );
+        row(
+            "answer − \"queued\" received − deadline, min / p50 / p99 / max",
+            spread(&self.sorted(|r| match r.outcome {
+                Outcome::AtDeadline {
+                    after_queued_ms, ..
+                } => Some(after_queued_ms),
+                _ => None,
+            })),
         );
         row(
             &format!(
@@ -1111,9 +1142,9 @@ impl Report<'_> {
 
         // The first few failures of each kind say what went wrong.
         let failures: Vec<String> = self
-            .outcomes
+            .results
             .iter()
-            .filter_map(|o| match o {
+            .filter_map(|r| match &r.outcome {
                 Outcome::NotQueued(why) => Some(format!("not queued: {why}")),
                 Outcome::Wrong(what) => Some(format!("answered otherwise: {what}")),
                 Outcome::Unanswered | Outcome::AtDeadline { .. } => None,
@@ -1128,6 +1159,12 @@ impl Report<'_> {
         }
         out
     }
+}
+
+/// "min / p50 / p99 / max ms" of sorted values.
+fn spread(sorted: &[f64]) -> String {
+    let at = |q: f64| percentile(sorted, q).map_or("-".to_owned(), |v| format!("{v:.1}"));
+    format!("{} / {} / {} / {} ms", at(0.0), at(0.5), at(0.99), at(1.0))
 }
 
 /// Nearest-rank percentile of sorted values (`q` in 0..=1).
