@@ -7,7 +7,7 @@
 //! such as `<|endoftext|>` is counted as ordinary text (a client cannot smuggle
 //! a control token in, and it costs what it costs upstream).
 //!
-//! Counting is done by `bpe-openai`, whose backtracking BPE is linear in the
+//! Counting is done with `bpe-openai`'s vocabularies and encoder, whose backtracking BPE is linear in the
 //! input length even when pre-tokenisation cannot split the input (a megabyte
 //! without a single space), where tiktoken's heap-based merge is one to two
 //! orders of magnitude slower. That matters because request bodies are
@@ -19,9 +19,23 @@
 //! [`Encoding::count_till_limit`] does not cut that short. Callers must cap body
 //! size in bytes before counting; `docs/benchmarks.md` has measured figures.
 //!
+//! The request path counts through [`Counter`] rather than `bpe_openai::Tokenizer::count`,
+//! which does the same steps with two costs per pre-tokenised piece that dominate on ordinary
+//! text (measured with `perf` under `examples/bench_decisions.rs`): it takes the regex's search
+//! cache from a shared pool for every piece, and it allocates a fresh backtracking encoder for
+//! every piece, even a word that is a single vocabulary entry. [`Counter`] keeps one search cache
+//! per thread and answers a piece that is a whole vocabulary entry with 1, which is what
+//! tiktoken's own `encode_ordinary` does for such a piece before it merges anything.
+//!
 //! This module is pure: no I/O, no clocks, no async.
 
+use std::cell::RefCell;
+use std::sync::LazyLock;
+
 use bpe_openai::Tokenizer;
+use regex_automata::meta::{Cache, Regex};
+use regex_automata::{Anchored, Input};
+use rustc_hash::FxHashSet;
 use serde::{Deserialize, Serialize};
 
 #[cfg(test)]
@@ -79,7 +93,7 @@ impl Encoding {
     /// Counts tokens of `text` exactly as tiktoken's encode_ordinary would
     /// (special tokens are ordinary text).
     pub fn count(self, text: &str) -> usize {
-        self.tokenizer().count(text)
+        self.counter().count_till_limit(text, usize::MAX).unwrap_or(usize::MAX)
     }
 
     /// Like count, but stops as soon as the count exceeds `limit` and returns
@@ -105,25 +119,144 @@ impl Encoding {
         if text.len().div_ceil(MAX_TOKEN_BYTES) > limit {
             return None;
         }
-        let tokenizer = self.tokenizer();
-        // cl100k and o200k do not normalise, so this borrows `text` unchanged;
-        // going through `normalize` keeps us right should that ever change.
-        tokenizer.count_till_limit(&tokenizer.normalize(text), limit)
+        self.counter().count_till_limit(text, limit)
     }
 
     /// Forces the lazily built tables so the first request does not pay for
     /// them (call at start-up).
     pub fn warm_up(self) {
-        // Deserialising the BPE dictionary and compiling the regexes happens on
-        // first use; counting a small, varied text forces both.
+        // Deserialising the BPE dictionary, indexing its entries and compiling the regexes
+        // happen on first use; counting a small, varied text forces all of them.
         std::hint::black_box(self.count(std::hint::black_box(WARM_UP_TEXT)));
     }
 
+    fn counter(self) -> &'static Counter {
+        match self {
+            Encoding::Cl100kBase => &CL100K,
+            Encoding::O200kBase => &O200K,
+        }
+    }
+
+    /// The `bpe-openai` tokenizer this encoding's [`Counter`] is built on; the tests hold the
+    /// two to the same splits and counts.
     fn tokenizer(self) -> &'static Tokenizer {
         match self {
             Encoding::Cl100kBase => bpe_openai::cl100k_base(),
             Encoding::O200kBase => bpe_openai::o200k_base(),
         }
+    }
+}
+
+/// The pre-tokenisation patterns, exactly as `bpe-openai` 0.3 builds its tokenizers (tiktoken's
+/// patterns with the negative look-ahead `\s+(?!\S)` rewritten as the pattern `\s+\s` whose
+/// last character is given back). `tests.rs` checks that the splits equal `bpe-openai`'s.
+const CL100K_PATTERNS: [&str; 3] = [
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+$",
+    "\\s+\\s",
+    "\\s+",
+];
+const O200K_PATTERNS: [&str; 3] = [
+    concat!(
+        "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        "|\\p{N}{1,3}",
+        "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*",
+        "|\\s*[\\r\\n]+",
+        "|\\s+$",
+    ),
+    "\\s+\\s",
+    "\\s+",
+];
+/// Index of the pattern whose match ends with one look-ahead character to give back.
+const LOOKAHEAD_PATTERN: usize = 1;
+
+static CL100K: LazyLock<Counter> =
+    LazyLock::new(|| Counter::new(Encoding::Cl100kBase, &CL100K_PATTERNS));
+static O200K: LazyLock<Counter> =
+    LazyLock::new(|| Counter::new(Encoding::O200kBase, &O200K_PATTERNS));
+
+thread_local! {
+    /// One regex search cache per thread and encoding (indexed by `Counter::slot`): the lazy
+    /// DFA it holds warms up once per thread instead of being taken from and returned to a
+    /// shared pool for every piece.
+    static SEARCH_CACHES: RefCell<[Option<Cache>; 2]> = const { RefCell::new([None, None]) };
+}
+
+/// Counts one encoding's tokens: pre-tokenise, then count each piece with `bpe`'s backtracking
+/// encoder, except pieces that are a single vocabulary entry.
+struct Counter {
+    tokenizer: &'static Tokenizer,
+    splitter: Regex,
+    /// Every vocabulary entry's bytes, borrowed from the `'static` tokenizer.
+    whole_tokens: FxHashSet<&'static [u8]>,
+    slot: usize,
+}
+
+impl Counter {
+    fn new(encoding: Encoding, patterns: &[&str]) -> Counter {
+        let tokenizer = encoding.tokenizer();
+        let bpe = &tokenizer.bpe;
+        let whole_tokens = (0..bpe.num_tokens())
+            .map(|id| bpe.token_bytes(id as u32))
+            .collect();
+        Counter {
+            tokenizer,
+            splitter: Regex::new_many(patterns).expect("the pre-tokenisation patterns compile"),
+            whole_tokens,
+            slot: encoding as usize,
+        }
+    }
+
+    /// `Some(count)` if `text` has at most `limit` tokens, else `None`; see
+    /// [`Encoding::count_till_limit`] for the early exit.
+    fn count_till_limit(&self, text: &str, limit: usize) -> Option<usize> {
+        SEARCH_CACHES.with(|caches| {
+            let mut caches = caches.borrow_mut();
+            let cache = caches[self.slot].get_or_insert_with(|| self.splitter.create_cache());
+            let mut total = 0usize;
+            let mut at = 0;
+            while at < text.len() {
+                let piece = self.next_piece(cache, text, at);
+                at += piece.len();
+                let remaining = limit - total;
+                let tokens = if piece.len() == 1 || self.whole_tokens.contains(piece) {
+                    1
+                } else {
+                    self.tokenizer.bpe.count_till_limit(piece, remaining)?
+                };
+                if tokens > remaining {
+                    return None;
+                }
+                total += tokens;
+            }
+            Some(total)
+        })
+    }
+
+    /// The piece of `text` that starts at byte `at`, as `bpe-openai`'s splitter cuts it.
+    fn next_piece<'t>(&self, cache: &mut Cache, text: &'t str, at: usize) -> &'t [u8] {
+        let rest = &text[at..];
+        let found = self
+            .splitter
+            .search_with(cache, &Input::new(rest).anchored(Anchored::Yes));
+        // One of the patterns matches any non-empty text at its start (`\s+` takes white
+        // space, the first pattern everything else), so this is a safety net: count the rest
+        // as one piece rather than loop.
+        let Some(found) = found else {
+            return rest.as_bytes();
+        };
+        let mut end = found.end();
+        if found.pattern().as_usize() == LOOKAHEAD_PATTERN {
+            // `\s+\s` stands for `\s+(?!\S)`: give the last white-space character back.
+            let last = rest[..end].chars().next_back().map_or(0, char::len_utf8);
+            end -= last;
+        }
+        if end == 0 {
+            // Cannot happen for these patterns (the look-ahead one matches at least two
+            // characters); never return an empty piece, which would not advance.
+            end = rest.chars().next().map_or(rest.len(), char::len_utf8);
+        }
+        rest[..end].as_bytes()
     }
 }
 

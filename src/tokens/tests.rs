@@ -686,3 +686,68 @@ fn glob_match_does_not_backtrack_exponentially() {
     assert!(!glob_match(&pattern, &text));
     assert!(glob_match(&"a*".repeat(50), &text));
 }
+
+/// `Counter` pre-tokenises with its own copy of `bpe-openai`'s patterns and its own search
+/// cache: its pieces must be exactly `bpe-openai`'s, on every corpus above and on random text.
+#[test]
+fn pieces_equal_bpe_openai_splits() {
+    let mut rng = Lcg(7);
+    let mut texts: Vec<String> = [
+        PROSE,
+        CODE,
+        JSON,
+        CJK,
+        EMOJI,
+        WHITESPACE,
+        DIGITS,
+        SPECIAL_TOKEN_TEXT,
+        UNICODE_EDGES,
+        FRAGMENTS,
+    ]
+    .concat()
+    .iter()
+    .map(|text| text.to_string())
+    .collect();
+    for _ in 0..200 {
+        let pieces = 1 + rng.below(40);
+        texts.push((0..pieces).map(|_| rng.pick(FRAGMENTS)).collect());
+    }
+    for len in [1, 7, 100, 5_000] {
+        texts.push(random_bytes_as_chars(&mut rng, len));
+        texts.push(random_unicode(&mut rng, len));
+    }
+    for encoding in ENCODINGS {
+        let counter = encoding.counter();
+        let mut cache = counter.splitter.create_cache();
+        for text in &texts {
+            let expected: Vec<&[u8]> = encoding
+                .tokenizer()
+                .split(text)
+                .map(str::as_bytes)
+                .collect();
+            let mut pieces = Vec::new();
+            let mut at = 0;
+            while at < text.len() {
+                let piece = counter.next_piece(&mut cache, text, at);
+                at += piece.len();
+                pieces.push(piece);
+            }
+            assert_eq!(pieces, expected, "{encoding:?} pieces of {}", describe(text));
+        }
+    }
+}
+
+/// The single-entry shortcut: a piece that is a whole vocabulary entry counts 1, as tiktoken
+/// counts it, including entries that the backtracking encoder reaches only through merges.
+#[test]
+fn whole_vocabulary_entries_count_one() {
+    for encoding in ENCODINGS {
+        let counter = encoding.counter();
+        let bpe = &encoding.tokenizer().bpe;
+        assert_eq!(counter.whole_tokens.len(), bpe.num_tokens(), "{encoding:?}");
+        for id in (0..bpe.num_tokens() as u32).step_by(97) {
+            let bytes = bpe.token_bytes(id);
+            assert_eq!(bpe.count(bytes), 1, "{encoding:?} entry {id} is one token");
+        }
+    }
+}
