@@ -35,6 +35,11 @@
 //! cargo run --release --example bench_held_streams -- --streams 10000 --deadline-ms 20000 --connections 4
 //! ```
 //!
+//! With `--max-queued-body-bytes N` tollgate runs with `scheduler.max_queued_body_bytes: N`, and
+//! streams whose body would take the bytes held by queued requests over it must be refused at
+//! once with a 503 `queue_bytes_full`; they are counted, and the figures per held stream are
+//! taken over the streams that were queued.
+//!
 //! `scripts/bench-held-streams.sh` does both; results and how to read them are in
 //! `docs/benchmarks.md` ("Held streams"). The program prints a Markdown table and exits with
 //! status 3 (after printing the table) if any stream was answered wrongly or not at all, or the
@@ -76,6 +81,8 @@ const SETTLE_TIMEOUT: Duration = Duration::from_secs(5);
 const ENVOY_TIMEOUT_MARGIN_MS: u64 = 500;
 /// tollgate's default scheduler.envoy_max_message_timeout_ms.
 const DEFAULT_ENVOY_MAX_MESSAGE_TIMEOUT_MS: u64 = 30_000;
+/// tollgate's default tokens.max_body_bytes.
+const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// The user whose admitted request holds the only slot.
 const HOLDER: &str = "holder";
 
@@ -111,6 +118,10 @@ struct Args {
     /// Tokio worker threads of this client (tollgate runs its own 2 workers).
     #[arg(long, default_value_t = 1)]
     client_threads: usize,
+    /// Run tollgate with `scheduler.max_queued_body_bytes` set to this, so the streams beyond it
+    /// are refused with 503 `queue_bytes_full` instead of queued (default: tollgate's own).
+    #[arg(long, value_name = "BYTES")]
+    max_queued_body_bytes: Option<usize>,
     /// The server to measure [default: target/release/tollgate next to this example]. Anything
     /// that takes tollgate's --config, --grpc-addr and --admin-addr flags and serves /readyz and
     /// /metrics works, e.g. a stripped-down server to compare with.
@@ -230,7 +241,7 @@ async fn bench(args: &Args) -> Result<bool> {
     // Open every queued stream; each task reports once it is queued (or failed to be).
     let opening_started = Instant::now();
     let opening = Arc::new(Semaphore::new(args.open_concurrency));
-    let (queued_tx, mut queued_rx) = mpsc::unbounded_channel::<bool>();
+    let (queued_tx, mut queued_rx) = mpsc::unbounded_channel::<Intake>();
     let deadline = Duration::from_millis(args.deadline_ms);
     let grace = Duration::from_millis(args.grace_ms);
     let mut tasks = JoinSet::new();
@@ -247,12 +258,15 @@ async fn bench(args: &Args) -> Result<bool> {
     drop(queued_tx);
     let mut reported = 0;
     let mut failed_opening = 0;
+    let mut queued_count = 0;
     while reported < args.streams {
         match queued_rx.recv().await {
-            Some(queued) => {
+            Some(intake) => {
                 reported += 1;
-                if !queued {
-                    failed_opening += 1;
+                match intake {
+                    Intake::Queued => queued_count += 1,
+                    Intake::RefusedBytesFull => {}
+                    Intake::Failed => failed_opening += 1,
                 }
             }
             None => bail!("stream tasks ended before all reported whether they were queued"),
@@ -303,6 +317,7 @@ async fn bench(args: &Args) -> Result<bool> {
         gauges_held,
         gauges_after,
         failed_opening,
+        queued_count,
         results,
     };
     print!("{}", report.table());
@@ -366,19 +381,31 @@ fn newest_mtime(paths: &[PathBuf]) -> Option<SystemTime> {
 }
 
 /// One slot, no controller (so the slot count never changes), and one tier deep enough to queue
-/// every stream.
+/// every stream; the cap on queued body bytes if one was asked for.
 fn config_yaml(args: &Args) -> String {
     let queue_max = args.streams.max(20_000);
     let envoy_max =
         (args.deadline_ms + ENVOY_TIMEOUT_MARGIN_MS).max(DEFAULT_ENVOY_MAX_MESSAGE_TIMEOUT_MS);
-    format!(
-        "scheduler:\n  initial_limit: 1\n  envoy_max_message_timeout_ms: {envoy_max}\n\
-         control:\n  enabled: false\n\
+    let mut yaml =
+        format!("scheduler:\n  initial_limit: 1\n  envoy_max_message_timeout_ms: {envoy_max}\n");
+    if let Some(cap) = args.max_queued_body_bytes {
+        // tollgate requires the cap to hold at least one body of tokens.max_body_bytes.
+        let _ = write!(
+            yaml,
+            "  max_queued_body_bytes: {cap}\n\
+             tokens:\n  max_body_bytes: {}\n",
+            cap.min(DEFAULT_MAX_BODY_BYTES)
+        );
+    }
+    let _ = write!(
+        yaml,
+        "control:\n  enabled: false\n\
          default_tier: free\n\
          tiers:\n  free:\n    queue_max: {queue_max}\n    queue_deadline_ms: {deadline}\n\
          \x20   max_input_tokens: 1000000\n",
         deadline = args.deadline_ms,
-    )
+    );
+    yaml
 }
 
 /// A child process, killed and reaped on drop (on every way out: return, `?`, panic, signal).
@@ -516,11 +543,13 @@ fn clock_ticks_per_second() -> f64 {
         .unwrap_or(100.0)
 }
 
-/// The two gauges that count what tollgate holds.
+/// The gauges that count what tollgate holds.
 #[derive(Clone, Copy)]
 struct Gauges {
     held_streams: f64,
     queued: f64,
+    /// `tollgate_queued_body_bytes`; `None` from a server without it.
+    queued_body_bytes: Option<f64>,
 }
 
 impl Gauges {
@@ -538,6 +567,7 @@ impl Gauges {
             held_streams: metric_sum(&text, "tollgate_held_streams")?,
             // One series per tier; the sum is every queued request.
             queued: metric_sum(&text, "tollgate_queued_requests")?,
+            queued_body_bytes: metric_sum(&text, "tollgate_queued_body_bytes").ok(),
         })
     }
 
@@ -715,6 +745,16 @@ impl Holder {
     }
 }
 
+/// How a stream's opening went, reported as soon as it is known.
+enum Intake {
+    /// Answered "queued" (override_message_timeout).
+    Queued,
+    /// Refused at once with 503 `queue_bytes_full`: the cap on queued body bytes was reached.
+    RefusedBytesFull,
+    /// Anything else: a failure.
+    Failed,
+}
+
 /// One queued stream's story, as this client saw it.
 struct StreamResult {
     /// Body sent → "queued" received, if it was queued. tollgate starts its deadline clock
@@ -733,6 +773,9 @@ enum Outcome {
         lateness_ms: f64,
         after_queued_ms: f64,
     },
+    /// Not queued: refused at once with 503 `queue_bytes_full` (expected only with
+    /// `--max-queued-body-bytes`).
+    RefusedBytesFull,
     /// Not queued: the headers or the body got something other than the expected answer.
     NotQueued(String),
     /// Queued, but then answered with something other than a 503 `queue_timeout`.
@@ -748,7 +791,7 @@ async fn queued_stream(
     user: String,
     body: Arc<[u8]>,
     opening: Arc<Semaphore>,
-    queued: mpsc::UnboundedSender<bool>,
+    queued: mpsc::UnboundedSender<Intake>,
     deadline: Duration,
     grace: Duration,
 ) -> StreamResult {
@@ -758,18 +801,25 @@ async fn queued_stream(
     let opened = tokio::time::timeout(OPEN_ANSWER_TIMEOUT, open_queued(client, &user, &body)).await;
     drop(permit);
     let not_queued = |why: String| {
-        let _ = queued.send(false);
+        let _ = queued.send(Intake::Failed);
         StreamResult {
             intake_ms: None,
             outcome: Outcome::NotQueued(why),
         }
     };
     let (mut stream, sent, queued_at) = match opened {
-        Ok(Ok(opened)) => opened,
+        Ok(Ok(Some(opened))) => opened,
+        Ok(Ok(None)) => {
+            let _ = queued.send(Intake::RefusedBytesFull);
+            return StreamResult {
+                intake_ms: None,
+                outcome: Outcome::RefusedBytesFull,
+            };
+        }
         Ok(Err(error)) => return not_queued(format!("{error:#}")),
         Err(_) => return not_queued(format!("no answer within {OPEN_ANSWER_TIMEOUT:?}")),
     };
-    let _ = queued.send(true);
+    let _ = queued.send(Intake::Queued);
     let answer = tokio::time::timeout_at(sent + deadline + grace, stream.recv()).await;
     let answered = Instant::now();
     let late_ms = |since: Instant| {
@@ -796,12 +846,12 @@ async fn queued_stream(
 }
 
 /// Sends headers and body and waits for "queued"; returns the stream, when its body was sent and
-/// when "queued" came back.
+/// when "queued" came back, or `None` if it was refused at once with 503 `queue_bytes_full`.
 async fn open_queued(
     client: ExternalProcessorClient<Channel>,
     user: &str,
     body: &[u8],
-) -> Result<(Stream, Instant, Instant)> {
+) -> Result<Option<(Stream, Instant, Instant)>> {
     let mut stream = Stream::open(client).await?;
     stream.send(chat_headers(user)).await?;
     let answer = stream.recv().await.context("request headers")?;
@@ -813,12 +863,18 @@ async fn open_queued(
     let sent = Instant::now();
     stream.send(chat_body_message(body)).await?;
     let answer = stream.recv().await.context("request body")?;
+    if let Some(Response::ImmediateResponse(reply)) = &answer.response
+        && reply.status.as_ref().map(|s| s.code) == Some(503)
+        && reason(reply) == Some(b"queue_bytes_full".as_slice())
+    {
+        return Ok(None);
+    }
     ensure!(
         answer.override_message_timeout.is_some() && answer.response.is_none(),
         "request body: expected override_message_timeout (queued), got {}",
         describe(&answer)
     );
-    Ok((stream, sent, Instant::now()))
+    Ok(Some((stream, sent, Instant::now())))
 }
 
 fn is_queue_timeout(reply: &ImmediateResponse) -> bool {
@@ -947,6 +1003,8 @@ struct Report<'a> {
     gauges_held: Gauges,
     gauges_after: Gauges,
     failed_opening: usize,
+    /// Streams answered "queued"; all of them unless a cap refused some.
+    queued_count: usize,
     results: Vec<StreamResult>,
 }
 
@@ -970,22 +1028,32 @@ impl Report<'_> {
     }
 
     fn clean(&self) -> bool {
-        let streams = self.args.streams as f64;
-        self.lateness().len() == self.args.streams
-            && self.gauges_held.queued == streams
-            && self.gauges_held.held_streams == streams + 1.0
+        let queued = self.queued_count as f64;
+        let refused = self.count(|o| matches!(o, Outcome::RefusedBytesFull));
+        // Refusals are expected only where a cap was set, and then only for streams over it.
+        let refusals_expected = refused == 0 || self.args.max_queued_body_bytes.is_some();
+        refusals_expected
+            && self.lateness().len() == self.queued_count
+            && self.queued_count + refused == self.args.streams
+            && self.gauges_held.queued == queued
+            && self.gauges_held.held_streams == queued + 1.0
             && self.gauges_after.queued == 0.0
+            && self.gauges_after.queued_body_bytes.unwrap_or(0.0) == 0.0
     }
 
     fn table(&self) -> String {
         let args = self.args;
-        let streams = args.streams as f64;
+        // Figures per held stream are over the streams that were queued.
+        let streams = self.queued_count.max(1) as f64;
+        // Opening covers every stream, queued or refused.
+        let opened = args.streams as f64;
         let per_stream =
             |after: u64, before: u64| (after as f64 - before as f64) * 1024.0 / streams;
         let mib = |kib: u64| kib as f64 / 1024.0;
         let lateness = self.lateness();
         let cpu = |to: Snapshot, from: Snapshot| to.cpu_seconds - from.cpu_seconds;
         let not_queued = self.count(|o| matches!(o, Outcome::NotQueued(_)));
+        let refused = self.count(|o| matches!(o, Outcome::RefusedBytesFull));
         let wrong = self.count(|o| matches!(o, Outcome::Wrong(_)));
         let unanswered = self.count(|o| matches!(o, Outcome::Unanswered));
 
@@ -1026,12 +1094,27 @@ impl Report<'_> {
                 self.gauges_before.queued
             ),
         );
+        if let Some(cap) = args.max_queued_body_bytes {
+            row(
+                &format!(
+                    "`scheduler.max_queued_body_bytes: {cap}`: queued / refused at once with 503 \
+                     `queue_bytes_full`"
+                ),
+                format!("{} / {refused}", self.queued_count),
+            );
+        }
+        if let Some(bytes) = self.gauges_held.queued_body_bytes {
+            row(
+                "`tollgate_queued_body_bytes` with every stream queued",
+                format!("{bytes} ({:.1} MiB)", bytes / (1024.0 * 1024.0)),
+            );
+        }
         row(
             "time to open and queue every stream",
             format!(
                 "{:.2} s ({:.0} streams/s, {} at a time)",
                 self.opening_seconds,
-                streams / self.opening_seconds,
+                opened / self.opening_seconds,
                 args.open_concurrency
             ),
         );
@@ -1078,7 +1161,7 @@ impl Report<'_> {
             format!(
                 "{:.2} s ({:.0} µs per stream)",
                 cpu(self.held, self.before),
-                cpu(self.held, self.before) * 1e6 / streams
+                cpu(self.held, self.before) * 1e6 / opened
             ),
         );
         row(
@@ -1105,7 +1188,7 @@ impl Report<'_> {
         );
         row(
             "answered 503 `queue_timeout`",
-            format!("{} / {}", lateness.len(), args.streams),
+            format!("{} / {}", lateness.len(), self.queued_count),
         );
         row(
             "lateness (answer − body sent − deadline) min / p50 / p99 / max",
@@ -1147,7 +1230,9 @@ impl Report<'_> {
             .filter_map(|r| match &r.outcome {
                 Outcome::NotQueued(why) => Some(format!("not queued: {why}")),
                 Outcome::Wrong(what) => Some(format!("answered otherwise: {what}")),
-                Outcome::Unanswered | Outcome::AtDeadline { .. } => None,
+                Outcome::Unanswered | Outcome::AtDeadline { .. } | Outcome::RefusedBytesFull => {
+                    None
+                }
             })
             .take(5)
             .collect();

@@ -7,9 +7,10 @@
 # deadline.
 #
 # Usage: scripts/bench-held-streams.sh [bench_held_streams flags, e.g. --streams 20000]
-# Exits 3 if any stream was not queued, or not answered with 503 queue_timeout within its
-# deadline + 5 s. Other heavy processes on the machine (a build, say) skew the lateness figures;
-# the load average is printed with the machine so it is on record.
+# Exits 3 if any stream was not queued (with --max-queued-body-bytes N, refused with 503
+# queue_bytes_full instead), or not answered with 503 queue_timeout within its deadline + 5 s.
+# Other heavy processes on the machine (a build, say) skew the lateness figures; the load
+# average is printed with the machine so it is on record.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -262,6 +262,12 @@ pub struct SchedulerConfig {
     /// Envoy's `max_message_timeout` (ext_proc filter). A queued request asks Envoy to wait up to
     /// its deadline plus a margin, which must fit under this bound or Envoy ignores the request.
     pub envoy_max_message_timeout_ms: u64,
+    /// Most bytes of request bodies that queued requests may hold at once, all tenants together:
+    /// each one's body as Envoy sent it, plus tollgate's rewritten copy if it has one. A request
+    /// that would take the total over it is refused at once (503) instead of waiting. A waiting
+    /// request keeps its body in memory, so without a cap a deep queue of large prompts holds
+    /// gigabytes; `queue_max` counts requests, not their size.
+    pub max_queued_body_bytes: usize,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -395,6 +401,7 @@ impl Default for SchedulerConfig {
             cost: FairnessCost::Requests,
             reservations: BTreeMap::new(),
             envoy_max_message_timeout_ms: 30_000,
+            max_queued_body_bytes: 256 * 1024 * 1024,
         }
     }
 }

@@ -26,10 +26,10 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 
 use crate::config::Config;
-use crate::extproc::{ExtProc, ExternalProcessorServer, Lifecycle, OpenStreams, Shared};
+use crate::extproc::{ExtProcService, Lifecycle, OpenStreams, Shared};
 use crate::observe::Metrics;
 use crate::observe::window::LatencyWindow;
 use crate::policy::Policy;
@@ -100,13 +100,12 @@ pub async fn run(
     listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), Error> {
-    serve(
-        config,
-        TcpListenerStream::new(listeners.grpc),
-        listeners.admin,
-        shutdown,
-    )
-    .await
+    // `Server::tcp_nodelay` applies only to listeners tonic binds itself; a listener handed in
+    // keeps Nagle's algorithm unless each accepted connection is set here. With Nagle on, a small
+    // answer written after a small message can wait for the peer's delayed ACK (up to 40 ms on
+    // Linux), which is what an admission decision would then cost.
+    let grpc_incoming = TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
+    serve(config, grpc_incoming, listeners.admin, shutdown).await
 }
 
 /// Runs tollgate with gRPC connections from `grpc_incoming` (TCP in production; an in-memory
@@ -140,7 +139,10 @@ where
 
     let metrics = Metrics::new(&policy);
     let (lifecycle_tx, lifecycle) = watch::channel(Lifecycle::Serving);
-    let scheduler = Scheduler::new(policy.scheduling.initial_limit);
+    let scheduler = Scheduler::new(
+        policy.scheduling.initial_limit,
+        policy.scheduling.max_queued_body_bytes,
+    );
     metrics.scheduler_load(scheduler.load());
     let ttft_window = Arc::new(Mutex::new(LatencyWindow::new(
         Duration::from_millis(policy.control.window_ms),
@@ -182,9 +184,7 @@ where
     };
 
     let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<ExternalProcessorServer<ExtProc>>()
-        .await;
+    health.set_serving::<ExtProcService>().await;
     health
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
@@ -192,9 +192,7 @@ where
     // Envoy sends the whole buffered body in one message; tonic's default 4 MiB cap would
     // reject large prompts before tollgate could answer them with a proper 413.
     let max_message = policy.counting.max_body_bytes + 64 * 1024;
-    let ext_proc = ExternalProcessorServer::new(ExtProc::new(shared.clone()))
-        .max_decoding_message_size(max_message)
-        .max_encoding_message_size(max_message);
+    let ext_proc = ExtProcService::new(shared.clone(), max_message);
     let grpc_stopping = {
         let mut lifecycle = lifecycle.clone();
         async move {
@@ -202,7 +200,7 @@ where
         }
     };
     let grpc_server = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
+        // No `.tcp_nodelay(..)`: tonic ignores it for `serve_with_incoming`; `run` sets it.
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .http2_adaptive_window(Some(true))
@@ -242,9 +240,7 @@ where
     let open = shared.open_streams.count();
     tracing::info!(open, "shutdown: draining");
     let _ = lifecycle_tx.send(Lifecycle::Draining);
-    health
-        .set_not_serving::<ExternalProcessorServer<ExtProc>>()
-        .await;
+    health.set_not_serving::<ExtProcService>().await;
     health
         .set_service_status("", tonic_health::ServingStatus::NotServing)
         .await;

@@ -34,6 +34,7 @@ pub const PROTOCOL_ERRORS: &str = "tollgate_protocol_errors_total";
 pub const INFLIGHT_LIMIT: &str = "tollgate_inflight_limit";
 pub const INFLIGHT: &str = "tollgate_inflight_requests";
 pub const QUEUED: &str = "tollgate_queued_requests";
+pub const QUEUED_BODY_BYTES: &str = "tollgate_queued_body_bytes";
 pub const QUEUE_WAIT: &str = "tollgate_queue_wait_seconds";
 pub const SCHEDULER_SUBMITTED: &str = "tollgate_scheduler_submitted_total";
 pub const SCHEDULER_OUTCOMES: &str = "tollgate_scheduler_outcomes_total";
@@ -115,6 +116,8 @@ pub enum SchedulerOutcome {
     /// Admitted after waiting in its tenant's queue.
     AdmittedAfterWait,
     QueueFull,
+    /// Refused because queued requests already held as many body bytes as they may.
+    QueueBytesFull,
     QueueTimeout,
     /// Answered 503 because tollgate began shutting down while it waited.
     ShuttingDown,
@@ -123,10 +126,11 @@ pub enum SchedulerOutcome {
 }
 
 impl SchedulerOutcome {
-    const ALL: [SchedulerOutcome; 6] = [
+    const ALL: [SchedulerOutcome; 7] = [
         SchedulerOutcome::AdmittedNow,
         SchedulerOutcome::AdmittedAfterWait,
         SchedulerOutcome::QueueFull,
+        SchedulerOutcome::QueueBytesFull,
         SchedulerOutcome::QueueTimeout,
         SchedulerOutcome::ShuttingDown,
         SchedulerOutcome::Cancelled,
@@ -137,6 +141,7 @@ impl SchedulerOutcome {
             SchedulerOutcome::AdmittedNow => "admitted_now",
             SchedulerOutcome::AdmittedAfterWait => "admitted_after_wait",
             SchedulerOutcome::QueueFull => "queue_full",
+            SchedulerOutcome::QueueBytesFull => "queue_bytes_full",
             SchedulerOutcome::QueueTimeout => "queue_timeout",
             SchedulerOutcome::ShuttingDown => "shutting_down",
             SchedulerOutcome::Cancelled => "cancelled",
@@ -244,6 +249,7 @@ struct Inner {
     inflight_limit: Gauge,
     inflight: Gauge,
     queued: Vec<Gauge>,
+    queued_body_bytes: Gauge,
     queue_wait: Vec<Histogram>,
     scheduler_submitted: Vec<Counter>,
     /// `[tier][SchedulerOutcome]`.
@@ -347,6 +353,12 @@ impl Metrics {
             QUEUED,
             Unit::Count,
             "Requests waiting for a slot now, by tier.",
+        );
+        r.describe_gauge(
+            QUEUED_BODY_BYTES,
+            Unit::Bytes,
+            "Request-body bytes held by requests waiting for a slot now (capped by \
+             scheduler.max_queued_body_bytes).",
         );
         r.describe_histogram(
             QUEUE_WAIT,
@@ -456,6 +468,7 @@ impl Metrics {
                 .iter()
                 .map(|t| r.gauge(QUEUED, &[("tier", t)]))
                 .collect(),
+            queued_body_bytes: r.gauge(QUEUED_BODY_BYTES, &[]),
             queue_wait: per_tier(&|t| r.histogram(QUEUE_WAIT, &[("tier", t)])),
             scheduler_submitted: tier_names
                 .iter()
@@ -616,6 +629,11 @@ impl Metrics {
         GaugeGuard::new(self.inner.queued[tier].clone())
     }
 
+    /// Counts `bytes` of request body as held by a queued request until the guard drops.
+    pub fn hold_queued_body_bytes(&self, bytes: usize) -> GaugeGuard {
+        GaugeGuard::add(self.inner.queued_body_bytes.clone(), bytes as f64)
+    }
+
     /// Counts one controller tick by its action, and the p99 it saw.
     pub fn controller_tick(&self, action: Action, p99_seconds: Option<f64>) {
         let index = Action::ALL
@@ -670,21 +688,26 @@ impl Metrics {
     }
 }
 
-/// Adds one to a gauge while it lives.
+/// Adds one (or `amount`) to a gauge while it lives.
 pub struct GaugeGuard {
     gauge: Gauge,
+    amount: f64,
 }
 
 impl GaugeGuard {
     fn new(gauge: Gauge) -> GaugeGuard {
-        gauge.increment(1.0);
-        GaugeGuard { gauge }
+        GaugeGuard::add(gauge, 1.0)
+    }
+
+    fn add(gauge: Gauge, amount: f64) -> GaugeGuard {
+        gauge.increment(amount);
+        GaugeGuard { gauge, amount }
     }
 }
 
 impl Drop for GaugeGuard {
     fn drop(&mut self) {
-        self.gauge.decrement(1.0);
+        self.gauge.decrement(self.amount);
     }
 }
 

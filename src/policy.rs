@@ -62,6 +62,8 @@ pub struct SchedulingPolicy {
     /// Tenant → reserved percent of the budget.
     pub reservations: HashMap<String, u32>,
     pub envoy_max_message_timeout: Duration,
+    /// Cap on the body bytes held by queued requests (see `SchedulerConfig`).
+    pub max_queued_body_bytes: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -254,6 +256,13 @@ impl Policy {
                 "scheduler.reservations: the shares add up to {reserved_total}%, over 100%"
             ));
         }
+        if scheduler.max_queued_body_bytes < config.tokens.max_body_bytes {
+            problems.push(format!(
+                "scheduler.max_queued_body_bytes: {} is less than tokens.max_body_bytes ({}), so \
+                 a request with the largest body tollgate accepts could never wait for a slot",
+                scheduler.max_queued_body_bytes, config.tokens.max_body_bytes
+            ));
+        }
         problems.extend(control_problems(&config.control));
         problems.extend(store_problems(&config.store));
 
@@ -292,6 +301,7 @@ impl Policy {
                 envoy_max_message_timeout: Duration::from_millis(
                     scheduler.envoy_max_message_timeout_ms,
                 ),
+                max_queued_body_bytes: scheduler.max_queued_body_bytes,
             },
             control: config.control.clone(),
             overrides,

@@ -28,12 +28,14 @@ pub enum Reason {
     RequestExceedsBudget,
     BudgetStoreUnavailable,
     QueueFull,
+    /// Queued requests already hold `scheduler.max_queued_body_bytes` of request bodies.
+    QueueBytesFull,
     QueueTimeout,
     ShuttingDown,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 21] = [
+    pub const ALL: [Reason; 22] = [
         Reason::MissingIdentity,
         Reason::InvalidApiKey,
         Reason::UnknownTier,
@@ -53,6 +55,7 @@ impl Reason {
         Reason::RequestExceedsBudget,
         Reason::BudgetStoreUnavailable,
         Reason::QueueFull,
+        Reason::QueueBytesFull,
         Reason::QueueTimeout,
         Reason::ShuttingDown,
     ];
@@ -78,6 +81,7 @@ impl Reason {
             Reason::RequestExceedsBudget => "request_exceeds_budget",
             Reason::BudgetStoreUnavailable => "budget_store_unavailable",
             Reason::QueueFull => "queue_full",
+            Reason::QueueBytesFull => "queue_bytes_full",
             Reason::QueueTimeout => "queue_timeout",
             Reason::ShuttingDown => "shutting_down",
         }
@@ -94,6 +98,7 @@ impl Reason {
             | Reason::ConcurrencyLimitReached
             | Reason::RequestExceedsBudget => 429,
             Reason::QueueFull
+            | Reason::QueueBytesFull
             | Reason::QueueTimeout
             | Reason::ShuttingDown
             | Reason::BudgetStoreUnavailable => 503,

@@ -2,9 +2,11 @@
 //!
 //! `fair::FairQueue` decides (pure, no clocks); this module only adds the lock, the wake-ups and
 //! the guards. A request either gets a `Permit` at once, waits with a `Ticket`, or is refused
-//! because its tenant's queue is full. A `Permit` frees its slot exactly once, when dropped,
-//! whichever way the request's stream ends; a `Ticket` dropped while queued (client gone,
-//! deadline passed, shutdown) gives up its place at once and takes nothing.
+//! because its tenant's queue is full or because the requests already waiting hold as many body
+//! bytes as they may. A `Permit` frees its slot exactly once, when dropped, whichever way the
+//! request's stream ends; a `Ticket` dropped while queued (client gone, deadline passed,
+//! shutdown) gives up its place at once and takes nothing. A `Ticket` also carries its request's
+//! body bytes in the queue's count, and gives them back when it drops, however it leaves.
 
 pub mod fair;
 
@@ -25,6 +27,37 @@ struct State {
     /// Highest in-flight count since the controller last looked: its demand gate needs to know
     /// whether the budget was used during the tick, not at the instant it ticks.
     peak_in_flight: u32,
+    queued_bodies: QueuedBodies,
+}
+
+/// The body bytes that queued requests hold, against a cap. A waiting request keeps its body in
+/// memory, and `queue_max` bounds how many wait per tenant, not how large they are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct QueuedBodies {
+    held: usize,
+    cap: usize,
+}
+
+impl QueuedBodies {
+    /// Counts `bytes` more if the total stays within the cap; says whether it did.
+    fn try_hold(&mut self, bytes: usize) -> bool {
+        match self.held.checked_add(bytes) {
+            Some(total) if total <= self.cap => {
+                self.held = total;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Gives back `bytes` that `try_hold` counted.
+    fn release(&mut self, bytes: usize) {
+        debug_assert!(
+            bytes <= self.held,
+            "released more body bytes than were held"
+        );
+        self.held = self.held.saturating_sub(bytes);
+    }
 }
 
 /// The outcome of asking for a slot.
@@ -35,6 +68,8 @@ pub enum Admit {
     Queued(Ticket),
     /// The tenant's queue is full.
     Full,
+    /// Waiting would take the body bytes held by queued requests over their cap.
+    BytesFull,
 }
 
 /// The budget's state at one instant.
@@ -46,17 +81,29 @@ pub struct Load {
 }
 
 impl Scheduler {
-    pub fn new(limit: u32) -> Arc<Scheduler> {
+    /// `limit` slots; queued requests may hold at most `max_queued_body_bytes` of bodies.
+    pub fn new(limit: u32, max_queued_body_bytes: usize) -> Arc<Scheduler> {
         Arc::new(Scheduler {
             state: Mutex::new(State {
                 fair: FairQueue::new(limit.max(1)),
                 peak_in_flight: 0,
+                queued_bodies: QueuedBodies {
+                    held: 0,
+                    cap: max_queued_body_bytes,
+                },
             }),
         })
     }
 
-    /// Asks for a slot for one request of `tenant`.
-    pub fn submit(self: &Arc<Self>, tenant: &str, class: FlowClass, cost: u64) -> Admit {
+    /// Asks for a slot for one request of `tenant`, which holds `body_bytes` of body in memory
+    /// for as long as it waits (counted only if it has to).
+    pub fn submit(
+        self: &Arc<Self>,
+        tenant: &str,
+        class: FlowClass,
+        cost: u64,
+        body_bytes: usize,
+    ) -> Admit {
         let (tx, rx) = oneshot::channel();
         let mut state = self.lock();
         match state.fair.submit(tenant, class, cost, tx) {
@@ -67,11 +114,20 @@ impl Scheduler {
                     flow,
                 })
             }
-            Submit::Queued(entry) => Admit::Queued(Ticket {
-                scheduler: self.clone(),
-                entry,
-                rx,
-            }),
+            Submit::Queued(entry) => {
+                if !state.queued_bodies.try_hold(body_bytes) {
+                    // Undone under the same lock, so no slot was dispatched to it meanwhile, and
+                    // a cancel leaves the flow's place in line as it was before this submit.
+                    let _ = state.fair.cancel(entry);
+                    return Admit::BytesFull;
+                }
+                Admit::Queued(Ticket {
+                    scheduler: self.clone(),
+                    entry,
+                    rx,
+                    body_bytes,
+                })
+            }
             Submit::Full(_) => Admit::Full,
         }
     }
@@ -93,6 +149,11 @@ impl Scheduler {
         }
     }
 
+    /// Body bytes held by queued requests now.
+    pub fn queued_body_bytes(&self) -> usize {
+        self.lock().queued_bodies.held
+    }
+
     /// The highest in-flight count since the last call; starts the next period at the current
     /// count.
     pub fn take_peak_in_flight(&self) -> u32 {
@@ -107,9 +168,13 @@ impl Scheduler {
         self.dispatch(state);
     }
 
-    fn cancel(&self, entry: EntryKey) {
+    /// A ticket's request left the queue, whichever way: its place (if it still had one) and
+    /// its body bytes are given back.
+    fn leave_queue(&self, entry: EntryKey, body_bytes: usize) {
+        let mut state = self.lock();
         // The returned sender (if the entry was still queued) is dropped here: nothing was taken.
-        let _ = self.lock().fair.cancel(entry);
+        let _ = state.fair.cancel(entry);
+        state.queued_bodies.release(body_bytes);
     }
 
     /// Hands free slots to waiting requests, outside the lock.
@@ -164,11 +229,13 @@ impl std::fmt::Debug for Permit {
     }
 }
 
-/// A place in a tenant's queue; given up when dropped before its slot arrives.
+/// A place in a tenant's queue; given up when dropped before its slot arrives. Its body bytes
+/// count against the queue's cap until it drops, granted or not.
 pub struct Ticket {
     scheduler: Arc<Scheduler>,
     entry: EntryKey,
     rx: oneshot::Receiver<Permit>,
+    body_bytes: usize,
 }
 
 impl Ticket {
@@ -185,7 +252,7 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.scheduler.cancel(self.entry);
+        self.scheduler.leave_queue(self.entry, self.body_bytes);
         // A permit sent after the cancel lost the race drops with `rx`, releasing its slot.
     }
 }

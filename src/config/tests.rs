@@ -343,6 +343,11 @@ fn env_sets_optional_and_enum_fields() {
     check(None, &[("TOLLGATE__SCHEDULER__COST", "tokens")], |c| {
         c.scheduler.cost = FairnessCost::Tokens;
     });
+    check(
+        Some("scheduler:\n  max_queued_body_bytes: 67108864\n"),
+        &[("TOLLGATE__SCHEDULER__MAX_QUEUED_BODY_BYTES", "33554432")],
+        |c| c.scheduler.max_queued_body_bytes = 32 << 20,
+    );
 }
 
 #[test]

@@ -94,7 +94,7 @@ mod tests {
 
     fn start(control: ControlConfig, initial: u32) -> Harness {
         let policy = Policy::from_config(&Config::default()).unwrap();
-        let scheduler = Scheduler::new(initial);
+        let scheduler = Scheduler::new(initial, usize::MAX);
         let window = Arc::new(Mutex::new(LatencyWindow::new(
             Duration::from_millis(control.window_ms),
             30,
@@ -161,7 +161,9 @@ mod tests {
             queue_max: 0,
             reserved_slots: 0,
         };
-        let _permits: Vec<_> = (0..40).map(|_| h.scheduler.submit("t", class, 1)).collect();
+        let _permits: Vec<_> = (0..40)
+            .map(|_| h.scheduler.submit("t", class, 1, 0))
+            .collect();
         h.record(0.2, 100);
         tokio::time::sleep(tick()).await;
         assert_eq!(h.limit(), 41);

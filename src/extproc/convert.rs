@@ -9,7 +9,8 @@ use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
-    ProcessingResponse, TrailersResponse, body_mutation, processing_response::Response,
+    ProcessingRequest, ProcessingResponse, TrailersResponse, body_mutation,
+    processing_response::Response,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 
@@ -19,6 +20,15 @@ use crate::request::Header;
 
 /// Borrows Envoy's header map as tollgate `Header`s. Envoy sends values in `raw_value` (bytes);
 /// older versions used `value`, so fall back to it when `raw_value` is empty.
+/// Whether Envoy will send this stream's response body, from the filter configuration it
+/// reports in the first message (`protocol_config`); `None` on later messages, or from an
+/// Envoy that does not report it.
+pub fn sends_response_body(message: &ProcessingRequest) -> Option<bool> {
+    let config = message.protocol_config.as_ref()?;
+    // The raw value, not prost's getter, which reads a mode newer than this build as NONE.
+    Some(config.response_body_mode != BodySendMode::None as i32)
+}
+
 pub fn headers(map: Option<&HeaderMap>) -> Vec<Header<'_>> {
     map.map(|m| {
         m.headers
@@ -79,9 +89,10 @@ pub fn request_headers_pass_through() -> ProcessingResponse {
 }
 
 /// CONTINUE on the request body with tollgate's upstream headers (the admission's and the
-/// budget's) and any body rewrite.
+/// budget's) and the rewritten body, if there is one.
 pub fn request_body_admit(
     admission: &Admission,
+    new_body: Option<Vec<u8>>,
     budget_headers: &[(&'static str, String)],
 ) -> ProcessingResponse {
     let mut set_headers: Vec<HeaderValueOption> = admission
@@ -90,7 +101,7 @@ pub fn request_body_admit(
         .chain(budget_headers)
         .map(|(name, value)| set_header(name, value.as_bytes()))
         .collect();
-    let body_mutation = admission.new_body.as_ref().map(|body| {
+    let body_mutation = new_body.map(|body| {
         // The rewritten body has a new length; a stale content-length would make the upstream
         // read too little or wait for bytes that never come.
         set_headers.push(set_header(
@@ -98,7 +109,7 @@ pub fn request_body_admit(
             body.len().to_string().as_bytes(),
         ));
         BodyMutation {
-            mutation: Some(body_mutation::Mutation::Body(body.clone())),
+            mutation: Some(body_mutation::Mutation::Body(body)),
         }
     });
     respond(Response::RequestBody(BodyResponse {

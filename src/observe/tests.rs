@@ -169,7 +169,13 @@ fn every_counter_series_exists_at_zero_before_any_event() {
     for kind in ["out_of_order", "empty_message"] {
         assert_eq!(value(&scraped, PROTOCOL_ERRORS, &[("kind", kind)]), 0.0);
     }
-    for gauge in [HELD_STREAMS, INFLIGHT_LIMIT, INFLIGHT, CONTROLLER_P99] {
+    for gauge in [
+        HELD_STREAMS,
+        INFLIGHT_LIMIT,
+        INFLIGHT,
+        CONTROLLER_P99,
+        QUEUED_BODY_BYTES,
+    ] {
         assert_eq!(value(&scraped, gauge, &[]), 0.0, "{gauge}");
     }
 }
@@ -182,6 +188,7 @@ fn every_scheduler_and_controller_series_exists_at_zero_before_any_event() {
         "admitted_now",
         "admitted_after_wait",
         "queue_full",
+        "queue_bytes_full",
         "queue_timeout",
         "shutting_down",
         "cancelled",
@@ -517,6 +524,19 @@ fn held_streams_gauge_follows_the_guards() {
     drop(first);
     assert_eq!(held(&metrics), 1.0);
     drop(second);
+    assert_eq!(held(&metrics), 0.0);
+}
+
+#[test]
+fn queued_body_bytes_gauge_adds_each_guards_bytes_while_it_lives() {
+    let metrics = Metrics::new(&default_policy());
+    let held = |m: &Metrics| value(&scrape(m), QUEUED_BODY_BYTES, &[]);
+    let small = metrics.hold_queued_body_bytes(83);
+    let large = metrics.hold_queued_body_bytes(1 << 20);
+    assert_eq!(held(&metrics), 83.0 + 1_048_576.0);
+    drop(large);
+    assert_eq!(held(&metrics), 83.0);
+    drop(small);
     assert_eq!(held(&metrics), 0.0);
 }
 

@@ -376,8 +376,8 @@ fn tier_scheduling_fields_must_be_usable() {
 
 #[test]
 fn absurd_queue_deadline_is_a_problem_not_a_panic() {
-    // BUG (see the report): `queue_deadline_ms + margin` overflows; debug builds panic, release
-    // builds wrap around to 499 and accept an endless queue deadline.
+    // `queue_deadline_ms + margin` must not overflow (a panic in debug builds, a wrap-around to
+    // 499 accepting an endless deadline in release builds): the check uses a saturating add.
     check_problems(
         |c| free(c).queue_deadline_ms = u64::MAX,
         &["tiers.free.queue_deadline_ms: 18446744073709551615 must be positive"],
@@ -410,6 +410,33 @@ fn scheduler_budget_and_reservations_must_be_usable() {
             "scheduler.reservations.alice: 101 is not a percentage",
             "scheduler.reservations: the shares add up to 101%",
         ],
+    );
+}
+
+#[test]
+fn the_queued_body_cap_must_hold_at_least_the_largest_body() {
+    let cap = |cap: usize, max_body: usize| {
+        move |c: &mut Config| {
+            c.scheduler.max_queued_body_bytes = cap;
+            c.tokens.max_body_bytes = max_body;
+        }
+    };
+    for (queued_cap, max_body) in [(8 << 20, 8 << 20), (1 << 30, 8 << 20), (1024, 1024)] {
+        let policy = check_valid(cap(queued_cap, max_body));
+        assert_eq!(policy.scheduling.max_queued_body_bytes, queued_cap);
+    }
+    check_problems(
+        cap((8 << 20) - 1, 8 << 20),
+        &["scheduler.max_queued_body_bytes: 8388607 is less than tokens.max_body_bytes (8388608)"],
+    );
+    check_problems(
+        cap(0, 1),
+        &["scheduler.max_queued_body_bytes: 0 is less than tokens.max_body_bytes (1)"],
+    );
+    assert_eq!(
+        check_valid(|_| {}).scheduling.max_queued_body_bytes,
+        256 << 20,
+        "the default"
     );
 }
 

@@ -6,6 +6,9 @@ use std::time::Duration;
 
 use super::*;
 
+/// No cap on queued body bytes, for the tests that are not about it.
+const UNCAPPED: usize = usize::MAX;
+
 fn class(queue_max: u32) -> FlowClass {
     FlowClass {
         weight: 1,
@@ -39,9 +42,9 @@ fn load(in_flight: u32, queued: u32, limit: u32) -> Load {
 
 #[tokio::test(start_paused = true)]
 async fn a_dropped_permit_hands_its_slot_to_the_next_in_line() {
-    let scheduler = Scheduler::new(1);
-    let first = now(scheduler.submit("a", class(4), 1));
-    let mut second = queued(scheduler.submit("b", class(4), 1));
+    let scheduler = Scheduler::new(1, UNCAPPED);
+    let first = now(scheduler.submit("a", class(4), 1, 0));
+    let mut second = queued(scheduler.submit("b", class(4), 1, 0));
     assert_eq!(scheduler.load(), load(1, 1, 1));
     drop(first);
     let permit = tokio::time::timeout(Duration::from_secs(1), second.granted())
@@ -54,13 +57,13 @@ async fn a_dropped_permit_hands_its_slot_to_the_next_in_line() {
 
 #[tokio::test(start_paused = true)]
 async fn a_dropped_ticket_frees_its_place_and_takes_nothing() {
-    let scheduler = Scheduler::new(1);
-    let holder = now(scheduler.submit("a", class(1), 1));
-    let ticket = queued(scheduler.submit("b", class(1), 1));
-    assert!(matches!(scheduler.submit("b", class(1), 1), Admit::Full));
+    let scheduler = Scheduler::new(1, UNCAPPED);
+    let holder = now(scheduler.submit("a", class(1), 1, 0));
+    let ticket = queued(scheduler.submit("b", class(1), 1, 0));
+    assert!(matches!(scheduler.submit("b", class(1), 1, 0), Admit::Full));
     drop(ticket);
     assert_eq!(scheduler.load(), load(1, 0, 1));
-    let _again = queued(scheduler.submit("b", class(1), 1));
+    let _again = queued(scheduler.submit("b", class(1), 1, 0));
     drop(holder);
     assert_eq!(
         scheduler.load(),
@@ -71,9 +74,9 @@ async fn a_dropped_ticket_frees_its_place_and_takes_nothing() {
 
 #[tokio::test(start_paused = true)]
 async fn a_slot_sent_to_a_ticket_that_gave_up_is_released() {
-    let scheduler = Scheduler::new(1);
-    let holder = now(scheduler.submit("a", class(4), 1));
-    let ticket = queued(scheduler.submit("b", class(4), 1));
+    let scheduler = Scheduler::new(1, UNCAPPED);
+    let holder = now(scheduler.submit("a", class(4), 1, 0));
+    let ticket = queued(scheduler.submit("b", class(4), 1, 0));
     // The slot is dispatched into the ticket's channel, but the ticket is dropped unread.
     drop(holder);
     assert_eq!(scheduler.load(), load(1, 0, 1));
@@ -83,10 +86,10 @@ async fn a_slot_sent_to_a_ticket_that_gave_up_is_released() {
 
 #[tokio::test(start_paused = true)]
 async fn raising_the_limit_admits_waiting_requests_and_lowering_it_preempts_nothing() {
-    let scheduler = Scheduler::new(1);
-    let first = now(scheduler.submit("a", class(4), 1));
+    let scheduler = Scheduler::new(1, UNCAPPED);
+    let first = now(scheduler.submit("a", class(4), 1, 0));
     let mut waiting: Vec<Ticket> = (0..3)
-        .map(|_| queued(scheduler.submit("b", class(4), 1)))
+        .map(|_| queued(scheduler.submit("b", class(4), 1, 0)))
         .collect();
     scheduler.set_limit(3);
     let mut permits = Vec::new();
@@ -111,9 +114,9 @@ async fn raising_the_limit_admits_waiting_requests_and_lowering_it_preempts_noth
 
 #[tokio::test(start_paused = true)]
 async fn peak_in_flight_covers_the_whole_period() {
-    let scheduler = Scheduler::new(8);
+    let scheduler = Scheduler::new(8, UNCAPPED);
     let permits: Vec<Permit> = (0..5)
-        .map(|_| now(scheduler.submit("a", class(0), 1)))
+        .map(|_| now(scheduler.submit("a", class(0), 1, 0)))
         .collect();
     drop(permits);
     assert_eq!(
@@ -122,4 +125,93 @@ async fn peak_in_flight_covers_the_whole_period() {
         "the burst is seen after it ended"
     );
     assert_eq!(scheduler.take_peak_in_flight(), 0);
+}
+
+#[test]
+fn queued_bodies_hold_bytes_up_to_the_cap_and_not_one_more() {
+    // (cap, held before, bytes asked) -> fits, held after
+    let table: [(usize, usize, usize, bool, usize); 7] = [
+        (100, 0, 100, true, 100),
+        (100, 0, 101, false, 0),
+        (100, 60, 40, true, 100),
+        (100, 60, 41, false, 60),
+        (100, 100, 0, true, 100),
+        (0, 0, 0, true, 0),
+        // An overflowing sum is over any cap, not a wrap to a small total.
+        (usize::MAX, usize::MAX - 1, 2, false, usize::MAX - 1),
+    ];
+    for (cap, held, bytes, fits, held_after) in table {
+        let mut bodies = QueuedBodies { held, cap };
+        assert_eq!(
+            (bodies.try_hold(bytes), bodies.held),
+            (fits, held_after),
+            "cap {cap}, held {held}, asking {bytes}"
+        );
+    }
+    let mut bodies = QueuedBodies { held: 70, cap: 100 };
+    bodies.release(30);
+    assert_eq!(bodies.held, 40);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_that_would_take_queued_bodies_over_the_cap_is_refused_and_takes_nothing() {
+    let scheduler = Scheduler::new(1, 1_000);
+    // A request that runs at once holds nothing in the queue, however large its body.
+    let holder = now(scheduler.submit("a", class(8), 1, 5_000));
+    assert_eq!(scheduler.queued_body_bytes(), 0);
+    let first = queued(scheduler.submit("b", class(8), 1, 600));
+    let second = queued(scheduler.submit("c", class(8), 1, 400));
+    assert_eq!(scheduler.queued_body_bytes(), 1_000);
+    assert!(matches!(
+        scheduler.submit("d", class(8), 1, 1),
+        Admit::BytesFull
+    ));
+    assert_eq!(
+        (scheduler.load(), scheduler.queued_body_bytes()),
+        (load(1, 2, 1), 1_000),
+        "the refused request left no entry and no bytes behind"
+    );
+    // The tenant's own queue limit is checked first: a full queue says so, whatever the bytes.
+    let scheduler_b = Scheduler::new(1, 1_000);
+    let _held = now(scheduler_b.submit("a", class(1), 1, 0));
+    let _waiting = queued(scheduler_b.submit("a", class(1), 1, 1_000));
+    assert!(matches!(
+        scheduler_b.submit("a", class(1), 1, 1),
+        Admit::Full
+    ));
+    drop((holder, first, second));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_ticket_gives_its_body_bytes_back_however_it_leaves_the_queue() {
+    let scheduler = Scheduler::new(1, 1_000);
+    let holder = now(scheduler.submit("a", class(8), 1, 0));
+    let cancelled = queued(scheduler.submit("b", class(8), 1, 300));
+    let mut granted = queued(scheduler.submit("c", class(8), 1, 500));
+    let raced = queued(scheduler.submit("d", class(8), 1, 200));
+    assert_eq!(scheduler.queued_body_bytes(), 1_000);
+
+    // Gone while waiting (client gone, deadline, shutdown all drop the ticket).
+    drop(cancelled);
+    assert_eq!(scheduler.queued_body_bytes(), 700);
+
+    // Granted: the bytes stay counted until the ticket drops, then go back once.
+    drop(holder);
+    let permit = granted.granted().await;
+    assert_eq!(scheduler.queued_body_bytes(), 700);
+    drop(granted);
+    assert_eq!(scheduler.queued_body_bytes(), 200);
+
+    // Sent a slot it never read: the slot and the bytes both come back.
+    drop(permit);
+    assert_eq!(scheduler.load(), load(1, 0, 1));
+    drop(raced);
+    assert_eq!(
+        (scheduler.load(), scheduler.queued_body_bytes()),
+        (load(0, 0, 1), 0)
+    );
+    // And the room is there again for the next one.
+    let _holder = now(scheduler.submit("a", class(8), 1, 0));
+    let _next = queued(scheduler.submit("e", class(8), 1, 1_000));
+    assert_eq!(scheduler.queued_body_bytes(), 1_000);
 }

@@ -491,6 +491,69 @@ async fn a_large_body_is_counted_off_the_async_workers() {
 }
 
 #[tokio::test]
+async fn bodies_up_to_max_body_bytes_arrive_whole_and_larger_ones_get_413() {
+    // Envoy sends a buffered body as one gRPC message: the server must accept messages larger
+    // than tonic's default 4 MiB, up to tokens.max_body_bytes and a little more, so that tollgate
+    // (not the gRPC layer) answers an oversized body.
+    let config = Config::default();
+    let max_body = config.tokens.max_body_bytes;
+    let server = TestServer::start(config).await;
+    let padded = |bytes: usize| {
+        let with = |content: &str| {
+            chat_body(serde_json::json!({"messages": [{"role": "user", "content": content}]}))
+        };
+        let unpadded = with("").len();
+        with(&"ab ".repeat(bytes / 3)[..bytes - unpadded])
+    };
+    for (bytes, status, reason) in [
+        (5 << 20, 400, "input_tokens_exceeded"),
+        (max_body, 400, "input_tokens_exceeded"),
+        (max_body + 1, 413, "body_too_large"),
+    ] {
+        let body = padded(bytes);
+        assert_eq!(body.len(), bytes);
+        let mut stream = server.stream().await;
+        stream.exchange(chat_headers("olga")).await;
+        let answer = stream.exchange(request_body(&body)).await;
+        let (got_status, got_reason, _) = immediate_json(&answer);
+        assert_eq!(
+            (got_status, got_reason.as_str()),
+            (status, reason),
+            "{bytes} B"
+        );
+    }
+    server.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_queued_request_counts_its_body_bytes_until_it_leaves_the_queue() {
+    let mut config = Config::default();
+    config.scheduler.initial_limit = 1;
+    config.control.enabled = false;
+    config.tiers.get_mut("free").unwrap().queue_deadline_ms = 20_000;
+    config.tiers.get_mut("free").unwrap().max_concurrent = None;
+    let server = TestServer::start(config).await;
+    // Names max_tokens and does not stream, so tollgate keeps it as sent: it holds its length.
+    let body = chat_body(serde_json::json!({"max_tokens": 16}));
+    let mut holder = server.stream().await;
+    holder.exchange(chat_headers("paul")).await;
+    let answer = holder.exchange(request_body(&body)).await;
+    assert!(matches!(answer.response, Some(Response::RequestBody(_))));
+
+    let mut waiting = server.stream().await;
+    waiting.exchange(chat_headers("quinn")).await;
+    let answer = waiting.exchange(request_body(&body)).await;
+    assert!(answer.override_message_timeout.is_some(), "queued");
+    let bytes = body.len() as f64;
+    wait_for_metric(&server, "tollgate_queued_body_bytes", &[], bytes).await;
+    // The client goes away: its place and its bytes are given back.
+    drop(waiting);
+    wait_for_metric(&server, "tollgate_queued_body_bytes", &[], 0.0).await;
+    drop(holder);
+    server.stop().await.unwrap();
+}
+
+#[tokio::test]
 async fn shutdown_ends_undecided_streams_with_an_error_and_decided_ones_with_ok() {
     let mut config = Config::default();
     config.shutdown.drain_deadline_ms = 200;

@@ -68,6 +68,14 @@ impl InMemory {
         (stream, answer)
     }
 
+    /// A chat request from `user` with this body, whose body got its first answer.
+    async fn submit_body(&self, user: &str, body: &[u8]) -> (ExtProcStream, ProcessingResponse) {
+        let mut stream = self.stream().await;
+        stream.exchange(chat_headers(user)).await;
+        let answer = stream.exchange(request_body(body)).await;
+        (stream, answer)
+    }
+
     async fn stop(mut self) {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
@@ -91,6 +99,31 @@ fn one_slot(queue_max: u32) -> Config {
     free.queue_max = queue_max;
     free.queue_deadline_ms = 1_000;
     config
+}
+
+/// `one_slot(8)`, with at most `cap` bytes of request bodies held by queued requests (and bodies
+/// up to `cap` accepted, as the cap must allow).
+fn one_slot_capped(cap: usize) -> Config {
+    let mut config = one_slot(8);
+    config.tokens.max_body_bytes = cap;
+    config.scheduler.max_queued_body_bytes = cap;
+    config
+}
+
+/// A chat body of exactly `bytes`. With `max_tokens` named and no streaming, tollgate sends it on
+/// unchanged, so a queued request holds exactly `bytes`; without, tollgate writes the tier's
+/// default `max_tokens` into a rewritten copy, which the request holds too.
+fn body_of(bytes: usize, names_max_tokens: bool) -> Vec<u8> {
+    let with = |content: &str| {
+        let mut extra = serde_json::json!({"messages": [{"role": "user", "content": content}]});
+        if names_max_tokens {
+            extra["max_tokens"] = 16.into();
+        }
+        chat_body(extra)
+    };
+    let body = with(&"a ".repeat(bytes)[..bytes - with("").len()]);
+    assert_eq!(body.len(), bytes);
+    body
 }
 
 fn is_admitted(answer: &ProcessingResponse) -> bool {
@@ -287,4 +320,64 @@ async fn slots_are_shared_by_tier_weight_under_contention() {
     let InMemory { shutdown, task, .. } = server;
     let _ = shutdown.unwrap().send(());
     task.await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_that_would_take_queued_bodies_over_the_cap_gets_503_at_once() {
+    let server = InMemory::start(one_slot_capped(10_000)).await;
+    let body = body_of(4_000, true);
+    let (_holder, answer) = server.submit_body("alice", &body).await;
+    assert!(
+        is_admitted(&answer),
+        "a request that runs at once is not counted"
+    );
+
+    // Two 4,000-byte bodies wait within 10,000 bytes; a third would take them to 12,000.
+    let (leaving, answer) = server.submit_body("bob", &body).await;
+    assert!(envoy_timeout(&answer).is_some());
+    let (_carol, answer) = server.submit_body("carol", &body).await;
+    assert!(envoy_timeout(&answer).is_some());
+    let started = Instant::now();
+    let (_, answer) = server.submit_body("dave", &body).await;
+    assert_eq!(
+        refusal(&answer),
+        (503, "queue_bytes_full".to_owned(), Some("1".to_owned()))
+    );
+    assert_eq!(
+        started.elapsed(),
+        Duration::ZERO,
+        "at once, not at a deadline"
+    );
+    // What is left still takes a smaller body.
+    let (_erin, answer) = server.submit_body("erin", &body_of(2_000, true)).await;
+    assert!(envoy_timeout(&answer).is_some());
+
+    // A client that leaves gives its bytes back: 4,000 + 2,000 held, room for 4,000 again.
+    drop(leaving);
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let (_dave, answer) = server.submit_body("dave", &body).await;
+    assert!(envoy_timeout(&answer).is_some(), "{answer:?}");
+    let (_, answer) = server.submit_body("frank", &body_of(100, true)).await;
+    assert_eq!(refusal(&answer).1, "queue_bytes_full");
+
+    // At the deadline every waiting request is answered and gives its bytes back: the whole
+    // cap is free for one body that fills it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (_grace, answer) = server.submit_body("grace", &body_of(10_000, true)).await;
+    assert!(envoy_timeout(&answer).is_some(), "{answer:?}");
+    server.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_rewritten_body_counts_with_the_body_envoy_sent() {
+    // Room for 4,000 bytes twice: enough for one body kept as sent, not for one whose rewritten
+    // copy (the tier's max_tokens written in) waits with it.
+    let server = InMemory::start(one_slot_capped(8_000)).await;
+    let (_holder, answer) = server.submit_body("alice", &body_of(4_000, true)).await;
+    assert!(is_admitted(&answer));
+    let (_, answer) = server.submit_body("bob", &body_of(4_000, false)).await;
+    assert_eq!(refusal(&answer).1, "queue_bytes_full");
+    let (_carol, answer) = server.submit_body("carol", &body_of(4_000, true)).await;
+    assert!(envoy_timeout(&answer).is_some(), "{answer:?}");
+    server.stop().await;
 }
