@@ -1,10 +1,13 @@
 //! `upstream`: a small, fast, deterministic OpenAI-compatible server that stands in for
 //! vLLM / TGI behind tollgate in tests and the quickstart demo.
 //!
-//! It does no inference. Each request is answered by a tiny [`Engine`] that decides how many
-//! "tokens" to emit and when each becomes ready; everything else in this file is HTTP and
-//! OpenAI wire format. The engine is the piece to replace when this grows into a simulated
-//! vLLM (continuous batching, KV-cache pressure, vLLM metric names).
+//! It does no inference. By default (`--engine fixed`) each request is answered by a tiny
+//! [`Engine`] that decides how many "tokens" to emit and when each becomes ready, every request
+//! alone at fixed pacing. With `--engine vllm` the tokens come from a simulated vLLM instead:
+//! a continuous-batching step loop with `max_num_seqs`, a KV cache in blocks, preemption of the
+//! newest sequences when it runs out, and step times that grow with the batch and with prefill
+//! tokens (the pure model and its tests are in `examples/upstream/vllm.rs`, the calibration in
+//! docs/lab.md). Everything else in this file is HTTP and OpenAI wire format.
 //!
 //! The example deliberately does not use the `tollgate` library, so it can be copied or moved
 //! on its own.
@@ -24,6 +27,17 @@
 //! | `--ttft-ms`               | `0`              | delay before the first token                         |
 //! | `--itl-ms`                | `0`              | delay between later tokens                           |
 //! | `--default-output-tokens` | `16`             | output length when the request sets no token limit   |
+//! | `--engine`                | `fixed`          | `fixed` pacing, or `vllm`: the simulated engine      |
+//!
+//! With `--engine vllm` (see `--help` for all): `--time-scale S` runs simulated time S times
+//! faster than real time; `--api-overhead-ms` (90) delays each request before it reaches the
+//! engine; `--stream-interval N` (1) sends tokens after the first in chunks of N;
+//! `--max-num-seqs`, `--kv-capacity-tokens`, `--block-size`, `--max-num-batched-tokens`,
+//! `--step-base-ms`, `--step-per-seq-ms`, `--prefill-per-token-ms`, `--jitter` and `--seed`
+//! override the calibrated engine parameters. The pacing flags and headers are then ignored,
+//! and `GET /metrics` serves vLLM's metric names (`vllm:num_requests_running`,
+//! `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, ...); with `--engine fixed` it is
+//! a 404 like any unknown path.
 //!
 //! # Endpoints
 //!
@@ -65,9 +79,14 @@
 //! * completion responses: `x-upstream-request-max-tokens: N` (the output length actually
 //!   used, after the default and the cap) and `x-upstream-include-usage: true|false`.
 
+#[path = "upstream/vllm.rs"]
+mod vllm;
+
 use std::{
+    fmt::Write as _,
     io,
     net::SocketAddr,
+    pin::Pin,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -135,6 +154,91 @@ struct Args {
     /// Output length when the request sets neither `max_completion_tokens` nor `max_tokens`.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_OUTPUT_TOKENS)))]
     default_output_tokens: u32,
+
+    /// `fixed`: every request runs alone at `--ttft-ms` / `--itl-ms`. `vllm`: the simulated
+    /// continuous-batching engine (examples/upstream/vllm.rs); the pacing flags and headers
+    /// are then ignored.
+    #[arg(long, value_enum, default_value_t = EngineKind::Fixed)]
+    engine: EngineKind,
+
+    #[command(flatten)]
+    sim: SimArgs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum EngineKind {
+    Fixed,
+    Vllm,
+}
+
+/// The simulated engine's knobs (`--engine vllm`). Unset engine parameters take the
+/// calibrated defaults of `vllm::Params` (docs/lab.md). Times are simulated time.
+#[derive(Debug, clap::Args)]
+struct SimArgs {
+    /// Simulated seconds per real second: 4 runs everything 4 times faster.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Latency before a request reaches the engine (API server, tokenizer, network), in ms.
+    /// It delays the first token without occupying the engine.
+    #[arg(long, default_value_t = 90.0)]
+    api_overhead_ms: f64,
+    /// Tokens per streamed chunk after the first, which is always sent alone at once
+    /// (vLLM's `--stream-interval`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    stream_interval: u32,
+    /// Most sequences in one batch.
+    #[arg(long)]
+    max_num_seqs: Option<usize>,
+    /// KV-cache capacity in tokens.
+    #[arg(long)]
+    kv_capacity_tokens: Option<u64>,
+    /// Tokens per KV block.
+    #[arg(long)]
+    block_size: Option<u64>,
+    /// Token budget of one step; longer prefills are chunked.
+    #[arg(long)]
+    max_num_batched_tokens: Option<u64>,
+    /// Fixed time of one step, ms.
+    #[arg(long)]
+    step_base_ms: Option<f64>,
+    /// Step time added per sequence in the batch, ms.
+    #[arg(long)]
+    step_per_seq_ms: Option<f64>,
+    /// Step time added per prefilled token, ms.
+    #[arg(long)]
+    prefill_per_token_ms: Option<f64>,
+    /// Step times vary uniformly by this fraction either way.
+    #[arg(long)]
+    jitter: Option<f64>,
+    /// Seed of the step-time jitter.
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+impl SimArgs {
+    fn params(&self) -> vllm::Params {
+        let defaults = vllm::Params::default();
+        let ms = |value: Option<f64>, default: Duration| {
+            value.map_or(default, |ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0))
+        };
+        vllm::Params {
+            max_num_seqs: self.max_num_seqs.unwrap_or(defaults.max_num_seqs).max(1),
+            kv_capacity_tokens: self
+                .kv_capacity_tokens
+                .unwrap_or(defaults.kv_capacity_tokens),
+            block_size: self.block_size.unwrap_or(defaults.block_size).max(1),
+            max_batched_tokens: self
+                .max_num_batched_tokens
+                .unwrap_or(defaults.max_batched_tokens)
+                .max(1),
+            step_base: ms(self.step_base_ms, defaults.step_base),
+            step_per_seq: ms(self.step_per_seq_ms, defaults.step_per_seq),
+            prefill_per_token: ms(self.prefill_per_token_ms, defaults.prefill_per_token),
+            watermark: defaults.watermark,
+            jitter: self.jitter.unwrap_or(defaults.jitter).clamp(0.0, 0.9),
+            seed: self.seed.unwrap_or(defaults.seed),
+        }
+    }
 }
 
 #[tokio::main]
@@ -148,6 +252,22 @@ async fn main() -> io::Result<()> {
         },
     };
 
+    let sim = (args.engine == EngineKind::Vllm).then(|| {
+        let time_scale = if args.sim.time_scale.is_finite() && args.sim.time_scale > 0.0 {
+            args.sim.time_scale
+        } else {
+            1.0
+        };
+        let sim = Arc::new(sim::Sim::new(
+            args.sim.params(),
+            time_scale,
+            Duration::from_secs_f64(args.sim.api_overhead_ms.max(0.0) / 1000.0),
+            args.sim.stream_interval,
+        ));
+        tokio::spawn(sim::run(Arc::clone(&sim)));
+        sim
+    });
+
     let listener = bind(&args.addr).await?;
     // Tests wait for this exact line; println! flushes on the newline.
     println!("upstream listening on {}", listener.local_addr()?);
@@ -157,7 +277,7 @@ async fn main() -> io::Result<()> {
     let listener = listener.tap_io(|stream| {
         let _ = stream.set_nodelay(true);
     });
-    axum::serve(listener, router(engine)).await
+    axum::serve(listener, router(engine, sim)).await
 }
 
 /// Binds the first address `addr` resolves to, with a large accept backlog.
@@ -192,6 +312,8 @@ fn bind_socket(addr: SocketAddr) -> io::Result<TcpListener> {
 #[derive(Clone)]
 struct AppState {
     engine: Engine,
+    /// The simulated vLLM engine (`--engine vllm`); `None` for fixed pacing.
+    sim: Option<Arc<sim::Sim>>,
     /// Source of unique response ids. An atomic, not a lock: it is on every request's path.
     next_response_id: Arc<AtomicU64>,
 }
@@ -203,9 +325,10 @@ impl AppState {
     }
 }
 
-fn router(engine: Engine) -> Router {
+fn router(engine: Engine, sim: Option<Arc<sim::Sim>>) -> Router {
     let state = AppState {
         engine,
+        sim,
         next_response_id: Arc::new(AtomicU64::new(1)),
     };
     Router::new()
@@ -213,6 +336,7 @@ fn router(engine: Engine) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .fallback(echo_post_or_not_found)
         // Must come after the routes: it applies to the routes registered so far.
         .method_not_allowed_fallback(method_not_allowed)
@@ -368,6 +492,14 @@ async fn complete(
     let controls = CompletionControls::from_headers(headers)?;
     let request = CompletionRequest::parse(endpoint, body)?;
     let generation = state.engine.plan(request.max_tokens, controls.pacing);
+    let tokens: TokenStream = match &state.sim {
+        Some(sim) => Box::pin(sim::tokens(
+            Arc::clone(sim),
+            request.prompt_tokens,
+            generation.output_tokens,
+        )),
+        None => Box::pin(generation.tokens()),
+    };
     let shape = ResponseShape {
         endpoint,
         id: state.new_response_id(endpoint),
@@ -378,9 +510,9 @@ async fn complete(
     };
 
     let mut response = if request.stream {
-        streaming_response(shape, generation, controls.truncate_after)
+        streaming_response(shape, generation, tokens, controls.truncate_after)
     } else {
-        complete_response(shape, generation).await
+        complete_response(shape, generation, tokens).await
     };
     let response_headers = response.headers_mut();
     response_headers.insert(
@@ -414,6 +546,18 @@ async fn models() -> Response {
 
 async fn health() -> &'static str {
     "ok"
+}
+
+/// vLLM's gauges and counters for the simulated engine; 404 with fixed pacing.
+async fn metrics(State(state): State<AppState>, method: Method, uri: Uri) -> Response {
+    match &state.sim {
+        Some(sim) => (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+            sim.metrics(),
+        )
+            .into_response(),
+        None => ApiError::not_found(&method, &uri).into_response(),
+    }
 }
 
 /// `POST` to an unknown path echoes the body (pass-through checks); anything else is 404.
@@ -658,7 +802,7 @@ struct Generation {
 impl Generation {
     /// The tokens, each yielded once its delay has passed. Lazy: nothing is produced (and
     /// no time passes) until the HTTP layer asks for the next token.
-    fn tokens(self) -> impl Stream<Item = Token> + Send + 'static {
+    fn tokens(self) -> impl Stream<Item = TokenRun> + Send + 'static {
         stream::unfold(0_u32, move |index| async move {
             if index >= self.output_tokens {
                 return None;
@@ -668,25 +812,40 @@ impl Generation {
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }
-            Some((Token { index }, index + 1))
+            Some((
+                TokenRun {
+                    first: index,
+                    count: 1,
+                },
+                index + 1,
+            ))
         })
     }
 }
 
+/// Where a response's tokens come from: fixed pacing, or the simulated vLLM engine.
+type TokenStream = Pin<Box<dyn Stream<Item = TokenRun> + Send>>;
+
+/// Consecutive tokens `first..first + count`, sent in one chunk when streaming.
 #[derive(Debug, Clone, Copy)]
-struct Token {
-    index: u32,
+struct TokenRun {
+    first: u32,
+    count: u32,
 }
 
-impl Token {
+impl TokenRun {
     /// One word per token. Tokens after the first carry their leading space (as BPE tokens
     /// do), so concatenating them gives `tok0 tok1 tok2`.
     fn text(self) -> String {
-        if self.index == 0 {
-            "tok0".to_owned()
-        } else {
-            format!(" tok{}", self.index)
+        let mut text = String::new();
+        for index in self.first..self.first + self.count {
+            if index == 0 {
+                text.push_str("tok0");
+            } else {
+                let _ = write!(text, " tok{index}");
+            }
         }
+        text
     }
 }
 
@@ -743,14 +902,15 @@ impl ResponseShape {
             .expect("plain structs with string keys always serialize")
     }
 
-    /// The event for one streamed token. The first chat chunk also carries
-    /// `"role": "assistant"`, so every chunk before the final one holds exactly one token.
-    fn token_event(&self, token: Token) -> Bytes {
-        let text = token.text();
+    /// The event for streamed tokens (one, except with the engine's `--stream-interval`).
+    /// The first chat chunk also carries `"role": "assistant"`, so every chunk before the
+    /// final one holds tokens.
+    fn token_event(&self, tokens: TokenRun) -> Bytes {
+        let text = tokens.text();
         let choice = match self.endpoint {
             Endpoint::Chat => Choice {
                 delta: Some(Delta {
-                    role: (token.index == 0).then_some("assistant"),
+                    role: (tokens.first == 0).then_some("assistant"),
                     content: Some(&text),
                 }),
                 ..Choice::default()
@@ -896,8 +1056,12 @@ impl Serialize for UsageField {
     }
 }
 
-async fn complete_response(shape: ResponseShape, generation: Generation) -> Response {
-    let text: String = generation.tokens().map(Token::text).collect().await;
+async fn complete_response(
+    shape: ResponseShape,
+    generation: Generation,
+    tokens: TokenStream,
+) -> Response {
+    let text: String = tokens.map(TokenRun::text).collect().await;
     json_response(StatusCode::OK, shape.complete_object(&text, generation))
 }
 
@@ -906,14 +1070,13 @@ async fn complete_response(shape: ResponseShape, generation: Generation) -> Resp
 fn streaming_response(
     shape: ResponseShape,
     generation: Generation,
+    tokens: TokenStream,
     truncate_after: Option<u32>,
 ) -> Response {
     let shape = Arc::new(shape);
     let token_events = {
         let shape = Arc::clone(&shape);
-        generation
-            .tokens()
-            .map(move |token| shape.token_event(token))
+        tokens.map(move |run| shape.token_event(run))
     };
     let body = match truncate_after {
         Some(limit) => Body::from_stream(
@@ -1048,5 +1211,288 @@ impl IntoResponse for ApiError {
             }
         });
         json_response(self.status, body.to_string())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The simulated vLLM: drives `vllm::Engine` in (scaled) real time and hands each request its
+// tokens as the steps that produce them end.
+// ---------------------------------------------------------------------------------------
+
+mod sim {
+    use std::collections::HashMap;
+    use std::fmt::Write as _;
+    use std::sync::{Arc, Mutex, MutexGuard};
+    use std::time::Duration;
+
+    use futures_util::{Stream, stream};
+    use tokio::sync::{Notify, mpsc};
+    use tokio::time::Instant;
+
+    use super::{DEFAULT_MODEL, TokenRun, vllm};
+
+    /// The engine, the channels of the requests in it, and the clock conversion.
+    pub struct Sim {
+        state: Mutex<State>,
+        /// Wakes the step loop when a request arrives at an idle engine.
+        wake: Notify,
+        /// Simulated seconds per real second.
+        time_scale: f64,
+        /// Simulated delay before a request reaches the engine.
+        api_overhead: Duration,
+        stream_interval: u32,
+    }
+
+    struct State {
+        engine: vllm::Engine,
+        outputs: HashMap<vllm::SeqId, mpsc::UnboundedSender<vllm::Emitted>>,
+    }
+
+    impl Sim {
+        pub fn new(
+            params: vllm::Params,
+            time_scale: f64,
+            api_overhead: Duration,
+            stream_interval: u32,
+        ) -> Sim {
+            Sim {
+                state: Mutex::new(State {
+                    engine: vllm::Engine::new(params),
+                    outputs: HashMap::new(),
+                }),
+                wake: Notify::new(),
+                time_scale,
+                api_overhead,
+                stream_interval: stream_interval.max(1),
+            }
+        }
+
+        fn lock(&self) -> MutexGuard<'_, State> {
+            // A panic while holding the lock leaves plain data behind; keep serving.
+            self.state
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+        }
+
+        fn real(&self, simulated: Duration) -> Duration {
+            simulated.div_f64(self.time_scale)
+        }
+
+        fn submit(
+            &self,
+            prompt_tokens: u64,
+            output_tokens: u64,
+        ) -> (vllm::SeqId, mpsc::UnboundedReceiver<vllm::Emitted>) {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let id = {
+                let mut state = self.lock();
+                let id = state.engine.submit(prompt_tokens, output_tokens);
+                state.outputs.insert(id, tx);
+                id
+            };
+            self.wake.notify_one();
+            (id, rx)
+        }
+
+        fn cancel(&self, id: vllm::SeqId) {
+            let mut state = self.lock();
+            state.engine.cancel(id);
+            state.outputs.remove(&id);
+        }
+
+        /// Prometheus text with vLLM's metric names (V1, plus the deprecated
+        /// `vllm:gpu_cache_usage_perc` that older dashboards read).
+        pub fn metrics(&self) -> String {
+            let (running, waiting, kv, totals) = {
+                let state = self.lock();
+                let e = &state.engine;
+                (e.running(), e.waiting(), e.kv_usage(), e.totals())
+            };
+            let label = format!("{{model_name=\"{DEFAULT_MODEL}\"}}");
+            let mut out = String::new();
+            let mut metric = |name: &str, kind: &str, help: &str, value: String| {
+                let _ = writeln!(
+                    out,
+                    "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{label} {value}"
+                );
+            };
+            metric(
+                "vllm:num_requests_running",
+                "gauge",
+                "Number of requests in model execution batches.",
+                running.to_string(),
+            );
+            metric(
+                "vllm:num_requests_waiting",
+                "gauge",
+                "Number of requests waiting to be processed.",
+                waiting.to_string(),
+            );
+            metric(
+                "vllm:kv_cache_usage_perc",
+                "gauge",
+                "KV-cache usage. 1 means 100 percent usage.",
+                kv.to_string(),
+            );
+            metric(
+                "vllm:gpu_cache_usage_perc",
+                "gauge",
+                "GPU KV-cache usage. 1 means 100 percent usage (deprecated name).",
+                kv.to_string(),
+            );
+            metric(
+                "vllm:num_preemptions_total",
+                "counter",
+                "Cumulative number of preemptions from the engine.",
+                totals.preemptions.to_string(),
+            );
+            metric(
+                "vllm:prompt_tokens_total",
+                "counter",
+                "Number of prefill tokens processed (recomputation included).",
+                totals.prompt_tokens.to_string(),
+            );
+            metric(
+                "vllm:generation_tokens_total",
+                "counter",
+                "Number of generation tokens processed.",
+                totals.generation_tokens.to_string(),
+            );
+            metric(
+                "vllm:request_success_total",
+                "counter",
+                "Count of successfully processed requests.",
+                totals.finished.to_string(),
+            );
+            out
+        }
+    }
+
+    /// The step loop: plan a step, sleep until it ends (in scaled time), hand out its tokens.
+    pub async fn run(sim: Arc<Sim>) {
+        let start = Instant::now();
+        let mut now = Duration::ZERO;
+        loop {
+            let step = {
+                let mut state = sim.lock();
+                // Steps follow each other on the simulated clock, whatever the timer's
+                // rounding: a step that ends late is followed by a shorter sleep. Only after
+                // idling (or after falling more than a second behind, on a starved machine)
+                // does simulated time jump to the real clock.
+                let real = start.elapsed().mul_f64(sim.time_scale);
+                if real > now + Duration::from_secs(1) {
+                    now = real;
+                }
+                state.engine.step(now)
+            };
+            let Some(step) = step else {
+                sim.wake.notified().await;
+                now = start.elapsed().mul_f64(sim.time_scale);
+                continue;
+            };
+            now += step.duration;
+            tokio::time::sleep_until(start + sim.real(now)).await;
+            let mut state = sim.lock();
+            for emitted in step.emitted {
+                let delivered = state
+                    .outputs
+                    .get(&emitted.seq)
+                    .is_some_and(|tx| tx.send(emitted).is_ok());
+                if emitted.finished || !delivered {
+                    state.outputs.remove(&emitted.seq);
+                    if !delivered {
+                        state.engine.cancel(emitted.seq);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Cancels the sequence when the response stream is dropped (client gone), unless it
+    /// already finished.
+    struct Guard {
+        sim: Arc<Sim>,
+        id: vllm::SeqId,
+        done: bool,
+    }
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            if !self.done {
+                self.sim.cancel(self.id);
+            }
+        }
+    }
+
+    /// One request's tokens: after the API overhead it joins the engine; the first token
+    /// comes alone, later ones in runs of `stream_interval` (and whatever is left at the end).
+    pub fn tokens(
+        sim: Arc<Sim>,
+        prompt_tokens: u64,
+        output_tokens: u32,
+    ) -> impl Stream<Item = TokenRun> + Send + 'static {
+        struct Pending {
+            sim: Arc<Sim>,
+            prompt_tokens: u64,
+            output_tokens: u32,
+        }
+        enum Phase {
+            Before(Pending),
+            Running {
+                guard: Guard,
+                rx: mpsc::UnboundedReceiver<vllm::Emitted>,
+                next: u32,
+            },
+            Done,
+        }
+        stream::unfold(
+            Phase::Before(Pending {
+                sim,
+                prompt_tokens,
+                output_tokens,
+            }),
+            |phase| async move {
+                let (mut guard, mut rx, next) = match phase {
+                    Phase::Done => return None,
+                    Phase::Before(p) => {
+                        tokio::time::sleep(p.sim.real(p.sim.api_overhead)).await;
+                        let (id, rx) = p.sim.submit(p.prompt_tokens, u64::from(p.output_tokens));
+                        let guard = Guard {
+                            sim: p.sim,
+                            id,
+                            done: false,
+                        };
+                        (guard, rx, 0)
+                    }
+                    Phase::Running { guard, rx, next } => (guard, rx, next),
+                };
+                let want = if next == 0 {
+                    1
+                } else {
+                    guard.sim.stream_interval
+                };
+                let mut count = 0;
+                let mut finished = false;
+                while count < want && !finished {
+                    // The sender lives as long as the sequence; a closed channel means the
+                    // engine dropped it, which only happens once it is finished.
+                    let emitted = rx.recv().await?;
+                    count += 1;
+                    finished = emitted.finished;
+                }
+                let run = TokenRun { first: next, count };
+                let phase = if finished {
+                    guard.done = true;
+                    Phase::Done
+                } else {
+                    Phase::Running {
+                        guard,
+                        rx,
+                        next: next + count,
+                    }
+                };
+                Some((run, phase))
+            },
+        )
     }
 }

@@ -3,9 +3,11 @@
 
 mod budgets;
 mod cli;
+mod deploy;
 mod e2e;
 mod envoy_config;
 mod grpc;
+mod lab;
 mod queue;
 mod redis_store;
 mod replicas;

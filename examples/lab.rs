@@ -1,0 +1,255 @@
+//! `lab`: re-runs the seeds' multi-tenant experiments against a simulated vLLM, through real
+//! Envoy, with tollgate in front or not.
+//!
+//! ```text
+//! bash scripts/install-test-deps.sh                     # Envoy 1.40 into .tools/
+//! cargo build --release --bin tollgate --example upstream
+//! cargo run --release --example lab -- examples/scenarios/seed000-burst.yaml
+//! ```
+//!
+//! A scenario file (`examples/scenarios/*.yaml`, format in docs/lab.md) names the tenants and
+//! their open-loop arrivals (Poisson rates, bursts), request sizes, the simulated vLLM's
+//! settings, tollgate's configuration, and the runs to compare. For every run the lab starts
+//! a fresh stack, the simulated vLLM (`examples/upstream.rs --engine vllm`), the release
+//! `tollgate` binary (or none) and Envoy on `envoy/front-proxy.yaml` (for "tollgate off", the
+//! same file with the ext_proc filter cut out at run time), sends the load, and tears it down.
+//!
+//! Everything in a scenario is simulated time. With `time_scale: 4` the engine runs 4 times
+//! faster than real time, arrivals come 4 times faster, tollgate's queue deadlines and
+//! controller times are divided by 4, and every latency the client measures is multiplied by
+//! 4 before it is reported: a 120 s scenario takes 30 s of wall time.
+//!
+//! Output: a seed-style table per run and an overview on stdout, a progress line on stderr,
+//! and under `--out` (default `target/lab/<scenario>/`): `summary.json`, `summary.csv`,
+//! `tables.md`, and per run `<run>.requests.csv` and `<run>.png`.
+
+#[path = "lab/chart.rs"]
+mod chart;
+#[path = "lab/load.rs"]
+mod load;
+#[path = "lab/report.rs"]
+mod report;
+#[path = "lab/scenario.rs"]
+mod scenario;
+#[path = "lab/stack.rs"]
+mod stack;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, ensure};
+use clap::Parser;
+use serde_json::{Value, json};
+
+use scenario::Scenario;
+use stack::{Binaries, Stack};
+
+#[derive(Parser, Debug)]
+#[command(name = "lab", about = "Run a load-lab scenario (see docs/lab.md)")]
+struct Args {
+    /// The scenario file.
+    scenario: PathBuf,
+    /// Simulated seconds per real second [default: the scenario's `time_scale`].
+    #[arg(long)]
+    time_scale: Option<f64>,
+    /// Only these runs (comma-separated names).
+    #[arg(long, value_delimiter = ',')]
+    runs: Vec<String>,
+    /// Output directory [default: target/lab/<scenario name>].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Skip the PNG charts.
+    #[arg(long)]
+    no_charts: bool,
+    /// Envoy binary [default: $ENVOY_BIN, else .tools/envoy-1.40.0/envoy/_bin/envoy].
+    #[arg(long)]
+    envoy_bin: Option<PathBuf>,
+    /// tollgate binary [default: target/<this profile>/tollgate].
+    #[arg(long)]
+    tollgate_bin: Option<PathBuf>,
+    /// Simulated vLLM binary [default: target/<this profile>/examples/upstream].
+    #[arg(long)]
+    upstream_bin: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("lab: cannot start the tokio runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        // Dropping the lab future on a signal drops the stack, and with it every child.
+        tokio::select! {
+            result = lab(&args) => result,
+            _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted; children stopped")),
+        }
+    });
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("lab: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn lab(args: &Args) -> Result<()> {
+    let scenario = Scenario::load(&args.scenario)?;
+    let time_scale = args.time_scale.unwrap_or(scenario.time_scale);
+    ensure!(time_scale > 0.0, "--time-scale must be positive");
+    let runs: Vec<&scenario::Run> = scenario
+        .runs
+        .iter()
+        .filter(|run| args.runs.is_empty() || args.runs.contains(&run.name))
+        .collect();
+    ensure!(!runs.is_empty(), "no run of the scenario matches --runs");
+    let binaries = Binaries::locate(
+        args.envoy_bin.clone(),
+        args.tollgate_bin.clone(),
+        args.upstream_bin.clone(),
+    )?;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let front_proxy = std::fs::read_to_string(root.join("envoy/front-proxy.yaml"))
+        .context("read envoy/front-proxy.yaml")?;
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| root.join("target/lab").join(&scenario.name));
+    std::fs::create_dir_all(&out).with_context(|| format!("create {}", out.display()))?;
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .tcp_nodelay(true)
+        .pool_idle_timeout(Duration::from_secs(5))
+        .build()
+        .context("build the HTTP client")?;
+    let tenant_names: Vec<String> = scenario.tenants.iter().map(|t| t.name.clone()).collect();
+    let mut upstream_args = vec!["--time-scale".to_owned(), time_scale.to_string()];
+    for (key, value) in &scenario.upstream {
+        upstream_args.push(format!("--{}", key.replace('_', "-")));
+        upstream_args.push(match value {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        });
+    }
+
+    if !scenario.description.is_empty() {
+        eprintln!("{}", scenario.description.trim());
+    }
+    eprintln!(
+        "scenario {}: {} run(s), {} s simulated each (+ up to {} s drain) at time scale {}",
+        scenario.name,
+        runs.len(),
+        scenario.duration_s,
+        scenario.drain_s,
+        time_scale
+    );
+    let mut summaries = Vec::new();
+    let mut tables = String::new();
+    for run in runs {
+        let tollgate_config = scenario.tollgate_config(run, time_scale);
+        let mut stack = Stack::start(
+            &binaries,
+            &upstream_args,
+            tollgate_config.as_ref(),
+            &front_proxy,
+            &client,
+        )
+        .await
+        .with_context(|| format!("start the stack of run {}", run.name))?;
+        let arrivals = scenario.arrivals(run);
+        let target = load::Target {
+            url: format!("http://{}/v1/chat/completions", stack.envoy_listen),
+            upstream: stack.upstream_addr,
+            tollgate_admin: stack.tollgate_admin,
+            identities: scenario
+                .tenants
+                .iter()
+                .map(|t| {
+                    (
+                        t.user.clone().unwrap_or_else(|| t.name.clone()),
+                        t.tier.clone(),
+                    )
+                })
+                .collect(),
+            time_scale,
+            sample_every: scenario.sample_every_s,
+            duration: scenario.duration_s,
+            drain: scenario.drain_s,
+            label: run.name.clone(),
+        };
+        let outcome = load::run(&target, &arrivals, &client).await;
+        stack
+            .check_alive()
+            .with_context(|| format!("a process of run {} died", run.name))?;
+        drop(stack);
+
+        let summary = report::summarize(
+            &report::RunInfo {
+                scenario: &scenario.name,
+                run: &run.name,
+                description: &run.description,
+                tollgate: tollgate_config.is_some(),
+                time_scale,
+                duration_s: scenario.duration_s,
+                window: scenario.window_s,
+                slo_ttft_ms: scenario.slo_ttft_ms,
+                tenant_names: tenant_names.clone(),
+            },
+            &outcome,
+        );
+        let table = report::table(&summary, scenario.window_s);
+        println!("{table}");
+        tables.push_str(&table);
+        let stem = run.name.replace(['/', ' '], "_");
+        std::fs::write(
+            out.join(format!("{stem}.requests.csv")),
+            report::records_csv(&outcome.records, &tenant_names),
+        )?;
+        std::fs::write(
+            out.join(format!("{stem}.samples.json")),
+            serde_json::to_string(&outcome.samples)?,
+        )?;
+        if !args.no_charts {
+            chart::run_chart(
+                &out.join(format!("{stem}.png")),
+                &summary,
+                &outcome,
+                &tenant_names,
+            )?;
+        }
+        summaries.push((summary, tollgate_config));
+    }
+
+    let only: Vec<report::RunSummary> = summaries.iter().map(|(s, _)| s.clone()).collect();
+    let overview = report::overview(&only);
+    println!("#### {} overview\n\n{overview}", scenario.name);
+    tables.push_str(&format!("#### {} overview\n\n{overview}", scenario.name));
+    std::fs::write(out.join("tables.md"), tables)?;
+    std::fs::write(out.join("summary.csv"), report::summary_csv(&only))?;
+    let report = json!({
+        "scenario": scenario.name,
+        "file": args.scenario,
+        "time_scale": time_scale,
+        "command": std::env::args().collect::<Vec<_>>(),
+        "runs": summaries.iter().map(|(summary, config)| json!({
+            "summary": summary,
+            "tollgate_config": config,
+        })).collect::<Vec<_>>(),
+    });
+    std::fs::write(
+        out.join("summary.json"),
+        serde_json::to_string_pretty(&report)? + "\n",
+    )?;
+    eprintln!("results in {}", out.display());
+    Ok(())
+}

@@ -1,0 +1,384 @@
+//! The open-loop load: every request is sent at its due time whatever happened to the earlier
+//! ones, and measured from that due time (so a slow system cannot hide its queue by slowing
+//! the client). Also the sampler: vLLM's and tollgate's gauges, and the client's in-flight
+//! requests per tenant, every `sample_every_s`, with a progress line.
+
+use std::io::{IsTerminal, Write as _};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use futures_util::StreamExt;
+use serde::Serialize;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::scenario::Arrival;
+
+/// What the client saw of one request. Times are simulated seconds.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Record {
+    pub tenant: usize,
+    /// Due time, from the start of the run.
+    pub at: f64,
+    /// HTTP status; 0 when no response came (connection error, or still open at the end).
+    pub status: u16,
+    /// `x-tollgate-reason`, on tollgate's own answers.
+    pub reason: Option<String>,
+    /// Due time to the first body bytes of a 200.
+    pub ttft: Option<f64>,
+    /// Due time to the end of the response.
+    pub e2e: Option<f64>,
+    pub completion_tokens: Option<u64>,
+    /// A 200 whose stream ended without `data: [DONE]` (or broke off).
+    pub truncated: bool,
+    /// Still open when the drain time ran out: it hung.
+    pub unfinished: bool,
+    pub error: Option<String>,
+}
+
+impl Record {
+    /// Time per output token after the first.
+    pub fn per_token(&self) -> Option<f64> {
+        let tokens = self.completion_tokens?;
+        if tokens < 2 || self.truncated || self.status != 200 {
+            return None;
+        }
+        Some((self.e2e? - self.ttft?) / (tokens - 1) as f64)
+    }
+}
+
+/// One sample of the gauges; times in simulated seconds.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Sample {
+    pub t: f64,
+    pub vllm_running: Option<f64>,
+    pub vllm_waiting: Option<f64>,
+    pub vllm_kv_usage: Option<f64>,
+    pub tollgate_limit: Option<f64>,
+    pub tollgate_inflight: Option<f64>,
+    pub tollgate_queued: Option<f64>,
+    /// Requests each tenant has open (sent, not yet answered in full).
+    pub client_inflight: Vec<u64>,
+}
+
+pub struct Target {
+    pub url: String,
+    pub upstream: SocketAddr,
+    pub tollgate_admin: Option<SocketAddr>,
+    /// `(x-user-id, x-user-tier)` per tenant.
+    pub identities: Vec<(String, Option<String>)>,
+    pub time_scale: f64,
+    pub sample_every: f64,
+    pub duration: f64,
+    pub drain: f64,
+    pub label: String,
+}
+
+pub struct Outcome {
+    pub records: Vec<Record>,
+    pub samples: Vec<Sample>,
+    pub peak_inflight: Vec<u64>,
+    /// 99th percentile of how late requests were sent after their due time (real ms): a busy
+    /// machine shows here.
+    pub send_lag_p99_ms: f64,
+}
+
+struct Shared {
+    records: Mutex<Vec<Option<Record>>>,
+    inflight: Vec<AtomicU64>,
+    peak: Vec<AtomicU64>,
+    done: AtomicU64,
+    lags_us: Mutex<Vec<u64>>,
+    samples: Mutex<Vec<Sample>>,
+}
+
+pub async fn run(target: &Target, arrivals: &[Arrival], client: &reqwest::Client) -> Outcome {
+    let tenants = target.identities.len();
+    let shared = Arc::new(Shared {
+        records: Mutex::new(vec![None; arrivals.len()]),
+        inflight: (0..tenants).map(|_| AtomicU64::new(0)).collect(),
+        peak: (0..tenants).map(|_| AtomicU64::new(0)).collect(),
+        done: AtomicU64::new(0),
+        lags_us: Mutex::new(Vec::with_capacity(arrivals.len())),
+        samples: Mutex::new(Vec::new()),
+    });
+    let scale = target.time_scale;
+    let start = Instant::now() + Duration::from_millis(50);
+    let real = |sim: f64| Duration::from_secs_f64(sim.max(0.0) / scale);
+
+    let sampler = tokio::spawn(sample_loop(
+        SamplerArgs {
+            upstream: target.upstream,
+            tollgate_admin: target.tollgate_admin,
+            every: target.sample_every,
+            scale,
+            end: target.duration + target.drain,
+            label: target.label.clone(),
+            total: arrivals.len(),
+            start,
+        },
+        Arc::clone(&shared),
+        client.clone(),
+    ));
+
+    let mut tasks = JoinSet::new();
+    for (index, arrival) in arrivals.iter().enumerate() {
+        let due = start + real(arrival.at);
+        tokio::time::sleep_until(due).await;
+        let (user, tier) = target.identities[arrival.tenant].clone();
+        let request = client
+            .post(&target.url)
+            .header("content-type", "application/json")
+            .header("x-user-id", user);
+        let request = match tier {
+            Some(tier) => request.header("x-user-tier", tier),
+            None => request,
+        };
+        let request = request.body(body(arrival));
+        let shared = Arc::clone(&shared);
+        let arrival = arrival.clone();
+        tasks.spawn(async move {
+            let lag = due.elapsed();
+            shared.lags_us.lock().unwrap().push(lag.as_micros() as u64);
+            let tenant = arrival.tenant;
+            let now = shared.inflight[tenant].fetch_add(1, Ordering::Relaxed) + 1;
+            shared.peak[tenant].fetch_max(now, Ordering::Relaxed);
+            let mut record = send(request, due, scale).await;
+            record.tenant = tenant;
+            record.at = arrival.at;
+            shared.inflight[tenant].fetch_sub(1, Ordering::Relaxed);
+            shared.records.lock().unwrap()[index] = Some(record);
+            shared.done.fetch_add(1, Ordering::Relaxed);
+        });
+        // Reap finished tasks as we go, so the set stays small.
+        while tasks.try_join_next().is_some() {}
+    }
+    let deadline = start + real(target.duration + target.drain);
+    while !tasks.is_empty() {
+        match tokio::time::timeout_at(deadline, tasks.join_next()).await {
+            Ok(_) => {}
+            Err(_) => {
+                tasks.abort_all();
+                while tasks.join_next().await.is_some() {}
+            }
+        }
+    }
+    sampler.abort();
+    let _ = sampler.await;
+    if std::io::stderr().is_terminal() {
+        eprintln!();
+    }
+
+    let records = shared
+        .records
+        .lock()
+        .unwrap()
+        .iter()
+        .zip(arrivals)
+        .map(|(record, arrival)| {
+            record.clone().unwrap_or_else(|| Record {
+                tenant: arrival.tenant,
+                at: arrival.at,
+                unfinished: true,
+                error: Some("still open when the drain time ran out".to_owned()),
+                ..Record::default()
+            })
+        })
+        .collect();
+    let mut lags = shared.lags_us.lock().unwrap().clone();
+    lags.sort_unstable();
+    let send_lag_p99_ms = lags
+        .get((lags.len() * 99 / 100).min(lags.len().saturating_sub(1)))
+        .map_or(0.0, |us| *us as f64 / 1000.0);
+    Outcome {
+        records,
+        samples: shared.samples.lock().unwrap().clone(),
+        peak_inflight: shared
+            .peak
+            .iter()
+            .map(|p| p.load(Ordering::Relaxed))
+            .collect(),
+        send_lag_p99_ms,
+    }
+}
+
+/// An OpenAI chat body with `prompt_tokens` one-token words (" hello" is one token in both
+/// cl100k and o200k, and one word for the simulated vLLM's count).
+fn body(arrival: &Arrival) -> Bytes {
+    let prompt = "hello ".repeat(arrival.prompt_tokens as usize);
+    let mut body = serde_json::json!({
+        "model": "upstream-sim",
+        "messages": [{"role": "user", "content": prompt.trim_end()}],
+        "max_tokens": arrival.output_tokens,
+        "stream": arrival.stream,
+    });
+    if arrival.stream {
+        body["stream_options"] = serde_json::json!({"include_usage": true});
+    }
+    Bytes::from(body.to_string())
+}
+
+async fn send(request: reqwest::RequestBuilder, due: Instant, scale: f64) -> Record {
+    let sim = |at: Instant| at.duration_since(due).as_secs_f64() * scale;
+    let mut record = Record::default();
+    let response = match request.send().await {
+        Ok(response) => response,
+        Err(error) => {
+            record.error = Some(format!("{error}"));
+            record.e2e = Some(sim(Instant::now()));
+            return record;
+        }
+    };
+    record.status = response.status().as_u16();
+    record.reason = response
+        .headers()
+        .get("x-tollgate-reason")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let streaming = response
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let mut stream = response.bytes_stream();
+    // The end of the body is all we need: the usage chunk and `[DONE]`.
+    let mut tail: Vec<u8> = Vec::new();
+    let mut broke = false;
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(bytes) if bytes.is_empty() => {}
+            Ok(bytes) => {
+                if record.ttft.is_none() {
+                    record.ttft = Some(sim(Instant::now()));
+                }
+                tail.extend_from_slice(&bytes);
+                if tail.len() > 8192 {
+                    tail.drain(..tail.len() - 4096);
+                }
+            }
+            Err(error) => {
+                record.error = Some(format!("{error}"));
+                broke = true;
+                break;
+            }
+        }
+    }
+    record.e2e = Some(sim(Instant::now()));
+    if record.status == 200 {
+        let text = String::from_utf8_lossy(&tail);
+        record.completion_tokens = text.rfind("\"completion_tokens\":").and_then(|at| {
+            let digits: String = text[at + "\"completion_tokens\":".len()..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            digits.parse().ok()
+        });
+        record.truncated = broke || (streaming && !text.contains("data: [DONE]"));
+    } else {
+        record.ttft = None;
+    }
+    record
+}
+
+struct SamplerArgs {
+    upstream: SocketAddr,
+    tollgate_admin: Option<SocketAddr>,
+    every: f64,
+    scale: f64,
+    end: f64,
+    label: String,
+    total: usize,
+    start: Instant,
+}
+
+/// Samples into `shared.samples` until aborted.
+async fn sample_loop(args: SamplerArgs, shared: Arc<Shared>, client: reqwest::Client) {
+    let tty = std::io::stderr().is_terminal();
+    let mut next = args.start;
+    let mut last_line = -1.0_f64;
+    loop {
+        tokio::time::sleep_until(next).await;
+        next += Duration::from_secs_f64(args.every / args.scale);
+        let t = args.start.elapsed().as_secs_f64() * args.scale;
+        let vllm = scrape(&client, args.upstream).await;
+        let tollgate = match args.tollgate_admin {
+            Some(admin) => scrape(&client, admin).await,
+            None => None,
+        };
+        let value =
+            |text: &Option<String>, name: &str| text.as_deref().and_then(|t| metric(t, name));
+        let sample = Sample {
+            t,
+            vllm_running: value(&vllm, "vllm:num_requests_running"),
+            vllm_waiting: value(&vllm, "vllm:num_requests_waiting"),
+            vllm_kv_usage: value(&vllm, "vllm:kv_cache_usage_perc"),
+            tollgate_limit: value(&tollgate, "tollgate_inflight_limit"),
+            tollgate_inflight: value(&tollgate, "tollgate_inflight_requests"),
+            tollgate_queued: value(&tollgate, "tollgate_queued_requests"),
+            client_inflight: shared
+                .inflight
+                .iter()
+                .map(|n| n.load(Ordering::Relaxed))
+                .collect(),
+        };
+        let open: u64 = sample.client_inflight.iter().sum();
+        let line = format!(
+            "[{}] t={:>5.0}/{:.0}s  done {}/{}  open {}  vllm running {} waiting {} kv {:.0}%{}",
+            args.label,
+            t,
+            args.end,
+            shared.done.load(Ordering::Relaxed),
+            args.total,
+            open,
+            sample.vllm_running.unwrap_or(0.0),
+            sample.vllm_waiting.unwrap_or(0.0),
+            sample.vllm_kv_usage.unwrap_or(0.0) * 100.0,
+            match sample.tollgate_limit {
+                Some(limit) => format!(
+                    "  tollgate limit {limit} in flight {} queued {}",
+                    sample.tollgate_inflight.unwrap_or(0.0),
+                    sample.tollgate_queued.unwrap_or(0.0)
+                ),
+                None => String::new(),
+            }
+        );
+        if tty {
+            eprint!("\r{line}\x1b[K");
+            let _ = std::io::stderr().flush();
+        } else if t - last_line >= 10.0 {
+            eprintln!("{line}");
+            last_line = t;
+        }
+        shared.samples.lock().unwrap().push(sample);
+    }
+}
+
+async fn scrape(client: &reqwest::Client, addr: SocketAddr) -> Option<String> {
+    let response = client
+        .get(format!("http://{addr}/metrics"))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+        .ok()?;
+    response.error_for_status().ok()?.text().await.ok()
+}
+
+/// Sum of every series of `name` in Prometheus text.
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        if !(rest.starts_with('{') || rest.starts_with(' ')) {
+            continue;
+        }
+        if let Some(value) = rest.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
+            *found.get_or_insert(0.0) += value;
+        }
+    }
+    found
+}

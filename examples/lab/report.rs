@@ -1,0 +1,424 @@
+//! Per-tenant and per-run figures from the client's records and the sampled gauges, printed as
+//! seed-style Markdown tables and written as JSON and CSV.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::load::{Outcome, Record};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TenantSummary {
+    pub name: String,
+    pub submitted: u64,
+    /// Answered 200 (the stream may still have been cut short).
+    pub admitted: u64,
+    /// 200 with the whole stream (`[DONE]`).
+    pub completed: u64,
+    pub rejected_429: u64,
+    pub rejected_503: u64,
+    /// Other statuses and connection errors.
+    pub other_errors: u64,
+    pub truncated: u64,
+    /// Still open when the drain time ran out.
+    pub unfinished: u64,
+    pub ttft_p50_ms: Option<f64>,
+    pub ttft_p99_ms: Option<f64>,
+    pub per_token_p50_ms: Option<f64>,
+    pub e2e_p50_ms: Option<f64>,
+    pub e2e_p99_ms: Option<f64>,
+    pub peak_inflight: u64,
+    pub output_tokens: u64,
+    /// `x-tollgate-reason` (or `status NNN`) of every refusal.
+    pub refusals: BTreeMap<String, u64>,
+    /// Arrivals and admissions in the scenario's window.
+    pub window_submitted: u64,
+    pub window_admitted: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RunSummary {
+    pub scenario: String,
+    pub run: String,
+    pub description: String,
+    pub tollgate: bool,
+    pub time_scale: f64,
+    pub duration_s: f64,
+    pub tenants: Vec<TenantSummary>,
+    /// Completed requests per second of the run's arrival period.
+    pub goodput_rps: f64,
+    /// Completed requests whose TTFT met the SLO, per second.
+    pub slo_goodput_rps: f64,
+    pub slo_ttft_ms: f64,
+    pub output_tokens_per_s: f64,
+    pub peak_kv_usage: Option<f64>,
+    pub peak_vllm_running: Option<f64>,
+    pub peak_vllm_waiting: Option<f64>,
+    pub limit_min: Option<f64>,
+    pub limit_max: Option<f64>,
+    pub limit_last: Option<f64>,
+    pub send_lag_p99_ms: f64,
+}
+
+/// Nearest-rank percentile.
+pub fn percentile(values: &[f64], p: f64) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    Some(sorted[rank.clamp(1, sorted.len()) - 1])
+}
+
+pub struct RunInfo<'a> {
+    pub scenario: &'a str,
+    pub run: &'a str,
+    pub description: &'a str,
+    pub tollgate: bool,
+    pub time_scale: f64,
+    pub duration_s: f64,
+    pub window: Option<[f64; 2]>,
+    pub slo_ttft_ms: f64,
+    pub tenant_names: Vec<String>,
+}
+
+pub fn summarize(info: &RunInfo<'_>, outcome: &Outcome) -> RunSummary {
+    let ms = |v: Option<f64>| v.map(|s| s * 1000.0);
+    let in_window = |r: &Record| info.window.is_some_and(|[a, b]| (a..b).contains(&r.at));
+    let tenants: Vec<TenantSummary> = info
+        .tenant_names
+        .iter()
+        .enumerate()
+        .map(|(index, name)| {
+            let records: Vec<&Record> = outcome
+                .records
+                .iter()
+                .filter(|r| r.tenant == index)
+                .collect();
+            let ok = |r: &&&Record| r.status == 200 && !r.truncated;
+            let ttfts: Vec<f64> = records.iter().filter(ok).filter_map(|r| r.ttft).collect();
+            let e2es: Vec<f64> = records.iter().filter(ok).filter_map(|r| r.e2e).collect();
+            let per_token: Vec<f64> = records.iter().filter_map(|r| r.per_token()).collect();
+            let mut refusals = BTreeMap::new();
+            for r in records.iter().filter(|r| r.status != 200) {
+                let key = match (&r.reason, r.status, r.unfinished) {
+                    (_, _, true) => "unfinished".to_owned(),
+                    (Some(reason), _, _) => reason.clone(),
+                    (None, 0, _) => "connection error".to_owned(),
+                    (None, status, _) => format!("status {status}"),
+                };
+                *refusals.entry(key).or_insert(0) += 1;
+            }
+            let count =
+                |f: &dyn Fn(&Record) -> bool| records.iter().filter(|r| f(r)).count() as u64;
+            TenantSummary {
+                name: name.clone(),
+                submitted: records.len() as u64,
+                admitted: count(&|r| r.status == 200),
+                completed: count(&|r| r.status == 200 && !r.truncated),
+                rejected_429: count(&|r| r.status == 429),
+                rejected_503: count(&|r| r.status == 503),
+                other_errors: count(&|r| !matches!(r.status, 200 | 429 | 503) && !r.unfinished),
+                truncated: count(&|r| r.status == 200 && r.truncated),
+                unfinished: count(&|r| r.unfinished),
+                ttft_p50_ms: ms(percentile(&ttfts, 50.0)),
+                ttft_p99_ms: ms(percentile(&ttfts, 99.0)),
+                per_token_p50_ms: ms(percentile(&per_token, 50.0)),
+                e2e_p50_ms: ms(percentile(&e2es, 50.0)),
+                e2e_p99_ms: ms(percentile(&e2es, 99.0)),
+                peak_inflight: outcome.peak_inflight.get(index).copied().unwrap_or(0),
+                output_tokens: records
+                    .iter()
+                    .filter(ok)
+                    .filter_map(|r| r.completion_tokens)
+                    .sum(),
+                refusals,
+                window_submitted: count(&|r| in_window(r)),
+                window_admitted: count(&|r| in_window(r) && r.status == 200),
+            }
+        })
+        .collect();
+    let completed: Vec<&Record> = outcome
+        .records
+        .iter()
+        .filter(|r| r.status == 200 && !r.truncated)
+        .collect();
+    let within_slo = completed
+        .iter()
+        .filter(|r| r.ttft.is_some_and(|t| t * 1000.0 <= info.slo_ttft_ms))
+        .count();
+    let max = |f: fn(&crate::load::Sample) -> Option<f64>| {
+        outcome.samples.iter().filter_map(f).reduce(f64::max)
+    };
+    let min = |f: fn(&crate::load::Sample) -> Option<f64>| {
+        outcome.samples.iter().filter_map(f).reduce(f64::min)
+    };
+    RunSummary {
+        scenario: info.scenario.to_owned(),
+        run: info.run.to_owned(),
+        description: info.description.to_owned(),
+        tollgate: info.tollgate,
+        time_scale: info.time_scale,
+        duration_s: info.duration_s,
+        goodput_rps: completed.len() as f64 / info.duration_s,
+        slo_goodput_rps: within_slo as f64 / info.duration_s,
+        slo_ttft_ms: info.slo_ttft_ms,
+        output_tokens_per_s: tenants.iter().map(|t| t.output_tokens).sum::<u64>() as f64
+            / info.duration_s,
+        tenants,
+        peak_kv_usage: max(|s| s.vllm_kv_usage),
+        peak_vllm_running: max(|s| s.vllm_running),
+        peak_vllm_waiting: max(|s| s.vllm_waiting),
+        limit_min: min(|s| s.tollgate_limit),
+        limit_max: max(|s| s.tollgate_limit),
+        limit_last: outcome.samples.iter().rev().find_map(|s| s.tollgate_limit),
+        send_lag_p99_ms: outcome.send_lag_p99_ms,
+    }
+}
+
+fn thousands(n: f64) -> String {
+    let rounded = n.round() as i64;
+    let digits = rounded.abs().to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if rounded < 0 { format!("-{out}") } else { out }
+}
+
+fn ms_cell(v: Option<f64>) -> String {
+    v.map_or("–".to_owned(), |ms| format!("{} ms", thousands(ms)))
+}
+
+/// The seed-style table of one run (Markdown).
+pub fn table(summary: &RunSummary, window: Option<[f64; 2]>) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "#### {} / {} ({})\n",
+        summary.scenario,
+        summary.run,
+        if summary.tollgate {
+            "tollgate on"
+        } else {
+            "tollgate off"
+        }
+    );
+    if !summary.description.is_empty() {
+        let _ = writeln!(out, "{}\n", summary.description);
+    }
+    let header: Vec<String> = summary.tenants.iter().map(|t| t.name.clone()).collect();
+    let _ = writeln!(out, "| | {} |", header.join(" | "));
+    let _ = writeln!(out, "|---|{}", "---|".repeat(header.len()));
+    type Cell = fn(&TenantSummary) -> String;
+    let mut rows: Vec<(&str, Cell)> = vec![
+        ("Submitted", |t| t.submitted.to_string()),
+        ("Admitted (200)", |t| t.admitted.to_string()),
+        ("429", |t| t.rejected_429.to_string()),
+        ("503", |t| t.rejected_503.to_string()),
+        ("Other errors", |t| t.other_errors.to_string()),
+        ("Truncated streams", |t| t.truncated.to_string()),
+        ("Unfinished (hung)", |t| t.unfinished.to_string()),
+        ("Median TTFT", |t| ms_cell(t.ttft_p50_ms)),
+        ("p99 TTFT", |t| ms_cell(t.ttft_p99_ms)),
+        ("Median per-token decode", |t| {
+            t.per_token_p50_ms
+                .map_or("–".to_owned(), |ms| format!("{ms:.0} ms"))
+        }),
+        ("Median E2E", |t| ms_cell(t.e2e_p50_ms)),
+        ("p99 E2E", |t| ms_cell(t.e2e_p99_ms)),
+        ("Peak in-flight (client)", |t| t.peak_inflight.to_string()),
+    ];
+    if window.is_some() {
+        rows.push(("Admitted in window", |t| {
+            format!("{} / {}", t.window_admitted, t.window_submitted)
+        }));
+    }
+    for (name, cell) in rows {
+        let cells: Vec<String> = summary.tenants.iter().map(cell).collect();
+        let _ = writeln!(out, "| {name} | {} |", cells.join(" | "));
+    }
+    if let Some([a, b]) = window {
+        let total: u64 = summary.tenants.iter().map(|t| t.window_admitted).sum();
+        if total > 0 {
+            let shares: Vec<String> = summary
+                .tenants
+                .iter()
+                .map(|t| format!("{:.1}%", 100.0 * t.window_admitted as f64 / total as f64))
+                .collect();
+            let _ = writeln!(
+                out,
+                "| Share of admissions, arrivals in [{a}, {b}) s | {} |",
+                shares.join(" | ")
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "\nGoodput {:.2} req/s ({:.2} req/s with TTFT ≤ {} ms), {} output tokens/s; vLLM peak \
+         KV {}, peak running {}, peak waiting {}{}; client send lag p99 {:.1} ms (real).\n",
+        summary.goodput_rps,
+        summary.slo_goodput_rps,
+        thousands(summary.slo_ttft_ms),
+        thousands(summary.output_tokens_per_s),
+        summary
+            .peak_kv_usage
+            .map_or("–".to_owned(), |kv| format!("{:.0}%", kv * 100.0)),
+        summary.peak_vllm_running.map_or("–".to_owned(), thousands),
+        summary.peak_vllm_waiting.map_or("–".to_owned(), thousands),
+        match (summary.limit_min, summary.limit_max, summary.limit_last) {
+            (Some(min), Some(max), Some(last)) => {
+                format!("; tollgate limit {min}..{max}, last {last}")
+            }
+            _ => String::new(),
+        },
+        summary.send_lag_p99_ms,
+    );
+    out
+}
+
+/// One row per run: the comparison across runs (e.g. a sweep).
+pub fn overview(summaries: &[RunSummary]) -> String {
+    let Some(first) = summaries.first() else {
+        return String::new();
+    };
+    let names: Vec<&str> = first.tenants.iter().map(|t| t.name.as_str()).collect();
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "| run | goodput req/s | within SLO req/s | {} | shed (429+503) | peak KV | limit |",
+        names
+            .iter()
+            .map(|n| format!("{n} p99 TTFT"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    let _ = writeln!(
+        out,
+        "|---|---|---|{}---|---|---|",
+        "---|".repeat(names.len())
+    );
+    for s in summaries {
+        let p99s: Vec<String> = s.tenants.iter().map(|t| ms_cell(t.ttft_p99_ms)).collect();
+        let shed: u64 = s
+            .tenants
+            .iter()
+            .map(|t| t.rejected_429 + t.rejected_503)
+            .sum();
+        let _ = writeln!(
+            out,
+            "| {} | {:.2} | {:.2} | {} | {} | {} | {} |",
+            s.run,
+            s.goodput_rps,
+            s.slo_goodput_rps,
+            p99s.join(" | "),
+            shed,
+            s.peak_kv_usage
+                .map_or("–".to_owned(), |kv| format!("{:.0}%", kv * 100.0)),
+            match (s.limit_min, s.limit_max, s.limit_last) {
+                (Some(min), Some(max), Some(last)) if min == max => format!("{last}"),
+                (Some(min), Some(max), Some(last)) => format!("{min}..{max} (last {last})"),
+                _ => "off".to_owned(),
+            }
+        );
+    }
+    out
+}
+
+/// Every request of a run, one CSV line each.
+pub fn records_csv(records: &[Record], tenant_names: &[String]) -> String {
+    let mut out = String::from(
+        "tenant,arrival_s,status,reason,ttft_ms,e2e_ms,completion_tokens,truncated,unfinished\n",
+    );
+    let opt = |v: Option<f64>| v.map_or(String::new(), |s| format!("{:.1}", s * 1000.0));
+    for r in records {
+        let _ = writeln!(
+            out,
+            "{},{:.3},{},{},{},{},{},{},{}",
+            tenant_names[r.tenant],
+            r.at,
+            r.status,
+            r.reason.as_deref().unwrap_or(""),
+            opt(r.ttft),
+            opt(r.e2e),
+            r.completion_tokens.map_or(String::new(), |n| n.to_string()),
+            r.truncated,
+            r.unfinished
+        );
+    }
+    out
+}
+
+/// Per-run, per-tenant figures, one CSV line each.
+pub fn summary_csv(summaries: &[RunSummary]) -> String {
+    let mut out = String::from(
+        "scenario,run,tollgate,tenant,submitted,admitted,completed,429,503,other_errors,truncated,\
+         unfinished,ttft_p50_ms,ttft_p99_ms,per_token_p50_ms,e2e_p50_ms,e2e_p99_ms,peak_inflight,\
+         goodput_rps,slo_goodput_rps,peak_kv_usage\n",
+    );
+    let opt = |v: Option<f64>| v.map_or(String::new(), |x| format!("{x:.1}"));
+    for s in summaries {
+        for t in &s.tenants {
+            let _ = writeln!(
+                out,
+                "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{}",
+                s.scenario,
+                s.run,
+                s.tollgate,
+                t.name,
+                t.submitted,
+                t.admitted,
+                t.completed,
+                t.rejected_429,
+                t.rejected_503,
+                t.other_errors,
+                t.truncated,
+                t.unfinished,
+                opt(t.ttft_p50_ms),
+                opt(t.ttft_p99_ms),
+                opt(t.per_token_p50_ms),
+                opt(t.e2e_p50_ms),
+                opt(t.e2e_p99_ms),
+                t.peak_inflight,
+                s.goodput_rps,
+                s.slo_goodput_rps,
+                s.peak_kv_usage
+                    .map_or(String::new(), |kv| format!("{kv:.3}"))
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let values: Vec<f64> = (1..=100).map(f64::from).collect();
+        // (p, expected)
+        for (p, want) in [(50.0, 50.0), (99.0, 99.0), (100.0, 100.0), (0.0, 1.0)] {
+            assert_eq!(percentile(&values, p), Some(want), "p{p}");
+        }
+        assert_eq!(percentile(&[], 50.0), None);
+        assert_eq!(percentile(&[3.0], 99.0), Some(3.0));
+    }
+
+    #[test]
+    fn thousands_separators() {
+        for (n, want) in [
+            (0.0, "0"),
+            (999.4, "999"),
+            (1280.0, "1,280"),
+            (33200.0, "33,200"),
+        ] {
+            assert_eq!(thousands(n), want);
+        }
+    }
+}

@@ -1,0 +1,427 @@
+//! Scenario files (`examples/scenarios/*.yaml`): the workload, the simulated vLLM's settings,
+//! and the runs to compare (tollgate configurations, or tollgate off). Every time in a scenario
+//! is simulated time; [`Scenario::tollgate_config`] scales tollgate's own time settings by the
+//! time-scale factor so that tollgate lives on the same clock as the simulated engine.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{Context, Result, bail, ensure};
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// Simulated seconds per real second (overridable with `--time-scale`).
+    #[serde(default = "one")]
+    pub time_scale: f64,
+    /// Arrivals stop at this simulated second.
+    pub duration_s: f64,
+    /// After the arrivals stop, in-flight requests get this long (simulated) to finish; any
+    /// still open then count as unfinished (hung).
+    #[serde(default = "default_drain")]
+    pub drain_s: f64,
+    /// Seed of the arrival processes.
+    #[serde(default = "one_u64")]
+    pub seed: u64,
+    /// Metrics are sampled this often (simulated seconds).
+    #[serde(default = "one")]
+    pub sample_every_s: f64,
+    /// Arrivals in this window ([start, end) simulated seconds) get their own shares table,
+    /// e.g. the time two tenants contend.
+    #[serde(default)]
+    pub window_s: Option<[f64; 2]>,
+    /// TTFT objective for the "goodput within SLO" figure (simulated ms).
+    #[serde(default = "default_slo")]
+    pub slo_ttft_ms: f64,
+    /// The simulated vLLM's flags, without the leading `--` (e.g. `kv_capacity_tokens: 80000`).
+    #[serde(default)]
+    pub upstream: BTreeMap<String, Value>,
+    /// Request defaults for every tenant.
+    #[serde(default)]
+    pub request: RequestShape,
+    pub tenants: Vec<Tenant>,
+    /// tollgate's configuration for the runs that use it (its own YAML keys; times in
+    /// simulated milliseconds).
+    #[serde(default)]
+    pub tollgate: Value,
+    pub runs: Vec<Run>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestShape {
+    pub prompt_tokens: Option<u64>,
+    pub output_tokens: Option<u64>,
+    pub stream: Option<bool>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tenant {
+    pub name: String,
+    /// `x-user-id` (default: the name).
+    #[serde(default)]
+    pub user: Option<String>,
+    /// `x-user-tier` (default: none, so tollgate's `default_tier`).
+    #[serde(default)]
+    pub tier: Option<String>,
+    /// Poisson arrivals per second between `start_s` and `end_s`.
+    #[serde(default)]
+    pub rate: f64,
+    #[serde(default)]
+    pub start_s: f64,
+    /// Default: the scenario's `duration_s`.
+    #[serde(default)]
+    pub end_s: Option<f64>,
+    /// Extra Poisson arrivals on top of `rate`.
+    #[serde(default)]
+    pub bursts: Vec<Burst>,
+    #[serde(flatten)]
+    pub shape: RequestShape,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Burst {
+    pub start_s: f64,
+    pub length_s: f64,
+    pub rate: f64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Run {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// `false`: Envoy without the ext_proc filter. Absent: the scenario's `tollgate`. A
+    /// mapping: merged into the scenario's (maps merge key by key, anything else replaces).
+    #[serde(default)]
+    pub tollgate: Option<Value>,
+    /// Tenants that send nothing in this run.
+    #[serde(default)]
+    pub without: Vec<String>,
+    /// Per-tenant replacements of `rate` for this run (e.g. an overload ladder).
+    #[serde(default)]
+    pub rates: BTreeMap<String, f64>,
+    /// Per-tenant replacements of `start_s` for this run (e.g. a late joiner).
+    #[serde(default)]
+    pub starts: BTreeMap<String, f64>,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+fn one_u64() -> u64 {
+    1
+}
+
+fn default_slo() -> f64 {
+    2000.0
+}
+
+fn default_drain() -> f64 {
+    120.0
+}
+
+/// A request to send: when (simulated seconds from the start), whose, what size.
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    pub at: f64,
+    pub tenant: usize,
+    pub prompt_tokens: u64,
+    pub output_tokens: u64,
+    pub stream: bool,
+}
+
+impl Scenario {
+    pub fn load(path: &Path) -> Result<Scenario> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+        let value = yaml_to_json(&text).with_context(|| format!("parse {}", path.display()))?;
+        let scenario: Scenario =
+            serde_json::from_value(value).with_context(|| format!("load {}", path.display()))?;
+        scenario.validate()?;
+        Ok(scenario)
+    }
+
+    fn validate(&self) -> Result<()> {
+        ensure!(self.duration_s > 0.0, "duration_s must be positive");
+        ensure!(self.drain_s >= 0.0, "drain_s must not be negative");
+        ensure!(self.time_scale > 0.0, "time_scale must be positive");
+        ensure!(self.sample_every_s > 0.0, "sample_every_s must be positive");
+        ensure!(!self.tenants.is_empty(), "no tenants");
+        ensure!(!self.runs.is_empty(), "no runs");
+        for run in &self.runs {
+            for name in run
+                .without
+                .iter()
+                .chain(run.rates.keys())
+                .chain(run.starts.keys())
+            {
+                ensure!(
+                    self.tenants.iter().any(|t| &t.name == name),
+                    "run {}: no tenant {name}",
+                    run.name
+                );
+            }
+            if let Some(value) = &run.tollgate {
+                ensure!(
+                    matches!(value, Value::Bool(false) | Value::Object(_)),
+                    "run {}: tollgate must be false or a mapping",
+                    run.name
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The tollgate configuration of `run` (`None`: tollgate off), with its times divided and
+    /// its per-window budgets multiplied by `time_scale`, as JSON (which is YAML).
+    pub fn tollgate_config(&self, run: &Run, time_scale: f64) -> Option<Value> {
+        let mut config = self.tollgate.clone();
+        match &run.tollgate {
+            Some(Value::Bool(false)) => return None,
+            Some(patch) => merge(&mut config, patch),
+            None => {}
+        }
+        if config.is_null() {
+            config = Value::Object(Map::new());
+        }
+        scale_times(&mut config, time_scale);
+        Some(config)
+    }
+
+    /// Every arrival of `run`, sorted by time. Deterministic per scenario seed.
+    pub fn arrivals(&self, run: &Run) -> Vec<Arrival> {
+        let mut out = Vec::new();
+        for (index, tenant) in self.tenants.iter().enumerate() {
+            if run.without.contains(&tenant.name) {
+                continue;
+            }
+            let shape = |field: fn(&RequestShape) -> Option<u64>, default| {
+                field(&tenant.shape)
+                    .or(field(&self.request))
+                    .unwrap_or(default)
+            };
+            let prompt_tokens = shape(|s| s.prompt_tokens, 512);
+            let output_tokens = shape(|s| s.output_tokens, 128);
+            let stream = tenant.shape.stream.or(self.request.stream).unwrap_or(true);
+            let mut rng = Rng::new(self.seed ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9));
+            let rate = run.rates.get(&tenant.name).copied().unwrap_or(tenant.rate);
+            let end = tenant.end_s.unwrap_or(self.duration_s).min(self.duration_s);
+            let start = run
+                .starts
+                .get(&tenant.name)
+                .copied()
+                .unwrap_or(tenant.start_s);
+            let mut times = poisson(&mut rng, rate, start, end);
+            for burst in &tenant.bursts {
+                let burst_end = (burst.start_s + burst.length_s).min(self.duration_s);
+                times.extend(poisson(&mut rng, burst.rate, burst.start_s, burst_end));
+            }
+            out.extend(times.into_iter().map(|at| Arrival {
+                at,
+                tenant: index,
+                prompt_tokens,
+                output_tokens,
+                stream,
+            }));
+        }
+        out.sort_by(|a, b| a.at.total_cmp(&b.at));
+        out
+    }
+}
+
+/// Arrival times of a Poisson process of `rate` per second on [start, end).
+fn poisson(rng: &mut Rng, rate: f64, start: f64, end: f64) -> Vec<f64> {
+    let mut times = Vec::new();
+    if rate <= 0.0 {
+        return times;
+    }
+    let mut t = start;
+    loop {
+        t += -(1.0 - rng.unit()).ln() / rate;
+        if t >= end {
+            return times;
+        }
+        times.push(t);
+    }
+}
+
+/// xorshift64*: small, deterministic, good enough for arrival times.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1)
+    }
+
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1_u64 << 53) as f64
+    }
+}
+
+/// Deep merge: maps key by key, anything else replaces.
+pub fn merge(base: &mut Value, patch: &Value) {
+    match (base, patch) {
+        (Value::Object(base), Value::Object(patch)) => {
+            for (key, value) in patch {
+                merge(base.entry(key.clone()).or_insert(Value::Null), value);
+            }
+        }
+        (base, patch) => *base = patch.clone(),
+    }
+}
+
+/// tollgate's settings measured in time, divided by `scale` (never below 1 ms); its budgets per
+/// window, multiplied by it: a simulated minute lasts 60/scale real seconds.
+fn scale_times(config: &mut Value, scale: f64) {
+    let divide = |value: &mut Value| {
+        if let Some(ms) = value.as_f64() {
+            *value = Value::from(((ms / scale).round() as u64).max(1));
+        }
+    };
+    let multiply = |value: &mut Value| {
+        if let Some(n) = value.as_f64() {
+            *value = Value::from((n * scale).round() as u64);
+        }
+    };
+    fn walk(value: &mut Value, f: &mut dyn FnMut(&str, &mut Value)) {
+        if let Value::Object(map) = value {
+            for (key, child) in map.iter_mut() {
+                f(key, child);
+                walk(child, f);
+            }
+        } else if let Value::Array(items) = value {
+            for item in items {
+                walk(item, f);
+            }
+        }
+    }
+    walk(config, &mut |key, value| match key {
+        "queue_deadline_ms" => divide(value),
+        "tokens_per_minute" | "tokens_per_hour" | "tokens_per_day" | "requests_per_minute" => {
+            multiply(value)
+        }
+        _ => {}
+    });
+    if let Some(control) = config.get_mut("control").and_then(Value::as_object_mut) {
+        for key in ["tick_ms", "window_ms", "target_p99_ttft_ms"] {
+            if let Some(value) = control.get_mut(key) {
+                divide(value);
+            }
+        }
+    }
+}
+
+/// YAML (one document) to JSON, through yaml-rust2 (already in the tree through `config`).
+pub fn yaml_to_json(text: &str) -> Result<Value> {
+    let docs = yaml_rust2::YamlLoader::load_from_str(text)?;
+    let [doc] = &docs[..] else {
+        bail!("expected one YAML document, found {}", docs.len());
+    };
+    convert(doc)
+}
+
+fn convert(yaml: &yaml_rust2::Yaml) -> Result<Value> {
+    use yaml_rust2::Yaml;
+    Ok(match yaml {
+        Yaml::Real(text) => Value::from(
+            text.parse::<f64>()
+                .with_context(|| format!("bad number {text}"))?,
+        ),
+        Yaml::Integer(n) => Value::from(*n),
+        Yaml::String(s) => Value::from(s.clone()),
+        Yaml::Boolean(b) => Value::from(*b),
+        Yaml::Array(items) => Value::Array(items.iter().map(convert).collect::<Result<_>>()?),
+        Yaml::Hash(hash) => {
+            let mut map = Map::new();
+            for (key, value) in hash {
+                let key = match key {
+                    Yaml::String(s) => s.clone(),
+                    Yaml::Integer(n) => n.to_string(),
+                    other => bail!("unsupported mapping key {other:?}"),
+                };
+                map.insert(key, convert(value)?);
+            }
+            Value::Object(map)
+        }
+        Yaml::Null => Value::Null,
+        other => bail!("unsupported YAML value {other:?}"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn tollgate_times_scale_with_the_clock() {
+        let mut config = json!({
+            "tiers": {"free": {"queue_deadline_ms": 1000, "tokens_per_minute": 100}},
+            "tenants": {"a": {"queue_deadline_ms": 2000}},
+            "control": {"tick_ms": 5000, "window_ms": 30000, "target_p99_ttft_ms": 2000, "floor": 32},
+            "store": {"timeout_ms": 50},
+        });
+        scale_times(&mut config, 4.0);
+        assert_eq!(
+            config,
+            json!({
+                "tiers": {"free": {"queue_deadline_ms": 250, "tokens_per_minute": 400}},
+                "tenants": {"a": {"queue_deadline_ms": 500}},
+                "control": {"tick_ms": 1250, "window_ms": 7500, "target_p99_ttft_ms": 500, "floor": 32},
+                "store": {"timeout_ms": 50},
+            })
+        );
+    }
+
+    #[test]
+    fn runs_patch_the_base_config() {
+        let mut base = json!({"control": {"enabled": true, "floor": 32}, "tiers": {"a": {}}});
+        merge(
+            &mut base,
+            &json!({"control": {"enabled": false}, "tiers": {"b": {"weight": 2}}}),
+        );
+        assert_eq!(
+            base,
+            json!({"control": {"enabled": false, "floor": 32}, "tiers": {"a": {}, "b": {"weight": 2}}})
+        );
+    }
+
+    #[test]
+    fn poisson_arrivals_have_the_asked_rate_and_repeat() {
+        // (rate, seconds, tolerance on the count)
+        for (rate, seconds) in [(2.0, 1000.0), (30.0, 100.0), (0.5, 2000.0)] {
+            let times = poisson(&mut Rng::new(7), rate, 0.0, seconds);
+            let expected = rate * seconds;
+            let error = (times.len() as f64 - expected).abs() / expected;
+            assert!(error < 0.08, "rate {rate}: {} arrivals", times.len());
+            assert!(times.windows(2).all(|w| w[0] <= w[1]));
+            assert_eq!(times, poisson(&mut Rng::new(7), rate, 0.0, seconds));
+        }
+        assert!(poisson(&mut Rng::new(7), 0.0, 0.0, 10.0).is_empty());
+    }
+
+    #[test]
+    fn yaml_becomes_json() {
+        let value = yaml_to_json("a: 1\nb: [x, 2.5, true, null]\nc: {d: e}\n").unwrap();
+        assert_eq!(
+            value,
+            json!({"a": 1, "b": ["x", 2.5, true, null], "c": {"d": "e"}})
+        );
+    }
+}

@@ -1,0 +1,327 @@
+//! The processes of one run: the simulated vLLM (`examples/upstream.rs --engine vllm`),
+//! tollgate (the release binary, or none), and real Envoy in front, with
+//! `envoy/front-proxy.yaml` rendered on free loopback ports (or, for "tollgate off", the same
+//! file with the ext_proc filter and the tollgate cluster cut out at run time). Every child is
+//! killed and reaped on drop.
+
+use std::io::{BufRead, BufReader};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use serde_json::Value;
+
+/// The Envoy the tests use (tests/it/support/envoy.rs), installed by scripts/install-test-deps.sh.
+const ENVOY_VERSION: &str = "1.40.0";
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub struct Binaries {
+    pub envoy: PathBuf,
+    pub tollgate: PathBuf,
+    pub upstream: PathBuf,
+}
+
+impl Binaries {
+    /// Flags first, then `ENVOY_BIN`, then the defaults: `.tools/` for Envoy, and the binaries
+    /// of this example's own profile (`cargo build --release --bin tollgate --example upstream`).
+    pub fn locate(
+        envoy: Option<PathBuf>,
+        tollgate: Option<PathBuf>,
+        upstream: Option<PathBuf>,
+    ) -> Result<Binaries> {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let exe = std::env::current_exe().context("path of this executable")?;
+        let profile = exe
+            .parent()
+            .and_then(Path::parent)
+            .context("the lab should run from target/<profile>/examples")?;
+        let envoy = envoy
+            .or_else(|| std::env::var_os("ENVOY_BIN").map(PathBuf::from))
+            .unwrap_or_else(|| root.join(format!(".tools/envoy-{ENVOY_VERSION}/envoy/_bin/envoy")));
+        let tollgate = tollgate.unwrap_or_else(|| profile.join("tollgate"));
+        let upstream = upstream.unwrap_or_else(|| profile.join("examples/upstream"));
+        ensure!(
+            envoy.is_file(),
+            "no Envoy at {}: run scripts/install-test-deps.sh (or pass --envoy-bin)",
+            envoy.display()
+        );
+        for (path, build) in [
+            (&tollgate, "--bin tollgate"),
+            (&upstream, "--example upstream"),
+        ] {
+            ensure!(
+                path.is_file(),
+                "{} is missing: run `cargo build --release {build}` first",
+                path.display()
+            );
+        }
+        Ok(Binaries {
+            envoy,
+            tollgate,
+            upstream,
+        })
+    }
+}
+
+/// A child process with its log file; SIGKILLed and reaped on drop.
+pub struct Proc {
+    name: &'static str,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn spawn(name: &'static str, command: &mut Command, log: PathBuf) -> Result<Proc> {
+        let file =
+            std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
+        let child = command
+            .stdin(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .with_context(|| format!("spawn {name}"))?;
+        Ok(Proc { name, child, log })
+    }
+
+    pub fn check_alive(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait().context("poll child")? {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(30).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            bail!(
+                "{} exited ({status}); end of its log:\n{}",
+                self.name,
+                tail.join("\n")
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub struct Stack {
+    pub envoy_listen: SocketAddr,
+    pub upstream_addr: SocketAddr,
+    pub tollgate_admin: Option<SocketAddr>,
+    // Drop order: Envoy first, then tollgate and the upstream; the temp dir (configs, logs) last.
+    envoy: Proc,
+    tollgate: Option<Proc>,
+    upstream: Proc,
+    _dir: tempfile::TempDir,
+}
+
+impl Stack {
+    pub async fn start(
+        binaries: &Binaries,
+        upstream_args: &[String],
+        tollgate_config: Option<&Value>,
+        front_proxy: &str,
+        client: &reqwest::Client,
+    ) -> Result<Stack> {
+        let dir = tempfile::Builder::new()
+            .prefix("tollgate-lab-")
+            .tempdir()
+            .context("create a temp dir")?;
+
+        let mut upstream = Proc::spawn(
+            "upstream",
+            Command::new(&binaries.upstream)
+                .args(["--addr", "127.0.0.1:0", "--engine", "vllm"])
+                .args(upstream_args)
+                .stdout(Stdio::piped()),
+            dir.path().join("upstream.log"),
+        )?;
+        let mut line = String::new();
+        BufReader::new(upstream.child.stdout.take().context("upstream stdout")?)
+            .read_line(&mut line)
+            .context("read the upstream's first line")?;
+        let upstream_addr: SocketAddr = match line.trim().strip_prefix("upstream listening on ") {
+            Some(addr) => addr.parse().context("upstream address")?,
+            None => {
+                upstream.check_alive()?;
+                bail!("unexpected first line from the upstream: {line:?}");
+            }
+        };
+
+        let mut tollgate = None;
+        let mut tollgate_admin = None;
+        let mut grpc_port = None;
+        if let Some(config) = tollgate_config {
+            let path = dir.path().join("tollgate.yaml");
+            // JSON is YAML.
+            std::fs::write(&path, serde_json::to_string_pretty(config)?)?;
+            let grpc = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
+            let admin = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
+            let mut command = Command::new(&binaries.tollgate);
+            command
+                .arg("--config")
+                .arg(&path)
+                .args(["--grpc-addr", &grpc.to_string()])
+                .args(["--admin-addr", &admin.to_string()])
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null());
+            // The run's configuration must be the file's, whatever the environment holds.
+            for (name, _) in std::env::vars_os() {
+                if name.to_string_lossy().starts_with("TOLLGATE__") {
+                    command.env_remove(name);
+                }
+            }
+            let mut proc = Proc::spawn("tollgate", &mut command, dir.path().join("tollgate.log"))?;
+            let url = format!("http://{admin}/readyz");
+            wait_until(&mut proc, client, &url, |_| true).await?;
+            tollgate = Some(proc);
+            tollgate_admin = Some(admin);
+            grpc_port = Some(grpc.port());
+        }
+
+        let text = match grpc_port {
+            Some(_) => front_proxy.to_owned(),
+            None => without_ext_proc(front_proxy)?,
+        };
+        let listen = free_port()?;
+        let admin = free_port()?;
+        let mut replacements = vec![
+            ("port_value: 10000", listen),
+            ("port_value: 8000", upstream_addr.port()),
+            ("port_value: 9901", admin),
+        ];
+        if let Some(port) = grpc_port {
+            replacements.push(("port_value: 50051", port));
+        }
+        let mut rendered = text.replace("address: 0.0.0.0", "address: 127.0.0.1");
+        for (placeholder, port) in replacements {
+            let count = rendered.matches(placeholder).count();
+            ensure!(
+                count == 1,
+                "`{placeholder}` occurs {count} times in the Envoy config, expected once (see \
+                 the header of envoy/front-proxy.yaml)"
+            );
+            rendered = rendered.replacen(placeholder, &format!("port_value: {port}"), 1);
+        }
+        let config_path = dir.path().join("envoy.yaml");
+        std::fs::write(&config_path, rendered)?;
+        let mut envoy = Proc::spawn(
+            "envoy",
+            Command::new(&binaries.envoy)
+                .arg("-c")
+                .arg(&config_path)
+                // As in the tests and benchmarks: everything shares two cores.
+                .args(["--concurrency", "1", "--disable-hot-restart"])
+                .args(["--log-level", "warn"])
+                .stdout(Stdio::null()),
+            dir.path().join("envoy.log"),
+        )?;
+        let url = format!("http://127.0.0.1:{admin}/ready");
+        wait_until(&mut envoy, client, &url, |body| body.trim() == "LIVE").await?;
+
+        Ok(Stack {
+            envoy_listen: SocketAddr::from((Ipv4Addr::LOCALHOST, listen)),
+            upstream_addr,
+            tollgate_admin,
+            envoy,
+            tollgate,
+            upstream,
+            _dir: dir,
+        })
+    }
+
+    /// Fails if any child has exited.
+    pub fn check_alive(&mut self) -> Result<()> {
+        self.upstream.check_alive()?;
+        if let Some(tollgate) = &mut self.tollgate {
+            tollgate.check_alive()?;
+        }
+        self.envoy.check_alive()
+    }
+}
+
+async fn wait_until(
+    proc: &mut Proc,
+    client: &reqwest::Client,
+    url: &str,
+    body_ok: impl Fn(&str) -> bool,
+) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + READY_TIMEOUT;
+    loop {
+        proc.check_alive()?;
+        if let Ok(response) = client.get(url).send().await
+            && response.status().is_success()
+            && response.text().await.is_ok_and(|body| body_ok(&body))
+        {
+            return Ok(());
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "{} was not ready at {url} within {READY_TIMEOUT:?}",
+            proc.name
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|listener| listener.local_addr())
+        .context("bind 127.0.0.1:0")?
+        .port())
+}
+
+/// `front_proxy` without the ext_proc HTTP filter and the `tollgate` cluster: Envoy straight
+/// to the upstream, with everything else (timeouts, buffer limits, circuit breakers) the same.
+pub fn without_ext_proc(front_proxy: &str) -> Result<String> {
+    let direct = remove_list_item(front_proxy, "- name: envoy.filters.http.ext_proc")?;
+    let direct = remove_list_item(&direct, "- name: tollgate")?;
+    ensure!(
+        !direct.contains("ext_proc.v3") && !direct.contains("cluster_name: tollgate"),
+        "ext_proc is still referenced after removing the filter and the cluster"
+    );
+    Ok(direct)
+}
+
+/// Removes the YAML list item whose first line (after indentation) is `header`, with every
+/// following line that is blank or indented deeper than its dash.
+fn remove_list_item(yaml: &str, header: &str) -> Result<String> {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let indent = |line: &str| line.len() - line.trim_start().len();
+    let starts: Vec<usize> = (0..lines.len())
+        .filter(|&i| lines[i].trim_start() == header)
+        .collect();
+    let [start] = starts[..] else {
+        bail!("`{header}` occurs {} times, expected once", starts.len());
+    };
+    let end = (start + 1..lines.len())
+        .find(|&i| !lines[i].trim().is_empty() && indent(lines[i]) <= indent(lines[start]))
+        .unwrap_or(lines.len());
+    let mut kept = lines[..start].to_vec();
+    kept.extend_from_slice(&lines[end..]);
+    Ok(kept.join("\n") + "\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_front_proxy_loses_ext_proc_and_keeps_the_rest() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let front_proxy = std::fs::read_to_string(root.join("envoy/front-proxy.yaml")).unwrap();
+        let direct = without_ext_proc(&front_proxy).unwrap();
+        assert!(!direct.contains("port_value: 50051"));
+        for kept in [
+            "envoy.filters.http.router",
+            "- name: inference",
+            "port_value: 8000",
+            "stream_idle_timeout: 600s",
+            "per_connection_buffer_limit_bytes: 8388608",
+        ] {
+            assert!(direct.contains(kept), "{kept} went missing");
+        }
+    }
+}
