@@ -84,7 +84,28 @@ fn main() -> ExitCode {
                 }
             }
         }
-        None => serve(config),
+        None => {
+            // Only when serving: `check-config` and `print-config` may run where the Secret
+            // holding the password is not mounted.
+            if let Err(e) = check_password_file(&config.store) {
+                eprintln!("tollgate: invalid configuration:\n{e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+            serve(config)
+        }
+    }
+}
+
+/// A Redis password file that cannot be read is a configuration error (exit status 2), found
+/// before anything starts rather than as a server error.
+fn check_password_file(store: &config::StoreConfig) -> Result<(), config::ConfigError> {
+    match (&store.redis_url, &store.redis_password_file) {
+        (Some(_), Some(path)) => std::fs::read_to_string(path).map(drop).map_err(|e| {
+            config::ConfigError(format!(
+                "store.redis_password_file: cannot read {path}: {e}"
+            ))
+        }),
+        _ => Ok(()),
     }
 }
 
@@ -143,6 +164,10 @@ fn serve(config: Config) -> ExitCode {
         }
         match tollgate::run(config, listeners, shutdown_signal()).await {
             Ok(()) => ExitCode::SUCCESS,
+            Err(e @ tollgate::Error::Config(_)) => {
+                eprintln!("tollgate: {e}");
+                ExitCode::from(EXIT_CONFIG)
+            }
             Err(e) => {
                 eprintln!("tollgate: {e}");
                 ExitCode::FAILURE

@@ -208,6 +208,46 @@ fn every_scheduler_and_controller_series_exists_at_zero_before_any_event() {
 }
 
 #[test]
+fn every_budget_series_exists_at_zero_before_any_event() {
+    let policy = default_policy();
+    let scraped = scrape(&Metrics::new(&policy));
+    for tier in tiers(&policy) {
+        for kind in ["input", "output"] {
+            for stage in ["reserved", "settled", "refunded"] {
+                let labels = [("tier", tier), ("kind", kind), ("stage", stage)];
+                assert_eq!(value(&scraped, BUDGET_TOKENS, &labels), 0.0, "{labels:?}");
+            }
+        }
+    }
+    for op in ["reserve", "settle", "renew"] {
+        for kind in ["timeout", "unavailable", "protocol"] {
+            let labels = [("op", op), ("kind", kind)];
+            assert_eq!(value(&scraped, STORE_ERRORS, &labels), 0.0, "{labels:?}");
+        }
+        let count = format!("{STORE_DURATION}_count");
+        assert_eq!(value(&scraped, &count, &[("op", op)]), 0.0, "{op}");
+    }
+    for control in ["budgets", "concurrency"] {
+        for mode in ["fail_open", "fail_closed"] {
+            let labels = [("control", control), ("mode", mode)];
+            assert_eq!(
+                value(&scraped, DEGRADED_DECISIONS, &labels),
+                0.0,
+                "{labels:?}"
+            );
+        }
+    }
+    // No lease held; the breaker closed (0), not open.
+    assert_eq!(value(&scraped, ACTIVE_LEASES, &[]), 0.0);
+    assert_eq!(value(&scraped, STORE_BREAKER, &[]), 0.0);
+    // Exactly these: no series with other label values (2 x 3 per tier, 3 x 3, 2 x 2).
+    let count = |name: &str| scraped.keys().filter(|(n, _)| n == name).count();
+    assert_eq!(count(BUDGET_TOKENS), tiers(&policy).len() * 6);
+    assert_eq!(count(STORE_ERRORS), 9);
+    assert_eq!(count(DEGRADED_DECISIONS), 4);
+}
+
+#[test]
 fn series_per_tier_follow_the_configured_tiers() {
     let config = Config {
         tiers: BTreeMap::from([

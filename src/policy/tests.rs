@@ -481,8 +481,9 @@ fn control_loop_settings_must_be_usable() {
 
 #[test]
 fn absurd_lease_renewal_is_a_problem_not_a_panic() {
-    // BUG (see the report): `lease_renew_ms * 2` overflows; debug builds panic, release builds
-    // wrap around and accept a renewal period longer than the lease.
+    // A check written as `lease_renew_ms * 2 <= lease_ttl_ms` would overflow here (a panic in
+    // debug builds, a wrap-around accepting a renewal period longer than the lease in release
+    // builds); the check compares with `lease_ttl_ms / 2` instead.
     check_problems(
         |c| c.store.lease_renew_ms = u64::MAX,
         &["store.lease_renew_ms: 18446744073709551615 must be positive and at most half"],

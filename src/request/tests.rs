@@ -147,10 +147,9 @@ fn inference_routes_are_post_on_an_exact_path() {
 
 #[test]
 fn percent_encoded_inference_path_is_still_inference() {
-    // BUG (see the report): the path is matched as Envoy sends it, still percent-encoded, but
-    // vLLM (uvicorn) decodes it before routing, so `/v1/chat/%63ompletions` reaches the chat
-    // endpoint while tollgate passes it through unadmitted and uncounted. The front-proxy
-    // config does not normalise paths either.
+    // vLLM (uvicorn) decodes the path before routing, so `/v1/chat/%63ompletions` reaches the
+    // chat endpoint: tollgate must decode it too before matching, or such a request would pass
+    // through unadmitted and uncounted.
     use ApiKind::*;
     use Route::*;
     let p = &*DEFAULT_POLICY;

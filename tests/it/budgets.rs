@@ -357,3 +357,247 @@ async fn a_model_limit_counts_only_requests_for_matching_models() {
     assert!(admitted(&answer), "{answer:?}");
     server.stop().await.unwrap();
 }
+
+// ---------------------------------------------------------------------------------------------
+// Settlement: what a finished request is charged, read back from the metrics and from the
+// remaining budget the next request is told.
+//
+// Not here yet (the rules are being changed in src/extproc.rs): a 2xx response that ends before
+// its first body byte (to be refunded in full, like an upstream error), and a stream whose
+// first ProcessingRequest says `protocol_config.response_body_mode: NONE` (to be charged input +
+// its reserved output). Both belong beside these tests, driven the same way.
+// ---------------------------------------------------------------------------------------------
+
+/// Output tokens of `max_tokens` in every settlement test: the reservation is its input + this.
+const SETTLE_MAX_TOKENS: u64 = 100;
+const SETTLE_BUDGET: u64 = 100_000;
+
+fn settle_config() -> Config {
+    budgets(|t| t.tokens_per_hour = Some(SETTLE_BUDGET))
+}
+
+/// An admitted request of `user` asking for `SETTLE_MAX_TOKENS` (streamed if `stream`); returns
+/// the stream and its counted input tokens.
+async fn admitted_request(server: &TestServer, user: &str, stream: bool) -> (ExtProcStream, u64) {
+    let extra = serde_json::json!({"max_tokens": SETTLE_MAX_TOKENS, "stream": stream});
+    let (stream, answer) = request(server, user, extra).await;
+    assert!(admitted(&answer), "{answer:?}");
+    let input = header(&answer, "x-tollgate-input-tokens")
+        .expect("the counted input goes upstream")
+        .parse()
+        .unwrap();
+    (stream, input)
+}
+
+/// The remaining tokens `user` is told on a new request (which reserves input + max_tokens
+/// itself and is left open).
+async fn remaining_after_one_more(server: &TestServer, user: &str) -> (ExtProcStream, u64) {
+    let extra = serde_json::json!({"max_tokens": SETTLE_MAX_TOKENS});
+    let (stream, answer) = request(server, user, extra).await;
+    assert!(admitted(&answer), "{answer:?}");
+    let remaining = header(&answer, "x-ratelimit-remaining-tokens")
+        .unwrap()
+        .parse()
+        .unwrap();
+    (stream, remaining)
+}
+
+/// `tollgate_budget_tokens_total{tier="free", kind, stage}`.
+fn budget_tokens(m: &Metrics, kind: &str, stage: &str) -> f64 {
+    m.value(
+        "tollgate_budget_tokens_total",
+        &[
+            "tier=\"free\"",
+            &format!("kind=\"{kind}\""),
+            &format!("stage=\"{stage}\""),
+        ],
+    )
+}
+
+/// One SSE chunk of generated `text`.
+fn sse_delta(text: &str) -> Vec<u8> {
+    let chunk = serde_json::json!({"choices": [{"index": 0, "delta": {"content": text}}]});
+    format!("data: {chunk}\n\n").into_bytes()
+}
+
+/// Tokens of `text` as tollgate counts generated output for gpt-4o-mini.
+fn output_tokens(text: &str) -> u64 {
+    tollgate::tokens::Encoding::for_model_default("gpt-4o-mini").count(text) as u64
+}
+
+/// Waits until `name{labels}` reaches `want` (metrics move just before the store is settled).
+async fn wait_for_metric(server: &TestServer, kind: &str, stage: &str, want: f64) {
+    for _ in 0..250 {
+        if budget_tokens(&server.metrics().await, kind, stage) == want {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!(
+        "tollgate_budget_tokens_total{{kind={kind}, stage={stage}}} never reached {want}:\n{}",
+        server.metrics().await.0
+    );
+}
+
+/// Rule: a client that goes away mid-stream is charged its input plus the output tokens that
+/// were streamed to it, and the rest of the reservation comes back. Envoy ends the ext_proc
+/// stream without the response's end: half-closed (the request is then settled before tollgate
+/// closes the stream) or reset (settled in the background).
+#[tokio::test]
+async fn a_client_abort_mid_stream_is_charged_input_plus_what_streamed() {
+    let server = TestServer::start(settle_config()).await;
+    let chunks = ["Hello there, friend.", " How are you doing today?"];
+    let streamed: u64 = chunks.iter().map(|c| output_tokens(c)).sum();
+    assert!(streamed > 0 && streamed < SETTLE_MAX_TOKENS);
+
+    // Half-closed after two chunks, no [DONE].
+    let (mut stream, input) = admitted_request(&server, "abort-close", true).await;
+    stream
+        .exchange(response_headers(200, "text/event-stream"))
+        .await;
+    for chunk in chunks {
+        stream
+            .exchange(response_body(&sse_delta(chunk), false))
+            .await;
+    }
+    stream.close();
+    assert!(stream.recv().await.unwrap().is_none());
+    let m = server.metrics().await;
+    assert_eq!(budget_tokens(&m, "input", "settled"), input as f64);
+    assert_eq!(budget_tokens(&m, "output", "settled"), streamed as f64);
+    assert_eq!(
+        budget_tokens(&m, "output", "refunded"),
+        (SETTLE_MAX_TOKENS - streamed) as f64
+    );
+    assert_eq!(
+        m.value(
+            "tollgate_stream_completions_total",
+            &["result=\"truncated\""]
+        ),
+        1.0
+    );
+    // The store was charged the same: the next request sees both charges.
+    let (_next, remaining) = remaining_after_one_more(&server, "abort-close").await;
+    assert_eq!(
+        remaining,
+        SETTLE_BUDGET - (input + streamed) - (input + SETTLE_MAX_TOKENS),
+        "charged {input} input + {streamed} streamed output, then the new reservation"
+    );
+
+    // Reset (the stream dropped, as a gRPC cancel) after the same two chunks.
+    let (mut stream, _) = admitted_request(&server, "abort-reset", true).await;
+    stream
+        .exchange(response_headers(200, "text/event-stream"))
+        .await;
+    for chunk in chunks {
+        stream
+            .exchange(response_body(&sse_delta(chunk), false))
+            .await;
+    }
+    drop(stream);
+    wait_for_metric(&server, "output", "settled", (2 * streamed) as f64).await;
+    let m = server.metrics().await;
+    assert_eq!(budget_tokens(&m, "input", "settled"), (2 * input) as f64);
+    assert_eq!(
+        budget_tokens(&m, "output", "refunded"),
+        (2 * (SETTLE_MAX_TOKENS - streamed)) as f64
+    );
+    server.stop().await.unwrap();
+}
+
+/// Rule: a response that ends properly without reporting usage (a JSON body without `usage`, or
+/// an SSE stream ending in `[DONE]` without a usage chunk) is charged the counted input plus the
+/// output tokens counted in what it generated.
+#[tokio::test]
+async fn a_complete_response_without_usage_is_charged_input_plus_counted_output() {
+    let server = TestServer::start(settle_config()).await;
+    let text = "Hello, world! Fair queues are a fine thing to write haiku about.";
+    let counted = output_tokens(text);
+    assert!(counted > 1 && counted < SETTLE_MAX_TOKENS);
+
+    // JSON, no usage.
+    let (mut stream, input) = admitted_request(&server, "no-usage-json", false).await;
+    stream
+        .exchange(response_headers(200, "application/json"))
+        .await;
+    let body = serde_json::json!({
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}],
+    });
+    stream
+        .exchange(response_body(body.to_string().as_bytes(), true))
+        .await;
+    stream.close();
+    assert!(stream.recv().await.unwrap().is_none());
+    let m = server.metrics().await;
+    assert_eq!(budget_tokens(&m, "input", "settled"), input as f64);
+    assert_eq!(budget_tokens(&m, "output", "settled"), counted as f64);
+    let (_next, remaining) = remaining_after_one_more(&server, "no-usage-json").await;
+    assert_eq!(
+        remaining,
+        SETTLE_BUDGET - (input + counted) - (input + SETTLE_MAX_TOKENS)
+    );
+
+    // SSE in three chunks, [DONE], no usage chunk.
+    let (mut stream, input) = admitted_request(&server, "no-usage-sse", true).await;
+    stream
+        .exchange(response_headers(200, "text/event-stream"))
+        .await;
+    let (first, rest) = text.split_at(20);
+    let (second, third) = rest.split_at(15);
+    let mut sse = Vec::new();
+    for part in [first, second, third] {
+        sse.extend(sse_delta(part));
+    }
+    let chunk_counted: u64 = [first, second, third]
+        .iter()
+        .map(|p| output_tokens(p))
+        .sum();
+    stream.exchange(response_body(&sse, false)).await;
+    stream
+        .exchange(response_body(b"data: [DONE]\n\n", true))
+        .await;
+    stream.close();
+    assert!(stream.recv().await.unwrap().is_none());
+    let m = server.metrics().await;
+    assert_eq!(
+        m.value(
+            "tollgate_stream_completions_total",
+            &["result=\"complete\""]
+        ),
+        2.0
+    );
+    assert_eq!(
+        budget_tokens(&m, "output", "settled"),
+        (counted + chunk_counted) as f64
+    );
+    let (_next, remaining) = remaining_after_one_more(&server, "no-usage-sse").await;
+    assert_eq!(
+        remaining,
+        SETTLE_BUDGET - (input + chunk_counted) - (input + SETTLE_MAX_TOKENS)
+    );
+    server.stop().await.unwrap();
+}
+
+/// Rule: usage beyond the reservation is charged in full (the estimate can be low: the
+/// upstream's own prompt count, `n` > 1, tools): the remaining budget drops below what the
+/// reservation alone would have left, and nothing is refunded.
+#[tokio::test]
+async fn usage_beyond_the_reservation_is_charged_extra() {
+    let server = TestServer::start(settle_config()).await;
+    let (mut stream, input) = admitted_request(&server, "over", false).await;
+    let reserved = input + SETTLE_MAX_TOKENS;
+    let (prompt, completion) = (input + 50, 3 * SETTLE_MAX_TOKENS);
+    complete(&mut stream, prompt, completion).await;
+    let m = server.metrics().await;
+    assert_eq!(budget_tokens(&m, "input", "settled"), prompt as f64);
+    assert_eq!(budget_tokens(&m, "output", "settled"), completion as f64);
+    assert_eq!(budget_tokens(&m, "input", "refunded"), 0.0);
+    assert_eq!(budget_tokens(&m, "output", "refunded"), 0.0);
+    let (_next, remaining) = remaining_after_one_more(&server, "over").await;
+    assert_eq!(remaining, SETTLE_BUDGET - (prompt + completion) - reserved);
+    assert!(
+        remaining < SETTLE_BUDGET - reserved - reserved,
+        "charged beyond the reservation"
+    );
+    server.stop().await.unwrap();
+}

@@ -1,6 +1,7 @@
 //! The `tollgate` binary's command line: config checking, printing, layering and exit codes.
 
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
 
 fn tollgate(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
@@ -104,4 +105,146 @@ fn print_config_shows_defaults_file_env_and_flags_layered() {
     let output = tollgate(&["print-config"], &[("TOLLGATE__LISTEN__GRPC_ADRR", "x")]);
     assert_eq!(output.status.code(), Some(2));
     assert!(stderr(&output).contains("grpc_adrr"), "{}", stderr(&output));
+}
+
+/// Runs the server (no subcommand) on port 0 and expects it to exit by itself within 20 s;
+/// kills it and fails otherwise.
+fn serve_expecting_exit(args: &[&str]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    command
+        .args(args)
+        .args(["--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"])
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (key, _) in std::env::vars().filter(|(k, _)| k.starts_with("TOLLGATE__")) {
+        command.env_remove(key);
+    }
+    let mut child = command.spawn().expect("run tollgate");
+    // 20 s in polls of 20 ms.
+    let mut polls = 0;
+    while child.try_wait().expect("poll tollgate").is_none() {
+        polls += 1;
+        if polls > 1_000 {
+            let _ = child.kill();
+            let output = child.wait_with_output().expect("reap tollgate");
+            panic!(
+                "tollgate {args:?} kept running instead of exiting: {}",
+                stderr(&output)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("tollgate's output")
+}
+
+#[test]
+fn an_unreadable_redis_password_file_is_a_config_error_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-secret");
+    // A directory cannot be read as a file, even by root.
+    let directory = dir.path().to_str().unwrap().to_owned();
+    for path in [missing.to_str().unwrap(), directory.as_str()] {
+        let file = write_config(&format!(
+            "store:\n  redis_url: \"redis://127.0.0.1:1\"\n  redis_password_file: \"{path}\"\n"
+        ));
+        let output = serve_expecting_exit(&["--config", file.path().to_str().unwrap()]);
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "{path}: exit status 2, as for any config error: {}",
+            stderr(&output)
+        );
+        let message = stderr(&output);
+        assert!(
+            message.contains("store.redis_password_file") && message.contains(path),
+            "{path}: the error names the field and the path: {message}"
+        );
+    }
+    // check-config checks the file's shape, not the Secret, which may be mounted only in the pod.
+    let file = write_config(&format!(
+        "store:\n  redis_url: \"redis://127.0.0.1:1\"\n  redis_password_file: \"{}\"\n",
+        missing.display()
+    ));
+    let output = tollgate(&["check-config", file.path().to_str().unwrap()], &[]);
+    assert!(output.status.success(), "{}", stderr(&output));
+}
+
+#[test]
+fn print_config_shows_the_issue_defaults() {
+    let output = tollgate(&["print-config"], &[]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let printed: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let tiers = printed["tiers"].as_object().unwrap();
+    assert_eq!(
+        tiers.keys().collect::<Vec<_>>(),
+        ["free", "premium", "standard"],
+        "exactly the three built-in tiers"
+    );
+    assert_eq!(printed["default_tier"], "free", "requests without a tier");
+    // (tier, tokens per hour, weight, queue_max, queue_deadline_ms)
+    for (tier, tokens, weight, queue_max, deadline) in [
+        ("free", 100_000, 1, 2, 1_000),
+        ("standard", 200_000, 2, 8, 2_000),
+        ("premium", 500_000, 4, 8, 2_000),
+    ] {
+        let t = &printed["tiers"][tier];
+        assert_eq!(t["tokens_per_hour"], tokens, "{tier}");
+        assert_eq!(t["max_concurrent"], 3, "{tier}");
+        assert_eq!(t["weight"], weight, "{tier}");
+        assert_eq!(t["queue_max"], queue_max, "{tier}");
+        assert_eq!(t["queue_deadline_ms"], deadline, "{tier}");
+        for window in ["tokens_per_minute", "tokens_per_day", "requests_per_minute"] {
+            assert!(t[window].is_null(), "{tier}.{window}: no default");
+        }
+    }
+    assert_eq!(printed["scheduler"]["initial_limit"], 128);
+    let control = &printed["control"];
+    assert_eq!(control["enabled"], true);
+    assert_eq!(control["floor"], 32);
+    assert_eq!(control["ceiling"], 256);
+    assert_eq!(control["target_p99_ttft_ms"], 2_000);
+    assert_eq!(control["tick_ms"], 5_000);
+    assert_eq!(control["window_ms"], 30_000);
+    assert_eq!(control["band"], 0.2);
+    assert_eq!(control["cooldown_ticks"], 3);
+    // The store: in memory unless a Redis URL is given; fail modes as the issue names them.
+    let store = &printed["store"];
+    assert!(store["redis_url"].is_null());
+    assert_eq!(store["budgets_on_error"], "fail_open");
+    assert_eq!(store["concurrency_on_error"], "fail_closed");
+}
+
+#[test]
+fn a_flag_beats_the_environment() {
+    let output = tollgate(
+        &[
+            "--admin-addr",
+            "127.0.0.1:7001",
+            "--redis-url",
+            "redis://from-the-flag:6379",
+            "print-config",
+        ],
+        &[
+            ("TOLLGATE__LISTEN__ADMIN_ADDR", "127.0.0.1:7002"),
+            ("TOLLGATE__STORE__REDIS_URL", "redis://from-the-env:6379"),
+            ("TOLLGATE__LISTEN__GRPC_ADDR", "127.0.0.1:7003"),
+        ],
+    );
+    assert!(output.status.success(), "{}", stderr(&output));
+    let printed: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(printed["listen"]["admin_addr"], "127.0.0.1:7001");
+    assert_eq!(printed["store"]["redis_url"], "redis://from-the-flag:6379");
+    assert_eq!(
+        printed["listen"]["grpc_addr"], "127.0.0.1:7003",
+        "no flag: the environment wins over the default"
+    );
+}
+
+#[tokio::test]
+async fn healthz_answers_200() {
+    let gate = crate::support::process::Tollgate::start("{}\n").await;
+    let (status, body) = crate::support::server::http_get(gate.admin, "/healthz").await;
+    assert_eq!((status, body.as_str()), (200, "ok\n"));
 }

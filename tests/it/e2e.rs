@@ -516,6 +516,17 @@ async fn a_429_carries_rate_limit_headers_and_a_client_honouring_retry_after_get
     assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some("100000"));
     assert!(header(&headers, "x-ratelimit-remaining-tokens").is_some());
     assert!(header(&headers, "x-ratelimit-reset-tokens").is_some());
+    for absent in [
+        "x-ratelimit-limit-requests",
+        "x-ratelimit-remaining-requests",
+        "x-ratelimit-reset-requests",
+    ] {
+        assert_eq!(
+            header(&headers, absent),
+            None,
+            "no requests_per_minute configured, so no {absent}"
+        );
+    }
     assert!(
         header(&headers, "ratelimit-policy")
             .unwrap()
@@ -548,4 +559,89 @@ async fn a_429_carries_rate_limit_headers_and_a_client_honouring_retry_after_get
     };
     assert_eq!(status, 200, "got through after {attempts} attempts");
     assert_eq!(holder.await.unwrap(), 200);
+}
+
+/// A tier with a request-rate window and a token window, both per minute: 1,000 tokens hold two
+/// requests reserving ~420 each (and the example upstream really generates `max_tokens`, so
+/// settling leaves them charged); a third is refused by the token window. The hard limits are
+/// lowered so the largest single request (500 + 500) fits the window, as the policy requires.
+const RATE_AND_TOKENS: &str = "tiers:\n  free:\n    requests_per_minute: 50\n    \
+tokens_per_minute: 1000\n    max_input_tokens: 500\n    max_output_tokens: 500\n";
+
+#[tokio::test]
+async fn a_token_window_429_through_envoy_carries_every_rate_limit_header() {
+    let stack = Stack::start(RATE_AND_TOKENS, &[]).await;
+    let body =
+        |max_tokens: u64| serde_json::to_vec(&chat(json!({"max_tokens": max_tokens}))).unwrap();
+    for i in 0..2 {
+        let (status, headers, text) = send(&stack, "/v1/chat/completions", &USER, body(400)).await;
+        assert_eq!(status, 200, "request {i}: {text}");
+        assert_eq!(header(&headers, "x-ratelimit-limit-requests"), Some("50"));
+    }
+
+    let (status, headers, text) = send(&stack, "/v1/chat/completions", &USER, body(400)).await;
+    assert_eq!(status, 429, "{text}");
+    assert_eq!(
+        header(&headers, "x-tollgate-reason"),
+        Some("token_budget_exhausted")
+    );
+    // The six OpenAI headers: a requests window is configured, so its three are there too.
+    assert_eq!(header(&headers, "x-ratelimit-limit-requests"), Some("50"));
+    assert_eq!(
+        header(&headers, "x-ratelimit-remaining-requests"),
+        Some("48"),
+        "two requests counted; the refused one consumes nothing"
+    );
+    assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some("1000"));
+    let remaining: u64 = header(&headers, "x-ratelimit-remaining-tokens")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        remaining < 420,
+        "{remaining} left: the request does not fit"
+    );
+    for reset in ["x-ratelimit-reset-requests", "x-ratelimit-reset-tokens"] {
+        let value = header(&headers, reset).unwrap_or_else(|| panic!("{reset} missing"));
+        assert!(
+            value.ends_with('s') && value.len() > 1,
+            "{reset}: a duration like 59s or 1m0s: {value:?}"
+        );
+    }
+    let policy = header(&headers, "ratelimit-policy").unwrap();
+    assert!(
+        policy.contains("\"requests_minute\";q=50;w=60")
+            && policy.contains("\"tokens_minute\";q=1000;w=60;qu=\"tokens\""),
+        "{policy}"
+    );
+    let ratelimit = header(&headers, "ratelimit").unwrap();
+    assert!(
+        ratelimit.contains("\"requests_minute\";r=48;t=")
+            && ratelimit.contains(&format!("\"tokens_minute\";r={remaining};t=")),
+        "{ratelimit}"
+    );
+    // When enough of the window frees: computed, so more than the constant 1 s a concurrency
+    // refusal gets (the charged tokens are seconds old at most), and within the 60 s window.
+    let retry_after: u64 = header(&headers, "retry-after").unwrap().parse().unwrap();
+    assert!(
+        (2..=60).contains(&retry_after),
+        "Retry-After {retry_after} s for a 60 s token window"
+    );
+    assert_eq!(header(&headers, "x-should-retry"), None);
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "rate_limit_exceeded");
+
+    // Larger than the whole window's budget (three choices of 400 tokens each): it can never
+    // pass, and the client is told so.
+    let oversized = serde_json::to_vec(&chat(json!({"max_tokens": 400, "n": 3}))).unwrap();
+    let (status, headers, text) = send(&stack, "/v1/chat/completions", &USER, oversized).await;
+    assert_eq!(status, 429, "{text}");
+    assert_eq!(
+        header(&headers, "x-tollgate-reason"),
+        Some("request_exceeds_budget")
+    );
+    assert_eq!(header(&headers, "x-should-retry"), Some("false"));
+    assert_eq!(header(&headers, "retry-after"), None);
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "rate_limit_exceeded");
 }

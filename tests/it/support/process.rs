@@ -70,6 +70,8 @@ pub struct Tollgate {
     pub admin: SocketAddr,
     child: Child,
     _config: tempfile::NamedTempFile,
+    /// Where stderr goes, if captured (see [`Tollgate::start_logged`]).
+    log: Option<tempfile::NamedTempFile>,
 }
 
 impl Tollgate {
@@ -80,6 +82,29 @@ impl Tollgate {
     /// Like [`Tollgate::start`], with extra command-line arguments (e.g. `--redis-url`) and
     /// environment variables (e.g. `SSL_CERT_FILE`) for the process.
     pub async fn start_with(config_yaml: &str, args: &[&str], envs: &[(&str, &str)]) -> Tollgate {
+        Tollgate::spawn(config_yaml, args, envs, false).await
+    }
+
+    /// Like [`Tollgate::start_with`], with stderr (the log, at `RUST_LOG=warn`) captured in a
+    /// file for [`Tollgate::log`] instead of the test's output.
+    pub async fn start_logged(config_yaml: &str, args: &[&str], envs: &[(&str, &str)]) -> Tollgate {
+        Tollgate::spawn(config_yaml, args, envs, true).await
+    }
+
+    /// What the process logged so far (empty unless started with [`Tollgate::start_logged`]).
+    pub fn log(&self) -> String {
+        self.log
+            .as_ref()
+            .map(|log| std::fs::read_to_string(log.path()).expect("read the tollgate log"))
+            .unwrap_or_default()
+    }
+
+    async fn spawn(
+        config_yaml: &str,
+        args: &[&str],
+        envs: &[(&str, &str)],
+        capture_log: bool,
+    ) -> Tollgate {
         let config = tempfile::Builder::new()
             .suffix(".yaml")
             .tempfile()
@@ -87,6 +112,11 @@ impl Tollgate {
         std::fs::write(config.path(), config_yaml).expect("write config");
         let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let log = capture_log.then(|| tempfile::NamedTempFile::new().expect("temp log file"));
+        let stderr = match &log {
+            Some(log) => Stdio::from(log.reopen().expect("open the log file")),
+            None => Stdio::inherit(),
+        };
         let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
             .arg("--config")
             .arg(config.path())
@@ -100,6 +130,7 @@ impl Tollgate {
             .env("RUST_LOG", "warn")
             .envs(envs.iter().copied())
             .stdin(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .expect("spawn the tollgate binary");
         let mut tollgate = Tollgate {
@@ -107,6 +138,7 @@ impl Tollgate {
             admin,
             child,
             _config: config,
+            log,
         };
         tollgate.wait_ready().await;
         tollgate

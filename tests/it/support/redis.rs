@@ -18,9 +18,12 @@ use super::envoy::free_port;
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
 
 pub struct RedisServer {
-    /// `redis://127.0.0.1:<port>`.
+    /// `redis://127.0.0.1:<port>`, with the password (`redis://:<password>@...`) if the server
+    /// requires one.
     pub url: String,
     pub port: u16,
+    /// `--requirepass` (see [`RedisServer::start_with_password`]).
+    password: Option<String>,
     /// A one-node Redis Cluster owning every slot (see [`RedisServer::start_cluster`]).
     cluster: bool,
     child: Option<Child>,
@@ -33,14 +36,26 @@ impl RedisServer {
     /// # Panics
     /// When `redis-server` is not installed, or no server answers in time.
     pub async fn start() -> RedisServer {
-        RedisServer::start_with(false).await
+        RedisServer::start_with(false, None).await
+    }
+
+    /// A server that refuses every command until a client authenticates with `password`
+    /// (`--requirepass`). [`RedisServer::url`] carries the password, so the test's own commands
+    /// work; [`RedisServer::url_without_password`] does not.
+    pub async fn start_with_password(password: &str) -> RedisServer {
+        RedisServer::start_with(false, Some(password.to_owned())).await
+    }
+
+    /// `redis://127.0.0.1:<port>`, with no credentials.
+    pub fn url_without_password(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
     }
 
     /// A one-node Redis Cluster that owns all 16384 slots: plain clients work against it
     /// (every key is served here), and a script whose keys span two slots fails with
     /// `CROSSSLOT` exactly as on a real cluster. `CLUSTER KEYSLOT` works only in cluster mode.
     pub async fn start_cluster() -> RedisServer {
-        let server = RedisServer::start_with(true).await;
+        let server = RedisServer::start_with(true, None).await;
         server.claim_all_slots().await;
         server
     }
@@ -62,13 +77,18 @@ impl RedisServer {
         }
     }
 
-    async fn start_with(cluster: bool) -> RedisServer {
+    async fn start_with(cluster: bool, password: Option<String>) -> RedisServer {
         // A free port can be taken by someone else before the server binds it: try a few.
         for _ in 0..5 {
             let port = free_port();
+            let url = match &password {
+                Some(password) => format!("redis://:{password}@127.0.0.1:{port}"),
+                None => format!("redis://127.0.0.1:{port}"),
+            };
             let mut server = RedisServer {
-                url: format!("redis://127.0.0.1:{port}"),
+                url,
                 port,
+                password: password.clone(),
                 cluster,
                 child: None,
                 dir: tempfile::tempdir().expect("temp dir for redis-server"),
@@ -208,6 +228,9 @@ impl RedisServer {
             .arg(self.dir.path())
             .arg("--logfile")
             .arg(&log);
+        if let Some(password) = &self.password {
+            command.args(["--requirepass", password]);
+        }
         if self.cluster {
             // A restart must not find the old node's config (it would keep its slots).
             let _ = std::fs::remove_file(self.dir.path().join("nodes.conf"));
