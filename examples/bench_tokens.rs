@@ -115,8 +115,9 @@ fn run(args: &Args) -> Result<(), String> {
             Encoding::Cl100kBase => bpe_openai::cl100k_base(),
             Encoding::O200kBase => bpe_openai::o200k_base(),
         };
-        let (crate_tokens, crate_seconds) =
-            best_time(THROUGHPUT_RUNS, || crate_tokenizer.count(corpus.text.as_str()));
+        let (crate_tokens, crate_seconds) = best_time(THROUGHPUT_RUNS, || {
+            crate_tokenizer.count(corpus.text.as_str())
+        });
         let (reference_tokens, reference_seconds) = best_time(THROUGHPUT_RUNS, || {
             reference.encode_ordinary(&corpus.text).len()
         });
@@ -273,7 +274,8 @@ fn clock() -> &'static str {
 /// is as long as some of the runs measured; clock_gettime brings the count up to date first.
 fn thread_cpu_time() -> Option<Duration> {
     let now = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
-    let nanos = u64::try_from(now.tv_sec).ok()? * 1_000_000_000 + u64::try_from(now.tv_nsec).ok()?;
+    let nanos =
+        u64::try_from(now.tv_sec).ok()? * 1_000_000_000 + u64::try_from(now.tv_nsec).ok()?;
     Some(Duration::from_nanos(nanos))
 }
 

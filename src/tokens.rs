@@ -93,7 +93,9 @@ impl Encoding {
     /// Counts tokens of `text` exactly as tiktoken's encode_ordinary would
     /// (special tokens are ordinary text).
     pub fn count(self, text: &str) -> usize {
-        self.counter().count_till_limit(text, usize::MAX).unwrap_or(usize::MAX)
+        self.counter()
+            .count_till_limit(text, usize::MAX)
+            .unwrap_or(usize::MAX)
     }
 
     /// Like count, but stops as soon as the count exceeds `limit` and returns
@@ -256,7 +258,7 @@ impl Counter {
             // characters); never return an empty piece, which would not advance.
             end = rest.chars().next().map_or(rest.len(), char::len_utf8);
         }
-        rest[..end].as_bytes()
+        &rest.as_bytes()[..end]
     }
 }
 

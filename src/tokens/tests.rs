@@ -732,7 +732,12 @@ fn pieces_equal_bpe_openai_splits() {
                 at += piece.len();
                 pieces.push(piece);
             }
-            assert_eq!(pieces, expected, "{encoding:?} pieces of {}", describe(text));
+            assert_eq!(
+                pieces,
+                expected,
+                "{encoding:?} pieces of {}",
+                describe(text)
+            );
         }
     }
 }
