@@ -381,3 +381,216 @@ async fn a_rewritten_body_counts_with_the_body_envoy_sent() {
     assert!(envoy_timeout(&answer).is_some(), "{answer:?}");
     server.stop().await;
 }
+
+/// A configuration read by the real loader from YAML, so the keys are the ones operators write:
+/// `control.enabled: false` and a short drain, then `yaml` (which names its own tiers and
+/// scheduler settings). Tiers named here have no per-user budgets unless `yaml` gives some.
+fn from_yaml(yaml: &str) -> Config {
+    let file = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
+    let text = format!("control: {{enabled: false}}\nshutdown: {{drain_deadline_ms: 100}}\n{yaml}");
+    std::fs::write(file.path(), text).unwrap();
+    tollgate::config::load(Some(file.path()), Vec::<(String, String)>::new()).unwrap()
+}
+
+/// A chat request from `user` of `tier` asking for at most `max_tokens`, with its body's answer.
+async fn submit_as(
+    server: &InMemory,
+    user: &str,
+    tier: &str,
+    max_tokens: u32,
+) -> (ExtProcStream, ProcessingResponse) {
+    let mut stream = server.stream().await;
+    stream
+        .exchange(request_headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+                ("x-user-id", user),
+                ("x-user-tier", tier),
+            ],
+            false,
+        ))
+        .await;
+    let body = chat_body(serde_json::json!({"max_tokens": max_tokens}));
+    let answer = stream.exchange(request_body(&body)).await;
+    (stream, answer)
+}
+
+/// `submit_as`, for a request that must wait for a slot.
+async fn queue_as(server: &InMemory, user: &str, tier: &str, max_tokens: u32) -> ExtProcStream {
+    let (stream, answer) = submit_as(server, user, tier, max_tokens).await;
+    assert!(
+        envoy_timeout(&answer).is_some(),
+        "{user} ({tier}) queued: {answer:?}"
+    );
+    stream
+}
+
+/// Ends `running`'s request (its slot is released) and returns the waiting request that got the
+/// slot, taken out of `waiting`.
+async fn hand_over(
+    mut running: ExtProcStream,
+    waiting: &mut Vec<(&'static str, ExtProcStream)>,
+) -> (&'static str, ExtProcStream) {
+    running.exchange(response_body(b"{}", true)).await;
+    drop(running);
+    // With paused time, a 1 ms wait only ends once every task is idle, so the slot has been
+    // handed over by the time a stream is found without an answer.
+    for (i, (_, stream)) in waiting.iter_mut().enumerate() {
+        if let Ok(answer) = tokio::time::timeout(Duration::from_millis(1), stream.recv_raw()).await
+        {
+            let answer = answer.unwrap().unwrap();
+            assert!(is_admitted(&answer), "{answer:?}");
+            return waiting.remove(i);
+        }
+    }
+    panic!("nobody got the freed slot");
+}
+
+/// Ends `running`'s request and then each admitted one in turn, until `waiting` is empty; the
+/// order in which the waiting requests got the slot.
+async fn serve_in_turn(
+    mut running: ExtProcStream,
+    mut waiting: Vec<(&'static str, ExtProcStream)>,
+) -> Vec<&'static str> {
+    let mut order = Vec::new();
+    while !waiting.is_empty() {
+        let (who, next) = hand_over(running, &mut waiting).await;
+        order.push(who);
+        running = next;
+    }
+    order
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_higher_priority_band_is_served_before_a_backlogged_lower_one() {
+    // One slot. `free` is band 1 with 8 times premium's weight and queues first, so neither
+    // weight nor arrival order would put premium first: only its band 0 does.
+    let server = InMemory::start(from_yaml(
+        "scheduler: {initial_limit: 1}
+default_tier: free
+tiers:
+  free: {weight: 8, priority_band: 1, queue_max: 4, queue_deadline_ms: 10000}
+  premium: {weight: 1, priority_band: 0, queue_max: 4, queue_deadline_ms: 10000}
+",
+    ))
+    .await;
+    let (holder, answer) = submit_as(&server, "warmup", "free", 16).await;
+    assert!(is_admitted(&answer));
+
+    let mut waiting = Vec::new();
+    for user in ["f1", "f2", "f3"] {
+        waiting.push(("free", queue_as(&server, user, "free", 16).await));
+    }
+    for user in ["p1", "p2"] {
+        waiting.push(("premium", queue_as(&server, user, "premium", 16).await));
+    }
+    let mut order = Vec::new();
+    let mut running = holder;
+    for _ in 0..3 {
+        let (who, next) = hand_over(running, &mut waiting).await;
+        order.push(who);
+        running = next;
+    }
+    // Premium arrives again while free runs, behind two waiting free requests: it goes first.
+    waiting.push(("premium", queue_as(&server, "p3", "premium", 16).await));
+    order.extend(serve_in_turn(running, waiting).await);
+    assert_eq!(
+        order,
+        ["premium", "premium", "free", "premium", "free", "free"],
+        "band 0 whenever it waits"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reserved_tenant_holds_its_share_while_another_floods_the_queue() {
+    // Four slots; `steady` (weight 1) has 50% reserved, i.e. 2 slots. `flood` (weight 4) holds
+    // all four slots and has eight more requests waiting before steady's first one arrives.
+    let server = InMemory::start(from_yaml(
+        "scheduler:
+  initial_limit: 4
+  reservations: {steady: 50}
+default_tier: free
+tiers:
+  free: {weight: 1, queue_max: 8, queue_deadline_ms: 10000}
+  premium: {weight: 4, queue_max: 8, queue_deadline_ms: 10000}
+",
+    ))
+    .await;
+    let mut running = std::collections::VecDeque::new();
+    for _ in 0..4 {
+        let (stream, answer) = submit_as(&server, "flood", "premium", 16).await;
+        assert!(is_admitted(&answer));
+        running.push_back(("flood", stream));
+    }
+    let mut waiting = Vec::new();
+    for _ in 0..8 {
+        waiting.push(("flood", queue_as(&server, "flood", "premium", 16).await));
+    }
+    for _ in 0..6 {
+        waiting.push(("steady", queue_as(&server, "steady", "free", 16).await));
+    }
+
+    // Free slots one at a time, oldest request first, until steady has nothing left waiting;
+    // after each hand-over, note who got the slot and how many slots steady holds.
+    let mut steps = Vec::new();
+    while waiting.iter().any(|(who, _)| *who == "steady") {
+        let (_, oldest) = running.pop_front().unwrap();
+        let (who, stream) = hand_over(oldest, &mut waiting).await;
+        running.push_back((who, stream));
+        let held = running.iter().filter(|(who, _)| *who == "steady").count();
+        steps.push((who, held));
+    }
+    assert_eq!(
+        steps[..2],
+        [("steady", 1), ("steady", 2)],
+        "the first two free slots fill steady's reservation, despite flood's weight and its \
+         earlier place in line: {steps:?}"
+    );
+    assert!(
+        steps[2..].iter().all(|&(_, held)| held >= 2),
+        "then steady holds at least half the slots while it has demand: {steps:?}"
+    );
+    server.stop().await;
+}
+
+/// The order in which a tenant asking for 1,000 output tokens per request (`big`, queued first)
+/// and one asking for 10 (`small`), both weight 1, get one slot, with `scheduler.cost: {cost}`.
+async fn dispatch_order_with_cost(cost: &str) -> Vec<&'static str> {
+    let server = InMemory::start(from_yaml(&format!(
+        "scheduler: {{initial_limit: 1, cost: {cost}}}
+default_tier: free
+tiers:
+  free: {{weight: 1, queue_max: 4, queue_deadline_ms: 10000}}
+"
+    )))
+    .await;
+    let (holder, answer) = submit_as(&server, "warmup", "free", 16).await;
+    assert!(is_admitted(&answer));
+    let mut waiting = Vec::new();
+    for _ in 0..3 {
+        waiting.push(("big", queue_as(&server, "big", "free", 1_000).await));
+    }
+    for _ in 0..3 {
+        waiting.push(("small", queue_as(&server, "small", "free", 10).await));
+    }
+    let order = serve_in_turn(holder, waiting).await;
+    server.stop().await;
+    order
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_fairness_cost_unit_decides_between_large_and_small_requests() {
+    // Counted in requests, equal weights alternate, the earlier arrival first.
+    assert_eq!(
+        dispatch_order_with_cost("requests").await,
+        ["big", "small", "big", "small", "big", "small"]
+    );
+    // Counted in tokens, one big request (about 1,000) costs as much as all three small ones
+    // (about 20 each): they overtake big's second and third, which arrived before them.
+    assert_eq!(
+        dispatch_order_with_cost("tokens").await,
+        ["big", "small", "small", "small", "big", "big"]
+    );
+}
