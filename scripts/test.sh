@@ -8,5 +8,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 bash scripts/install-test-deps.sh
-# `cargo test` also builds the examples; the end-to-end tests run examples/upstream.rs.
+# The end-to-end tests run examples/upstream.rs and the lab test examples/lab.rs as programs.
+# `cargo test` builds examples with `test = true` (these two: their unit tests) only as test
+# harnesses, so build the programs first.
+cargo build --locked --example upstream --example lab
 cargo test --locked "$@"

@@ -16,12 +16,12 @@
 //! "off" side worse (its queue is in simulated time). Also: B's excess got 429 or 503 and nothing
 //! else; no request hung or was truncated.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
 
 use super::support::envoy::{ENVOY_VERSION, envoy_binary};
+use super::support::process::example_binary;
 
 const SCENARIO: &str = r#"
 name: lab-test-burst
@@ -49,22 +49,6 @@ runs:
 
 /// The bound on A's p99 TTFT (simulated ms): under it with tollgate on, over it with it off.
 const BOUND_MS: f64 = 5_000.0;
-
-fn example_binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let profile = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test binary lives in target/<profile>/deps");
-    let path = profile.join("examples").join(name);
-    assert!(
-        path.is_file(),
-        "example {name} is not built at {}: run `cargo test` (which builds examples) or \
-         `cargo build --example {name}`",
-        path.display()
-    );
-    path
-}
 
 fn tenant<'a>(run: &'a Value, name: &str) -> &'a Value {
     run["summary"]["tenants"]

@@ -48,7 +48,9 @@ impl Drop for Upstream {
 }
 
 /// Path of an example binary next to this test binary (target/<profile>/examples/NAME).
-fn example_binary(name: &str) -> PathBuf {
+/// `scripts/test.sh` builds the ones the tests run: an example with `test = true` in
+/// Cargo.toml is built by `cargo test` only as a test harness, not as this binary.
+pub fn example_binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     let profile_dir = exe
         .parent()
@@ -57,8 +59,8 @@ fn example_binary(name: &str) -> PathBuf {
     let path = profile_dir.join("examples").join(name);
     assert!(
         path.is_file(),
-        "example {name} is not built at {}: run the tests with `cargo test` (which builds examples) \
-         or `cargo build --example {name}` first",
+        "example {name} is not built at {}: run the tests with `bash scripts/test.sh`, or \
+         `cargo build --example {name}` first",
         path.display()
     );
     path
