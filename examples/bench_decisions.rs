@@ -60,7 +60,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::ErrorKind;
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::{Arc, Mutex};
@@ -82,6 +82,15 @@ use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
+
+// Shared with the other benchmarks; each uses a subset of it.
+#[allow(dead_code)]
+#[path = "support/host.rs"]
+mod host;
+use host::{
+    admin_client, busy_fraction, clock_ticks_per_second, cpu_ticks_of, free_port, interrupted,
+    machine_jiffies, median,
+};
 
 /// Start-up budget for each child; generous because the machine may be compiling meanwhile.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -171,20 +180,6 @@ fn main() -> ExitCode {
             eprintln!("bench_decisions: {error:#}");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// Resolves on Ctrl-C or SIGTERM, naming the signal.
-async fn interrupted() -> &'static str {
-    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-    else {
-        // Without a SIGTERM handler the default action still ends the process.
-        let _ = tokio::signal::ctrl_c().await;
-        return "SIGINT";
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => "SIGINT",
-        _ = term.recv() => "SIGTERM",
     }
 }
 
@@ -1713,16 +1708,6 @@ impl Scrape {
     }
 }
 
-/// An HTTP client for admin endpoints. No proxy: an `http_proxy` in the environment must not
-/// capture loopback traffic.
-fn admin_client() -> Result<reqwest::Client> {
-    reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(5))
-        .build()
-        .context("build the admin HTTP client")
-}
-
 // ---------------------------------------------------------------------------------------------
 // Medians and the report
 
@@ -1776,16 +1761,6 @@ impl<'a> Summary<'a> {
             "settle_mean_us": self.median_tollgate(|t| t.settle_mean_us),
             "errors": self.errors(),
         })
-    }
-}
-
-/// The median; NaN for no values.
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    match values.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => values[n / 2],
-        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
     }
 }
 
@@ -2047,60 +2022,6 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// utime + stime from a /proc/…/stat file, in clock ticks (all threads of the process).
-fn cpu_ticks_of(stat_path: &str) -> Option<u64> {
-    let stat = std::fs::read_to_string(stat_path).ok()?;
-    // The command name (field 2) is in parentheses and may contain spaces: count fields after
-    // the last ')'. Field 3 (state) is then index 0, utime (14) index 11, stime (15) index 12.
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some(utime + stime)
-}
-
-/// Busy and total jiffies of the whole machine (first line of /proc/stat).
-fn machine_jiffies() -> Option<(u64, u64)> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let values: Vec<u64> = stat
-        .lines()
-        .next()?
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    // user nice system idle iowait irq softirq steal; idle and iowait are not busy. Guest time
-    // is already inside user, so only the first eight columns count.
-    let total: u64 = values.iter().take(8).sum();
-    let idle = values.get(3)? + values.get(4).copied().unwrap_or(0);
-    Some((total - idle, total))
-}
-
-fn busy_fraction(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
-    match (before, after) {
-        (Some((busy0, total0)), Some((busy1, total1))) if total1 > total0 => {
-            Some(busy1.saturating_sub(busy0) as f64 / (total1 - total0) as f64)
-        }
-        _ => None,
-    }
-}
-
-/// USER_HZ, the unit of utime and stime in /proc/PID/stat (100 on every common Linux).
-fn clock_ticks_per_second() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|out| String::from_utf8_lossy(&out.stdout).trim().parse().ok())
-        .unwrap_or(100.0)
-}
-
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|listener| listener.local_addr())
-        .context("bind 127.0.0.1:0")?
-        .port())
 }
 
 /// The tollgate binary: `--tollgate-bin`, else `tollgate` in this example's profile directory

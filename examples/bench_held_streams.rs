@@ -46,7 +46,7 @@
 //! gauges did not show every stream held at once and none left afterwards.
 
 use std::fmt::Write as _;
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::Arc;
@@ -66,6 +66,12 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
+
+// Shared with the other benchmarks; each uses a subset of it.
+#[allow(dead_code)]
+#[path = "support/host.rs"]
+mod host;
+use host::{clock_ticks_per_second, free_port, interrupted};
 
 /// Start-up budget for tollgate; generous because the machine may be compiling meanwhile.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -160,22 +166,6 @@ fn main() -> ExitCode {
             eprintln!("bench_held_streams: {error:#}");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// Resolves on Ctrl-C or SIGTERM, naming the signal.
-async fn interrupted() -> &'static str {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(term) => term,
-        // Without a SIGTERM handler the default action still ends the process.
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-            return "SIGINT";
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => "SIGINT",
-        _ = term.recv() => "SIGTERM",
     }
 }
 
@@ -452,13 +442,6 @@ impl Drop for Proc {
     }
 }
 
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|listener| listener.local_addr())
-        .context("bind 127.0.0.1:0")?
-        .port())
-}
-
 async fn wait_ready(tollgate: &mut Proc, http: &reqwest::Client, admin: SocketAddr) -> Result<()> {
     let started = Instant::now();
     let url = format!("http://{admin}/readyz");
@@ -530,17 +513,6 @@ fn cpu_seconds(pid: u32) -> Result<f64> {
             .with_context(|| format!("field {} of {path}", i + 3))
     };
     Ok((ticks(11)? + ticks(12)?) as f64 / clock_ticks_per_second())
-}
-
-/// USER_HZ, the unit of utime and stime in /proc/PID/stat (100 on every common Linux).
-fn clock_ticks_per_second() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|out| String::from_utf8(out.stdout).ok())
-        .and_then(|text| text.trim().parse().ok())
-        .unwrap_or(100.0)
 }
 
 /// The gauges that count what tollgate holds.

@@ -54,7 +54,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::Arc;
@@ -67,6 +67,15 @@ use axum::body::Bytes;
 use clap::Parser;
 use serde_json::{Value, json};
 use tokio::time::Instant;
+
+// Shared with the other benchmarks; each uses a subset of it.
+#[allow(dead_code)]
+#[path = "support/host.rs"]
+mod host;
+use host::{
+    admin_client, busy_fraction, clock_ticks_per_second, cpu_ticks_of, free_port, interrupted,
+    machine_jiffies, median,
+};
 
 /// The Envoy version the repository tests against (tests/it/support/envoy.rs, ENVOY_VERSION).
 const ENVOY_VERSION: &str = "1.40.0";
@@ -172,23 +181,6 @@ fn main() -> ExitCode {
             eprintln!("bench_overhead: {error:#}");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// Resolves on Ctrl-C or SIGTERM, naming the signal.
-async fn interrupted() -> &'static str {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(term) => term,
-        // Without a SIGTERM handler the default action still ends the process; Ctrl-C is
-        // enough to wait for.
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-            return "SIGINT";
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => "SIGINT",
-        _ = term.recv() => "SIGTERM",
     }
 }
 
@@ -578,13 +570,6 @@ fn command_output(program: &Path, args: &[&str]) -> Option<String> {
         .then(|| String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
-/// USER_HZ, the unit of utime and stime in /proc/PID/stat (100 on every common Linux).
-fn clock_ticks_per_second() -> f64 {
-    command_output(Path::new("getconf"), &["CLK_TCK"])
-        .and_then(|out| out.trim().parse().ok())
-        .unwrap_or(100.0)
-}
-
 // ---------------------------------------------------------------------------------------------
 // Envoy configs
 
@@ -765,61 +750,6 @@ impl Drop for Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// utime + stime from a /proc/…/stat file.
-fn cpu_ticks_of(stat_path: &str) -> Option<u64> {
-    let stat = std::fs::read_to_string(stat_path).ok()?;
-    // The command name (field 2) is in parentheses and may contain spaces: count fields after
-    // the last ')'. Field 3 (state) is then index 0, utime (14) index 11, stime (15) index 12.
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some(utime + stime)
-}
-
-/// Busy and total jiffies of the whole machine (first line of /proc/stat).
-fn machine_jiffies() -> Option<(u64, u64)> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let values: Vec<u64> = stat
-        .lines()
-        .next()?
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    // user nice system idle iowait irq softirq steal ...; idle and iowait are not busy. Guest
-    // time is already inside user, so only the first eight columns count.
-    let total: u64 = values.iter().take(8).sum();
-    let idle = values.get(3)? + values.get(4).copied().unwrap_or(0);
-    Some((total - idle, total))
-}
-
-/// Busy fraction of the machine between two `machine_jiffies` readings.
-fn busy_fraction(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
-    match (before, after) {
-        (Some((busy0, total0)), Some((busy1, total1))) if total1 > total0 => {
-            Some(busy1.saturating_sub(busy0) as f64 / (total1 - total0) as f64)
-        }
-        _ => None,
-    }
-}
-
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|listener| listener.local_addr())
-        .context("bind 127.0.0.1:0")?
-        .port())
-}
-
-/// An HTTP client for admin endpoints. No proxy: an `http_proxy` in the environment must not
-/// capture loopback traffic.
-fn admin_client() -> Result<reqwest::Client> {
-    reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(5))
-        .build()
-        .context("build the admin HTTP client")
 }
 
 struct EnvoyProc {
@@ -1784,19 +1714,6 @@ fn parse_histogram(text: &str, name: &str) -> Option<HistogramDelta> {
 
 // ---------------------------------------------------------------------------------------------
 // Summaries and tables
-
-fn median(values: &mut [f64]) -> f64 {
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    if values.len() % 2 == 1 {
-        values[mid]
-    } else {
-        (values[mid - 1] + values[mid]) / 2.0
-    }
-}
 
 /// All runs at one offered rate: `rounds[r][k]` is round `r` of `configs[k]`.
 struct RateSummary {

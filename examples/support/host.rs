@@ -1,0 +1,99 @@
+//! What the benchmark examples read off the machine and the processes they start: CPU time
+//! from `/proc`, free loopback ports, signals, medians. Included by each benchmark with
+//! `#[path = "support/host.rs"] mod host;` (a folder under `examples/` is not an example of its
+//! own); each uses a subset, hence the `dead_code` allowance where it is included.
+
+use std::net::{Ipv4Addr, TcpListener};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+/// Resolves on Ctrl-C or SIGTERM, naming the signal, so a benchmark can stop its children.
+pub async fn interrupted() -> &'static str {
+    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    else {
+        // Without a SIGTERM handler the default action still ends the process.
+        let _ = tokio::signal::ctrl_c().await;
+        return "SIGINT";
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    }
+}
+
+/// utime + stime from a /proc/…/stat file, in clock ticks (all threads of the process).
+pub fn cpu_ticks_of(stat_path: &str) -> Option<u64> {
+    let stat = std::fs::read_to_string(stat_path).ok()?;
+    // The command name (field 2) is in parentheses and may contain spaces: count fields after
+    // the last ')'. Field 3 (state) is then index 0, utime (14) index 11, stime (15) index 12.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// USER_HZ, the unit of utime and stime in /proc/PID/stat (100 on every common Linux).
+pub fn clock_ticks_per_second() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|out| String::from_utf8_lossy(&out.stdout).trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// Busy and total jiffies of the whole machine (first line of /proc/stat).
+pub fn machine_jiffies() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let values: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal; idle and iowait are not busy. Guest time
+    // is already inside user, so only the first eight columns count.
+    let total: u64 = values.iter().take(8).sum();
+    let idle = values.get(3)? + values.get(4).copied().unwrap_or(0);
+    Some((total - idle, total))
+}
+
+/// The share of the machine's CPU time that was busy between two `machine_jiffies` readings.
+pub fn busy_fraction(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
+    match (before, after) {
+        (Some((busy0, total0)), Some((busy1, total1))) if total1 > total0 => {
+            Some(busy1.saturating_sub(busy0) as f64 / (total1 - total0) as f64)
+        }
+        _ => None,
+    }
+}
+
+/// A loopback port that was free a moment ago (the child that gets it binds it soon after).
+pub fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|listener| listener.local_addr())
+        .context("bind 127.0.0.1:0")?
+        .port())
+}
+
+/// An HTTP client for the children's admin endpoints: loopback only, never through a proxy.
+pub fn admin_client() -> Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .context("build the admin HTTP client")
+}
+
+/// The median (NaN for no values); sorts `values`.
+pub fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
