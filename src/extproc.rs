@@ -323,6 +323,15 @@ impl Exchange {
                 *self = Exchange::Admitted(watched);
                 Ok(convert::continue_unchanged(Answer::ResponseBody))
             }
+            // Trailers before any body: the request had no body (Envoy sends a buffered body
+            // before the trailers). A CONTINUE here would send it upstream undecided.
+            (Exchange::AwaitingBody { head, .. }, Message::RequestTrailers(_)) => {
+                let reply = LocalReply::new(
+                    Reason::MissingBody,
+                    "the request ended with trailers and no body: send a JSON body",
+                );
+                Ok(self.reject(shared, &reply, Some(head.identity.tier), now))
+            }
             // Trailers carry nothing tollgate decides on; answer them wherever they come.
             (state, Message::RequestTrailers(_)) if !matches!(state, Exchange::Start) => {
                 *self = state;
@@ -409,7 +418,8 @@ impl Exchange {
                 crate::reply::Reason::IncompleteBody,
                 format!(
                     "tollgate received a partial request body ({} bytes): the body is over Envoy's \
-                     buffer limit, or the ext_proc filter is not in BUFFERED request body mode",
+                     buffer limit, the request carries trailers, or the ext_proc filter is not in \
+                     BUFFERED request body mode",
                     body.body.len()
                 ),
             );
@@ -574,6 +584,12 @@ impl Exchange {
         *self = Exchange::Rejected;
         let (outcome, reason, message) = match left {
             Left::ProtocolError(message) => {
+                // Like a client that went away, it leaves without a decision: counted once, as
+                // abandoned, or the stream would end with no outcome at all.
+                shared
+                    .metrics
+                    .scheduler_outcome(tier, SchedulerOutcome::Cancelled);
+                shared.metrics.request(RequestOutcome::Abandoned);
                 let phase = "waiting in the queue for a slot";
                 return Some(Err(match message.request {
                     Some(message) => out_of_order(shared, phase, &message),

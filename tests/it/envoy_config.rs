@@ -26,9 +26,10 @@ use crate::support::envoy::{ENVOY_VERSION, Envoy, EnvoyPorts, envoy_binary, free
 const MIB: usize = 1024 * 1024;
 
 /// Every Envoy config in the repo (`envoy/`, and the filters and clusters that `istio/` patches
-/// in) is validated on these: the oldest and the newest Envoy the project supports. Keep in step
+/// in) is validated on these: the oldest, a middle and the newest Envoy the project supports
+/// (the recorded corpus of tests/it/replay.rs comes from the same three). Keep in step
 /// with `VALIDATED_ENVOY_VERSIONS` in `scripts/install-test-deps.sh`.
-pub(crate) const VALIDATED_ENVOY_VERSIONS: [&str; 2] = ["1.36.4", ENVOY_VERSION];
+pub(crate) const VALIDATED_ENVOY_VERSIONS: [&str; 3] = ["1.36.4", "1.38.3", ENVOY_VERSION];
 
 /// Where the configs under `envoy/` read their TLS files from. Tests put generated certificates
 /// in a temporary directory and substitute its path for this prefix ([`with_test_certs`]).

@@ -20,7 +20,7 @@ fn immediate_status(response: &ProcessingResponse) -> Option<i32> {
     }
 }
 
-fn immediate_json(response: &ProcessingResponse) -> (i32, String, Value) {
+pub(crate) fn immediate_json(response: &ProcessingResponse) -> (i32, String, Value) {
     let Some(Response::ImmediateResponse(r)) = &response.response else {
         panic!("expected an ImmediateResponse, got {response:?}");
     };
@@ -77,7 +77,7 @@ fn body_rewrite(response: &ProcessingResponse) -> Option<Value> {
     }
 }
 
-async fn wait_for_metric(server: &TestServer, name: &str, labels: &[&str], want: f64) {
+pub(crate) async fn wait_for_metric(server: &TestServer, name: &str, labels: &[&str], want: f64) {
     for _ in 0..200 {
         if server.metrics().await.find(name, labels) == Some(want) {
             return;

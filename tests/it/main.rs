@@ -10,6 +10,8 @@ mod grpc;
 mod lab;
 mod queue;
 mod redis_store;
+mod replay;
 mod replicas;
+mod robustness;
 mod store_contract;
 mod support;

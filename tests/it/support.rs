@@ -3,5 +3,7 @@
 
 pub mod envoy;
 pub mod process;
+pub mod recorder;
+pub mod recording;
 pub mod redis;
 pub mod server;

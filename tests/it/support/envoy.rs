@@ -14,6 +14,16 @@ use std::time::Duration;
 /// `DEFAULT_ENVOY_VERSION` in `scripts/install-test-deps.sh`.
 pub const ENVOY_VERSION: &str = "1.40.0";
 
+/// The Envoy the end-to-end suite (`tests/it/e2e.rs`, through `process::Stack`) runs against:
+/// `TOLLGATE_E2E_ENVOY_VERSION` if set (the live matrix, `scripts/test-envoy-matrix.sh`, runs the
+/// suite once per supported version), else [`ENVOY_VERSION`].
+pub fn e2e_envoy_version() -> String {
+    std::env::var("TOLLGATE_E2E_ENVOY_VERSION")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .unwrap_or_else(|| ENVOY_VERSION.to_owned())
+}
+
 /// How long Envoy may take to load its config and report LIVE. It needs well under a second on an
 /// idle machine; the margin is for a 2-core box that is also compiling.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);

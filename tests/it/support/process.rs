@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
-use super::envoy::{ENVOY_VERSION, Envoy, EnvoyPorts, free_port};
+use super::envoy::{Envoy, EnvoyPorts, e2e_envoy_version, free_port};
 use super::server::{Metrics, http_get};
 
 /// The example upstream (`examples/upstream.rs`), built by `cargo test` with the examples.
@@ -231,7 +231,7 @@ impl Stack {
         let tollgate = Tollgate::start(tollgate_config).await;
         let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/front-proxy.yaml");
         let ports = EnvoyPorts::free(upstream.addr.port(), tollgate.grpc.port());
-        let envoy = Envoy::start(ENVOY_VERSION, &config, ports).await;
+        let envoy = Envoy::start(&e2e_envoy_version(), &config, ports).await;
         Stack {
             envoy,
             tollgate,

@@ -100,7 +100,20 @@ impl Metrics {
     }
 
     pub fn find(&self, name: &str, labels: &[&str]) -> Option<f64> {
-        self.0.lines().find_map(|line| {
+        self.series(name, labels).next()
+    }
+
+    /// The sum over every series `name{...}` that carries `labels` (e.g. a gauge over all tiers).
+    pub fn sum(&self, name: &str, labels: &[&str]) -> f64 {
+        self.series(name, labels).sum()
+    }
+
+    fn series<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a [&'a str],
+    ) -> impl Iterator<Item = f64> + 'a {
+        self.0.lines().filter_map(move |line| {
             let (series, value) = line.rsplit_once(' ')?;
             let (series_name, series_labels) = match series.split_once('{') {
                 Some((n, l)) => (n, l.trim_end_matches('}')),
@@ -142,6 +155,15 @@ impl ExtProcStream {
             .send(request)
             .await
             .expect("stream accepts messages");
+    }
+
+    /// Sends unless the stream is gone (tollgate ended it, or this side closed it); returns
+    /// whether the message went out. For clients that break the rules on purpose.
+    pub async fn try_send(&mut self, request: ProcessingRequest) -> bool {
+        match &self.tx {
+            Some(tx) => tx.send(request).await.is_ok(),
+            None => false,
+        }
     }
 
     /// The next answer; `Ok(None)` when tollgate closed the stream with OK.
