@@ -47,6 +47,20 @@ pub struct Header {
     pub normalizations: Vec<String>,
 }
 
+impl Header {
+    /// The config tollgate ran with when this was recorded (`tollgate_config`), loaded as the
+    /// binary loads its config file.
+    pub fn load_tollgate_config(&self) -> tollgate::config::Config {
+        let file = tempfile::Builder::new()
+            .suffix(".yaml")
+            .tempfile()
+            .expect("temp config");
+        std::fs::write(file.path(), &self.tollgate_config).expect("write config");
+        tollgate::config::load(Some(file.path()), std::iter::empty())
+            .unwrap_or_else(|e| panic!("the recording's tollgate config does not load: {e}"))
+    }
+}
+
 /// Every later line (`tollgate.recording.v1.Event`).
 #[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
