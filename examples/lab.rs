@@ -157,15 +157,30 @@ async fn lab(args: &Args) -> Result<()> {
     let mut tables = String::new();
     for run in runs {
         let tollgate_config = scenario.tollgate_config(run, time_scale);
-        let mut stack = Stack::start(
-            &binaries,
-            &upstream_args,
-            tollgate_config.as_ref(),
-            &front_proxy,
-            &client,
-        )
-        .await
-        .with_context(|| format!("start the stack of run {}", run.name))?;
+        // The ports are picked free and then bound by the children, so another process on the
+        // machine can take one in between ("Address already in use"): try a fresh set.
+        let mut attempt = 1;
+        let mut stack = loop {
+            match Stack::start(
+                &binaries,
+                &upstream_args,
+                tollgate_config.as_ref(),
+                &front_proxy,
+                &client,
+            )
+            .await
+            {
+                Ok(stack) => break stack,
+                Err(error) if attempt < 3 => {
+                    eprintln!("run {}: {error:#}; starting again", run.name);
+                    attempt += 1;
+                }
+                Err(error) => {
+                    return Err(error)
+                        .with_context(|| format!("start the stack of run {}", run.name));
+                }
+            }
+        };
         let arrivals = scenario.arrivals(run);
         let target = load::Target {
             url: format!("http://{}/v1/chat/completions", stack.envoy_listen),

@@ -288,7 +288,13 @@ pub fn merge(base: &mut Value, patch: &Value) {
 
 /// tollgate's settings measured in time, divided by `scale` (never below 1 ms); its budgets per
 /// window, multiplied by it: a simulated minute lasts 60/scale real seconds.
+///
+/// A time the scenario leaves out would otherwise run on tollgate's real-time default (a 5 s
+/// controller tick would be 20 simulated seconds at scale 4), so tollgate's own defaults for the
+/// scaled times are written in first: the controller's tick, window and target, and the queue
+/// deadline of every tier (the built-in tiers, if the scenario names none).
 fn scale_times(config: &mut Value, scale: f64) {
+    fill_time_defaults(config);
     let divide = |value: &mut Value| {
         if let Some(ms) = value.as_f64() {
             *value = Value::from(((ms / scale).round() as u64).max(1));
@@ -324,6 +330,61 @@ fn scale_times(config: &mut Value, scale: f64) {
                 divide(value);
             }
         }
+    }
+}
+
+/// Writes tollgate's defaults into `config` for every time setting it does not name (see
+/// [`scale_times`]).
+fn fill_time_defaults(config: &mut Value) {
+    let Some(root) = config.as_object_mut() else {
+        return;
+    };
+    let control = tollgate::config::ControlConfig::default();
+    if let Value::Object(map) = root
+        .entry("control")
+        .or_insert_with(|| Value::Object(Map::new()))
+    {
+        for (key, default) in [
+            ("tick_ms", control.tick_ms),
+            ("window_ms", control.window_ms),
+            ("target_p99_ttft_ms", control.target_p99_ttft_ms),
+        ] {
+            map.entry(key).or_insert(Value::from(default));
+        }
+    }
+    match root.get_mut("tiers") {
+        Some(Value::Object(tiers)) => {
+            let deadline = tollgate::config::TierConfig::default().queue_deadline_ms;
+            for tier in tiers.values_mut() {
+                if tier.is_null() {
+                    *tier = Value::Object(Map::new());
+                }
+                if let Value::Object(tier) = tier {
+                    tier.entry("queue_deadline_ms")
+                        .or_insert(Value::from(deadline));
+                }
+            }
+        }
+        None => {
+            // Naming any tier replaces the built-in set, so write the whole set, as it is.
+            let mut tiers =
+                serde_json::to_value(tollgate::config::default_tiers()).unwrap_or(Value::Null);
+            strip_nulls(&mut tiers);
+            root.insert("tiers".to_owned(), tiers);
+        }
+        Some(_) => {}
+    }
+}
+
+/// Removes `null` map entries (unset `Option`s), which tollgate's loader reads as absent anyway.
+fn strip_nulls(value: &mut Value) {
+    match value {
+        Value::Object(map) => {
+            map.retain(|_, v| !v.is_null());
+            map.values_mut().for_each(strip_nulls);
+        }
+        Value::Array(items) => items.iter_mut().for_each(strip_nulls),
+        _ => {}
     }
 }
 
@@ -387,6 +448,29 @@ mod tests {
                 "store": {"timeout_ms": 50},
             })
         );
+    }
+
+    #[test]
+    fn unnamed_times_get_tollgate_defaults_then_scale() {
+        let mut config = json!({
+            "tiers": {"free": {"weight": 1}, "paid": {"queue_deadline_ms": 2000}},
+            "control": {"enabled": true},
+        });
+        scale_times(&mut config, 4.0);
+        assert_eq!(
+            config,
+            json!({
+                "tiers": {"free": {"weight": 1, "queue_deadline_ms": 250}, "paid": {"queue_deadline_ms": 500}},
+                "control": {"enabled": true, "tick_ms": 1250, "window_ms": 7500, "target_p99_ttft_ms": 500},
+            })
+        );
+        // No tiers named: the built-in ones, with their deadlines scaled.
+        let mut config = json!({});
+        scale_times(&mut config, 4.0);
+        assert_eq!(config["tiers"]["free"]["queue_deadline_ms"], json!(250));
+        assert_eq!(config["tiers"]["premium"]["queue_deadline_ms"], json!(500));
+        assert_eq!(config["tiers"]["free"]["max_concurrent"], json!(3));
+        assert_eq!(config["control"]["tick_ms"], json!(1250));
     }
 
     #[test]
