@@ -30,7 +30,10 @@
 //! millisecond timer wheel, whose up-to-1-ms rounding would be as large as the effect being
 //! measured. Requests go over a pool of HTTP/1.1 keep-alive connections, one pool per Envoy.
 //! Every request is the same ~4 KB non-streaming `POST /v1/chat/completions` with
-//! `max_tokens: 16`, from one of a few `x-user-id`s in turn.
+//! `max_tokens: 16`, from one of a few `x-user-id`s in turn. With `--stream-tokens N` they are
+//! streamed instead (SSE, N tokens paced by the upstream every `--itl-ms`), and the report adds
+//! the gaps between tokens as the client saw them: what Envoy's response-body streaming through
+//! ext_proc (one round trip to tollgate per chunk) adds to inter-token latency.
 //!
 //! For each rate: a warm-up run on A then on B (discarded), then rounds A, B, A, B, ... The
 //! headline is B − A at p50 and p99, taken per round (A and B of the same round are adjacent in
@@ -108,6 +111,15 @@ struct Args {
     /// Size of the request body in bytes (the prose is cut to make the JSON exactly this long).
     #[arg(long, default_value_t = 4096)]
     body_bytes: usize,
+    /// Stream the responses (SSE) with this many output tokens each, paced by the upstream at
+    /// `--itl-ms`, and report the gaps between tokens as the client sees them: what
+    /// response-body streaming through ext_proc adds to inter-token latency. 0: non-streaming
+    /// requests with `max_tokens: 16`, answered at once.
+    #[arg(long, default_value_t = 0)]
+    stream_tokens: u32,
+    /// The upstream's delay between tokens in streaming mode.
+    #[arg(long, default_value_t = 20)]
+    itl_ms: u32,
     /// Number of distinct `x-user-id` values the requests cycle over.
     #[arg(long, default_value_t = 8)]
     users: usize,
@@ -239,7 +251,7 @@ async fn bench(args: &Args) -> Result<Verdict> {
     let before = machine_jiffies();
     tokio::time::sleep(Duration::from_secs(2)).await;
     machine.busy_before_start = busy_fraction(before, machine_jiffies());
-    let body = chat_body(args.body_bytes)?;
+    let body = chat_body(args.body_bytes, args.stream_tokens)?;
     eprintln!(
         "machine: {} CPUs ({}), load average {}, {:.0}% busy before start; body {} B; starting \
          processes...",
@@ -324,6 +336,8 @@ async fn bench(args: &Args) -> Result<Verdict> {
         }
         let summary = RateSummary {
             rate,
+            itl_ms: args.itl_ms,
+            streaming: args.stream_tokens > 0,
             configs: configs.clone(),
             rounds,
             warmup_errors,
@@ -346,6 +360,8 @@ async fn bench(args: &Args) -> Result<Verdict> {
                 "rounds": args.rounds,
                 "warmup_seconds": args.warmup_seconds,
                 "body_bytes": args.body_bytes,
+                "stream_tokens": args.stream_tokens,
+                "itl_ms": args.itl_ms,
                 "users": args.users,
                 "client_threads": args.client_threads,
                 "envoy_config": front_proxy_path,
@@ -799,6 +815,7 @@ impl Stack {
             "upstream",
             Command::new(&binaries.upstream)
                 .args(["--addr", "127.0.0.1:0"])
+                .args(["--itl-ms", &args.itl_ms.to_string()])
                 .stdout(Stdio::piped()),
             dir.path().join("upstream.log"),
         )?;
@@ -1242,15 +1259,20 @@ impl Target {
 }
 
 /// A chat request body of exactly `bytes` bytes: ASCII prose (no characters JSON escapes) in
-/// one user message, `max_tokens: 16`, non-streaming.
-fn chat_body(bytes: usize) -> Result<String> {
+/// one user message; `max_tokens: 16`, non-streaming, or with `stream_tokens` > 0 streamed with
+/// that many tokens.
+fn chat_body(bytes: usize, stream_tokens: u32) -> Result<String> {
     let render = |content: &str| {
-        json!({
+        let mut body = json!({
             "model": "gpt-4o-mini",
             "messages": [{"role": "user", "content": content}],
             "max_tokens": 16,
-        })
-        .to_string()
+        });
+        if stream_tokens > 0 {
+            body["max_tokens"] = json!(stream_tokens);
+            body["stream"] = json!(true);
+        }
+        body.to_string()
     };
     let skeleton = render("").len();
     ensure!(
@@ -1287,10 +1309,14 @@ struct Sample {
     done: Instant,
     /// `None` for a 200, else what went wrong.
     error: Option<String>,
+    /// Streaming responses: the time between consecutive SSE events carrying a token, in ns,
+    /// as they arrived at the client (events that arrive in one read are 0 apart).
+    token_gaps: Vec<u64>,
 }
 
 async fn one_request(request: reqwest::RequestBuilder, due: Instant) -> Sample {
     let started = Instant::now();
+    let mut token_gaps = Vec::new();
     let error = match request.send().await {
         Ok(response) => {
             let status = response.status();
@@ -1301,9 +1327,9 @@ async fn one_request(request: reqwest::RequestBuilder, due: Instant) -> Sample {
                 .get("x-tollgate-reason")
                 .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned());
             // Read the whole body: the latency is to the last byte, as a client sees it.
-            match response.bytes().await {
-                Ok(_) if status == reqwest::StatusCode::OK => None,
-                Ok(_) => Some(match reason {
+            match read_body(response, &mut token_gaps).await {
+                Ok(()) if status == reqwest::StatusCode::OK => None,
+                Ok(()) => Some(match reason {
                     Some(reason) => format!("HTTP {} tollgate {reason}", status.as_u16()),
                     None => format!("HTTP {}", status.as_u16()),
                 }),
@@ -1318,7 +1344,34 @@ async fn one_request(request: reqwest::RequestBuilder, due: Instant) -> Sample {
         lag: started.saturating_duration_since(due),
         done,
         error,
+        token_gaps,
     }
+}
+
+/// Reads a response to its end, noting in `token_gaps` when each SSE token event arrived
+/// after the previous one (the first token's wait is the time to first token, not a gap).
+async fn read_body(
+    mut response: reqwest::Response,
+    token_gaps: &mut Vec<u64>,
+) -> Result<(), reqwest::Error> {
+    let mut last_token: Option<Instant> = None;
+    while let Some(chunk) = response.chunk().await? {
+        let now = Instant::now();
+        // Token events carry `"content":`; the role-only first event, the usage event and
+        // `[DONE]` do not.
+        for _ in 0..count_token_events(&chunk) {
+            if let Some(last) = last_token {
+                token_gaps.push(now.saturating_duration_since(last).as_nanos() as u64);
+            }
+            last_token = Some(now);
+        }
+    }
+    Ok(())
+}
+
+fn count_token_events(chunk: &[u8]) -> usize {
+    const MARK: &[u8] = b"\"content\":";
+    chunk.windows(MARK.len()).filter(|w| *w == MARK).count()
 }
 
 fn classify(error: &reqwest::Error) -> String {
@@ -1435,6 +1488,8 @@ struct RunSummary {
     errors: BTreeMap<String, u64>,
     /// Over successful requests only: an error's latency says nothing about the overhead.
     latency: Latency,
+    /// Streaming runs: the gaps between tokens over all successful responses.
+    token_gap: Option<Latency>,
     /// p50 / p99 of the load generator's lateness in starting requests, ms.
     lag_p50: f64,
     lag_p99: f64,
@@ -1461,6 +1516,7 @@ impl RunSummary {
             "ok": self.ok,
             "errors": self.errors,
             "latency_ms": self.latency.json(),
+            "token_gap_ms": self.token_gap.as_ref().map(Latency::json),
             "generator_lag_ms": {"p50": self.lag_p50, "p99": self.lag_p99},
             "achieved_rps": self.achieved_rps,
             "cpu_seconds": self.cpu_seconds,
@@ -1517,6 +1573,7 @@ async fn measure(
 
     let mut latencies = Vec::with_capacity(run.samples.len());
     let mut lags: Vec<u64> = Vec::with_capacity(run.samples.len());
+    let mut token_gaps: Vec<u64> = Vec::new();
     let mut errors = BTreeMap::new();
     let mut last_done = run.start;
     for sample in &run.samples {
@@ -1524,6 +1581,7 @@ async fn measure(
         match &sample.error {
             None => {
                 latencies.push(sample.latency.as_nanos() as u64);
+                token_gaps.extend_from_slice(&sample.token_gaps);
                 last_done = last_done.max(sample.done);
             }
             Some(error) => *errors.entry(error.clone()).or_insert(0) += 1,
@@ -1545,6 +1603,7 @@ async fn measure(
         ok,
         errors,
         latency: Latency::of(&mut latencies),
+        token_gap: (!token_gaps.is_empty()).then(|| Latency::of(&mut token_gaps)),
         lag_p50: percentile(&lags, 0.50) as f64 / 1e6,
         lag_p99: percentile(&lags, 0.99) as f64 / 1e6,
         achieved_rps: if elapsed > 0.0 {
@@ -1718,6 +1777,10 @@ fn parse_histogram(text: &str, name: &str) -> Option<HistogramDelta> {
 /// All runs at one offered rate: `rounds[r][k]` is round `r` of `configs[k]`.
 struct RateSummary {
     rate: u32,
+    /// The upstream's pacing between tokens (streaming mode).
+    itl_ms: u32,
+    /// Streamed responses (`--stream-tokens`): the targets do not apply.
+    streaming: bool,
     configs: Vec<Config>,
     rounds: Vec<Vec<RunSummary>>,
     /// Failed warm-up requests per configuration (reported, not counted in the rounds).
@@ -1743,6 +1806,10 @@ impl RateSummary {
             .flatten()
             .map(RunSummary::error_count)
             .sum()
+    }
+
+    fn has_token_gaps(&self, config: Config) -> bool {
+        self.runs(config).any(|run| run.token_gap.is_some())
     }
 
     /// Median over rounds of one figure of one configuration.
@@ -1977,9 +2044,59 @@ impl RateSummary {
                 self.added(config, |l| l.p99),
             );
         }
-        for config in self.others().filter(|c| matches!(c, Config::B | Config::R)) {
-            for line in self.verdicts(config) {
-                let _ = writeln!(w, "TARGETS {line}");
+        if self.configs.iter().any(|&c| self.has_token_gaps(c)) {
+            let _ = writeln!(
+                w,
+                "{:<24}{:>9}{:>9}{:>9}{:>12}{:>12}",
+                "gap between tokens (ms)", "p50", "p90", "p99", "-A p50", "-A p99"
+            );
+            for &config in &self.configs {
+                let gap = |figure: fn(&Latency) -> f64| {
+                    self.median_of(config, |r| r.token_gap.as_ref().map_or(f64::NAN, figure))
+                };
+                let added = |figure: fn(&Latency) -> f64| {
+                    if config == Config::A {
+                        f64::NAN
+                    } else {
+                        median(
+                            &mut self
+                                .runs(config)
+                                .zip(self.runs(Config::A))
+                                .filter_map(|(run, baseline)| {
+                                    Some(
+                                        figure(run.token_gap.as_ref()?)
+                                            - figure(baseline.token_gap.as_ref()?),
+                                    )
+                                })
+                                .collect::<Vec<_>>(),
+                        )
+                    }
+                };
+                let _ = writeln!(
+                    w,
+                    "{:<24}{:>9.3}{:>9.3}{:>9.3}{:>+12.3}{:>+12.3}",
+                    config.label(),
+                    gap(|l| l.p50),
+                    gap(|l| l.p90),
+                    gap(|l| l.p99),
+                    added(|l| l.p50),
+                    added(|l| l.p99),
+                );
+            }
+            let _ = writeln!(
+                w,
+                "(as the client saw them, median over rounds; the upstream sends one token every \
+                 {} ms; -A: median of per-round differences with Envoy alone)",
+                self.itl_ms
+            );
+        }
+        // The latency targets are for the non-streaming requests; a streamed response's
+        // duration is mostly the upstream's pacing.
+        if !self.streaming {
+            for config in self.others().filter(|c| matches!(c, Config::B | Config::R)) {
+                for line in self.verdicts(config) {
+                    let _ = writeln!(w, "TARGETS {line}");
+                }
             }
         }
 
@@ -2176,7 +2293,7 @@ fn overall_table(summaries: &[RateSummary], machine: &Machine, args: &Args) -> S
         }
         for config in summary
             .others()
-            .filter(|c| matches!(c, Config::B | Config::R))
+            .filter(|c| !summary.streaming && matches!(c, Config::B | Config::R))
         {
             for line in summary.verdicts(config) {
                 let _ = writeln!(w, "{:<10}TARGETS {line}", summary.rate);
