@@ -88,8 +88,8 @@ use tonic::transport::{Channel, Endpoint};
 #[path = "support/host.rs"]
 mod host;
 use host::{
-    admin_client, busy_fraction, clock_ticks_per_second, cpu_ticks_of, free_port, interrupted,
-    machine_jiffies, median,
+    admin_client, busy_fraction, clock_ticks_per_second, cpu_ticks_of, free_port, machine_jiffies,
+    median,
 };
 
 /// Start-up budget for each child; generous because the machine may be compiling meanwhile.
@@ -151,36 +151,12 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(args.client_threads.max(1))
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("bench_decisions: cannot start the tokio runtime: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result = runtime.block_on(async {
-        // Dropping `bench` on a signal drops the stack it owns, and with it every child.
-        tokio::select! {
-            result = bench(&args) => result,
-            signal = interrupted() => Err(anyhow!("interrupted by {signal}; children stopped")),
-        }
-    });
-    runtime.shutdown_timeout(Duration::from_secs(1));
-    match result {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => {
-            eprintln!("bench_decisions: flagged (see FAIL or errors above)");
-            ExitCode::from(3)
-        }
-        Err(error) => {
-            eprintln!("bench_decisions: {error:#}");
-            ExitCode::FAILURE
-        }
-    }
+    host::run_bench(
+        "bench_decisions",
+        args.client_threads,
+        "flagged (see FAIL or errors above)",
+        bench(&args),
+    )
 }
 
 /// Runs everything; `Ok(false)` when the round-trip check failed or decisions failed.

@@ -71,7 +71,7 @@ use tonic::transport::{Channel, Endpoint};
 #[allow(dead_code)]
 #[path = "support/host.rs"]
 mod host;
-use host::{clock_ticks_per_second, free_port, interrupted};
+use host::{clock_ticks_per_second, free_port};
 
 /// Start-up budget for tollgate; generous because the machine may be compiling meanwhile.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -137,36 +137,12 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(args.client_threads.max(1))
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("bench_held_streams: cannot start the tokio runtime: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result = runtime.block_on(async {
-        // Dropping `bench` on a signal drops the tollgate process guard it owns, killing it.
-        tokio::select! {
-            result = bench(&args) => result,
-            signal = interrupted() => Err(anyhow!("interrupted by {signal}; tollgate stopped")),
-        }
-    });
-    runtime.shutdown_timeout(Duration::from_secs(1));
-    match result {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => {
-            eprintln!("bench_held_streams: some streams were not answered as expected; see above");
-            ExitCode::from(3)
-        }
-        Err(error) => {
-            eprintln!("bench_held_streams: {error:#}");
-            ExitCode::FAILURE
-        }
-    }
+    host::run_bench(
+        "bench_held_streams",
+        args.client_threads,
+        "some streams were not answered as expected; see above",
+        bench(&args),
+    )
 }
 
 /// Runs the whole benchmark; `Ok(false)` if any stream failed (the table is printed anyway).

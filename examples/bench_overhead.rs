@@ -64,7 +64,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, bail, ensure};
 // The `bytes` crate through axum's re-export: reqwest takes it as a body without copying.
 use axum::body::Bytes;
 use clap::Parser;
@@ -76,8 +76,8 @@ use tokio::time::Instant;
 #[path = "support/host.rs"]
 mod host;
 use host::{
-    admin_client, busy_fraction, clock_ticks_per_second, cpu_ticks_of, free_port, interrupted,
-    machine_jiffies, median,
+    admin_client, busy_fraction, clock_ticks_per_second, cpu_ticks_of, free_port, machine_jiffies,
+    median,
 };
 
 /// The Envoy version the repository tests against (tests/it/support/envoy.rs, ENVOY_VERSION).
@@ -162,38 +162,12 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(args.client_threads.max(1))
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("bench_overhead: cannot start the tokio runtime: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result = runtime.block_on(async {
-        // Dropping `bench` on a signal drops the stack it owns, and with it every child.
-        tokio::select! {
-            result = bench(&args) => result,
-            signal = interrupted() => Err(anyhow!("interrupted by {signal}; children stopped")),
-        }
-    });
-    // Do not wait for a dispatcher thread that is still sleeping towards its next due time: it
-    // sees the cancel flag and stops on its own.
-    runtime.shutdown_timeout(Duration::from_secs(1));
-    match result {
-        Ok(Verdict::Clean) => ExitCode::SUCCESS,
-        Ok(Verdict::HadErrors) => {
-            eprintln!("bench_overhead: some requests failed; see the flagged runs above");
-            ExitCode::from(3)
-        }
-        Err(error) => {
-            eprintln!("bench_overhead: {error:#}");
-            ExitCode::FAILURE
-        }
-    }
+    host::run_bench(
+        "bench_overhead",
+        args.client_threads,
+        "some requests failed; see the flagged runs above",
+        async { Ok(matches!(bench(&args).await?, Verdict::Clean)) },
+    )
 }
 
 /// Whether every request of every run got its 200.

@@ -3,11 +3,55 @@
 //! `#[path = "support/host.rs"] mod host;` (a folder under `examples/` is not an example of its
 //! own); each uses a subset, hence the `dead_code` allowance where it is included.
 
+use std::future::Future;
 use std::net::{Ipv4Addr, TcpListener};
-use std::process::Command;
+use std::process::{Command, ExitCode};
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, anyhow};
+
+/// Runs a benchmark to its end on a runtime of `threads` workers, or until Ctrl-C or SIGTERM:
+/// dropping the benchmark's future drops the processes it owns, and with them every child.
+/// The exit status is 0 when it ran clean, 3 when it flagged its own results (`Ok(false)`;
+/// `flagged` says where to look), 1 on an error.
+pub fn run_bench(
+    name: &str,
+    threads: usize,
+    flagged: &str,
+    bench: impl Future<Output = Result<bool>>,
+) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads.max(1))
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("{name}: cannot start the tokio runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        tokio::select! {
+            result = bench => result,
+            signal = interrupted() => Err(anyhow!("interrupted by {signal}; children stopped")),
+        }
+    });
+    // Do not wait for a thread still sleeping towards its next due time (bench_overhead's
+    // dispatcher): it sees its cancel flag and stops on its own.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("{name}: {flagged}");
+            ExitCode::from(3)
+        }
+        Err(error) => {
+            eprintln!("{name}: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
 
 /// Resolves on Ctrl-C or SIGTERM, naming the signal, so a benchmark can stop its children.
 pub async fn interrupted() -> &'static str {
