@@ -214,7 +214,6 @@ struct Waiting {
     /// How long Envoy is asked to wait for the answer.
     envoy_timeout: std::time::Duration,
     _queued: GaugeGuard,
-    _queued_body_bytes: GaugeGuard,
 }
 
 /// Resolves once the server's lifecycle is at `state` or past it.
@@ -481,35 +480,30 @@ impl Exchange {
                     .decision_duration(started.elapsed().as_secs_f64());
                 Step::Answer(Ok(answer))
             }
-            Admit::Full => {
-                shared
-                    .metrics
-                    .scheduler_outcome(tier, SchedulerOutcome::QueueFull);
+            refused @ (Admit::Full | Admit::BytesFull) => {
+                let (outcome, reason, message) = if matches!(refused, Admit::Full) {
+                    (
+                        SchedulerOutcome::QueueFull,
+                        Reason::QueueFull,
+                        format!(
+                            "the service is at capacity and tenant {tenant:?} already has {} \
+                             requests waiting; retry shortly",
+                            tier_policy.queue_max
+                        ),
+                    )
+                } else {
+                    (
+                        SchedulerOutcome::QueueBytesFull,
+                        Reason::QueueBytesFull,
+                        "the service is at capacity and the requests already waiting hold as \
+                         many bytes of request bodies as it allows; retry shortly"
+                            .to_owned(),
+                    )
+                };
+                shared.metrics.scheduler_outcome(tier, outcome);
                 // A rejected request consumes nothing: give its reservation back.
                 shared.ledger.settle(grant.hold, 0, true).await;
-                let reply = LocalReply::new(
-                    Reason::QueueFull,
-                    format!(
-                        "the service is at capacity and tenant {tenant:?} already has {} requests \
-                         waiting; retry shortly",
-                        tier_policy.queue_max
-                    ),
-                )
-                .with_header("retry-after", "1");
-                Step::Answer(Ok(self.reject(shared, &reply, Some(tier), started)))
-            }
-            Admit::BytesFull => {
-                shared
-                    .metrics
-                    .scheduler_outcome(tier, SchedulerOutcome::QueueBytesFull);
-                shared.ledger.settle(grant.hold, 0, true).await;
-                let reply = LocalReply::new(
-                    Reason::QueueBytesFull,
-                    "the service is at capacity and the requests already waiting hold as many \
-                     bytes of request bodies as it allows; retry shortly"
-                        .to_owned(),
-                )
-                .with_header("retry-after", "1");
+                let reply = LocalReply::new(reason, message).with_header("retry-after", "1");
                 Step::Answer(Ok(self.reject(shared, &reply, Some(tier), started)))
             }
             Admit::Queued(ticket) => {
@@ -525,7 +519,6 @@ impl Exchange {
                     deadline,
                     envoy_timeout,
                     _queued: shared.metrics.hold_queued(tier),
-                    _queued_body_bytes: shared.metrics.hold_queued_body_bytes(held_bytes),
                 })
             }
         }
@@ -548,7 +541,6 @@ impl Exchange {
             enqueued,
             deadline,
             _queued,
-            _queued_body_bytes,
             ..
         } = waiting;
         let tier = admission.identity.tier;

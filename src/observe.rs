@@ -606,6 +606,9 @@ impl Metrics {
     pub fn scheduler_load(&self, load: crate::scheduler::Load) {
         self.inner.inflight_limit.set(f64::from(load.limit));
         self.inner.inflight.set(f64::from(load.in_flight));
+        self.inner
+            .queued_body_bytes
+            .set(load.queued_body_bytes as f64);
     }
 
     pub fn scheduler_submitted(&self, tier: TierId) {
@@ -630,10 +633,6 @@ impl Metrics {
     }
 
     /// Counts `bytes` of request body as held by a queued request until the guard drops.
-    pub fn hold_queued_body_bytes(&self, bytes: usize) -> GaugeGuard {
-        GaugeGuard::add(self.inner.queued_body_bytes.clone(), bytes as f64)
-    }
-
     /// Counts one controller tick by its action, and the p99 it saw.
     pub fn controller_tick(&self, action: Action, p99_seconds: Option<f64>) {
         let index = Action::ALL

@@ -78,6 +78,8 @@ pub struct Load {
     pub limit: u32,
     pub in_flight: u32,
     pub queued: u32,
+    /// Body bytes the queued requests hold, against `max_queued_body_bytes`.
+    pub queued_body_bytes: usize,
 }
 
 impl Scheduler {
@@ -146,12 +148,8 @@ impl Scheduler {
             limit: state.fair.limit(),
             in_flight: state.fair.in_flight(),
             queued: state.fair.queued(),
+            queued_body_bytes: state.queued_bodies.held,
         }
-    }
-
-    /// Body bytes held by queued requests now.
-    pub fn queued_body_bytes(&self) -> usize {
-        self.lock().queued_bodies.held
     }
 
     /// The highest in-flight count since the last call; starts the next period at the current

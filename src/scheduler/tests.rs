@@ -37,6 +37,7 @@ fn load(in_flight: u32, queued: u32, limit: u32) -> Load {
         limit,
         in_flight,
         queued,
+        queued_body_bytes: 0,
     }
 }
 
@@ -158,17 +159,20 @@ async fn a_request_that_would_take_queued_bodies_over_the_cap_is_refused_and_tak
     let scheduler = Scheduler::new(1, 1_000);
     // A request that runs at once holds nothing in the queue, however large its body.
     let holder = now(scheduler.submit("a", class(8), 1, 5_000));
-    assert_eq!(scheduler.queued_body_bytes(), 0);
+    assert_eq!(scheduler.load().queued_body_bytes, 0);
     let first = queued(scheduler.submit("b", class(8), 1, 600));
     let second = queued(scheduler.submit("c", class(8), 1, 400));
-    assert_eq!(scheduler.queued_body_bytes(), 1_000);
+    assert_eq!(scheduler.load().queued_body_bytes, 1_000);
     assert!(matches!(
         scheduler.submit("d", class(8), 1, 1),
         Admit::BytesFull
     ));
     assert_eq!(
-        (scheduler.load(), scheduler.queued_body_bytes()),
-        (load(1, 2, 1), 1_000),
+        scheduler.load(),
+        Load {
+            queued_body_bytes: 1_000,
+            ..load(1, 2, 1)
+        },
         "the refused request left no entry and no bytes behind"
     );
     // The tenant's own queue limit is checked first: a full queue says so, whatever the bytes.
@@ -189,29 +193,32 @@ async fn a_ticket_gives_its_body_bytes_back_however_it_leaves_the_queue() {
     let cancelled = queued(scheduler.submit("b", class(8), 1, 300));
     let mut granted = queued(scheduler.submit("c", class(8), 1, 500));
     let raced = queued(scheduler.submit("d", class(8), 1, 200));
-    assert_eq!(scheduler.queued_body_bytes(), 1_000);
+    assert_eq!(scheduler.load().queued_body_bytes, 1_000);
 
     // Gone while waiting (client gone, deadline, shutdown all drop the ticket).
     drop(cancelled);
-    assert_eq!(scheduler.queued_body_bytes(), 700);
+    assert_eq!(scheduler.load().queued_body_bytes, 700);
 
     // Granted: the bytes stay counted until the ticket drops, then go back once.
     drop(holder);
     let permit = granted.granted().await;
-    assert_eq!(scheduler.queued_body_bytes(), 700);
+    assert_eq!(scheduler.load().queued_body_bytes, 700);
     drop(granted);
-    assert_eq!(scheduler.queued_body_bytes(), 200);
+    assert_eq!(scheduler.load().queued_body_bytes, 200);
 
     // Sent a slot it never read: the slot and the bytes both come back.
     drop(permit);
-    assert_eq!(scheduler.load(), load(1, 0, 1));
-    drop(raced);
     assert_eq!(
-        (scheduler.load(), scheduler.queued_body_bytes()),
-        (load(0, 0, 1), 0)
+        scheduler.load(),
+        Load {
+            queued_body_bytes: 200,
+            ..load(1, 0, 1)
+        }
     );
+    drop(raced);
+    assert_eq!(scheduler.load(), load(0, 0, 1), "no slot and no bytes left");
     // And the room is there again for the next one.
     let _holder = now(scheduler.submit("a", class(8), 1, 0));
     let _next = queued(scheduler.submit("e", class(8), 1, 1_000));
-    assert_eq!(scheduler.queued_body_bytes(), 1_000);
+    assert_eq!(scheduler.load().queued_body_bytes, 1_000);
 }
