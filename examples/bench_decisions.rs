@@ -88,8 +88,8 @@ use tonic::transport::{Channel, Endpoint};
 #[path = "support/host.rs"]
 mod host;
 use host::{
-    admin_client, busy_fraction, clock_ticks_per_second, cpu_ticks_of, free_port, machine_jiffies,
-    median,
+    Machine, admin_client, busy_fraction, clock_ticks_per_second, cpu_ticks_of, free_port,
+    machine_jiffies, median,
 };
 
 /// Start-up budget for each child; generous because the machine may be compiling meanwhile.
@@ -181,7 +181,7 @@ async fn bench(args: &Args) -> Result<bool> {
         eprintln!("WARNING: {warning}");
     }
     let redis_version = redis_version(&args.redis_server)?;
-    let mut machine = Machine::describe(&redis_version);
+    let mut machine = Machine::describe(("redis_version", redis_version.clone()));
     let before = machine_jiffies();
     tokio::time::sleep(Duration::from_secs(2)).await;
     machine.busy_before_start = busy_fraction(before, machine_jiffies());
@@ -2051,81 +2051,4 @@ fn stale_warning(binary: &Path, root: &Path) -> Option<String> {
             binary.display()
         )
     })
-}
-
-/// What the numbers were measured on, for the report.
-struct Machine {
-    cpus: usize,
-    cpu_model: String,
-    kernel: String,
-    loadavg_at_start: String,
-    /// Busy fraction of all CPUs over two seconds before anything started.
-    busy_before_start: Option<f64>,
-    redis_version: String,
-    git: String,
-}
-
-impl Machine {
-    fn describe(redis_version: &str) -> Machine {
-        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let field = |name: &str| {
-            cpuinfo
-                .lines()
-                .find(|line| line.split(':').next().is_some_and(|k| k.trim() == name))
-                .and_then(|line| line.split_once(':'))
-                .map_or_else(|| "?".to_owned(), |(_, value)| value.trim().to_owned())
-        };
-        // A KVM guest's model name is often just "Intel(R) Xeon(R) Processor"; family and model
-        // numbers say which generation it is.
-        let cpu_model = format!(
-            "{}, family {} model {}",
-            field("model name"),
-            field("cpu family"),
-            field("model")
-        );
-        let git = |args: &[&str]| {
-            Command::new("git")
-                .args(args)
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .stderr(Stdio::null())
-                .output()
-                .ok()
-                .filter(|out| out.status.success())
-                .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned())
-        };
-        let dirty = git(&["status", "--porcelain"]).is_some_and(|out| !out.is_empty());
-        let read = |path: &str| {
-            std::fs::read_to_string(path)
-                .map(|s| s.trim().to_owned())
-                .unwrap_or_else(|_| "?".to_owned())
-        };
-        Machine {
-            cpus: cpuinfo
-                .lines()
-                .filter(|l| l.starts_with("processor"))
-                .count(),
-            cpu_model,
-            kernel: read("/proc/sys/kernel/osrelease"),
-            loadavg_at_start: read("/proc/loadavg"),
-            busy_before_start: None,
-            redis_version: redis_version.to_owned(),
-            git: match git(&["rev-parse", "--short", "HEAD"]) {
-                Some(commit) if dirty => format!("{commit} + uncommitted changes"),
-                Some(commit) => commit,
-                None => "?".to_owned(),
-            },
-        }
-    }
-
-    fn json(&self) -> Value {
-        json!({
-            "cpus": self.cpus,
-            "cpu_model": self.cpu_model,
-            "kernel": self.kernel,
-            "loadavg_at_start": self.loadavg_at_start,
-            "busy_before_start": self.busy_before_start,
-            "redis_version": self.redis_version,
-            "git": self.git,
-        })
-    }
 }

@@ -76,8 +76,8 @@ use tokio::time::Instant;
 #[path = "support/host.rs"]
 mod host;
 use host::{
-    admin_client, busy_fraction, clock_ticks_per_second, cpu_ticks_of, free_port, machine_jiffies,
-    median,
+    Machine, admin_client, busy_fraction, clock_ticks_per_second, command_output, cpu_ticks_of,
+    free_port, machine_jiffies, median,
 };
 
 /// The Envoy version the repository tests against (tests/it/support/envoy.rs, ENVOY_VERSION).
@@ -221,7 +221,10 @@ async fn bench(args: &Args) -> Result<Verdict> {
         envoy_configs.push((config, text));
     }
 
-    let mut machine = Machine::describe(&binaries);
+    let envoy_version = command_output(&binaries.envoy, &["--version"])
+        .and_then(|out| out.split("version: ").nth(1).map(|v| v.trim().to_owned()))
+        .unwrap_or_else(|| "?".to_owned());
+    let mut machine = Machine::describe(("envoy_version", envoy_version));
     let before = machine_jiffies();
     tokio::time::sleep(Duration::from_secs(2)).await;
     machine.busy_before_start = busy_fraction(before, machine_jiffies());
@@ -469,95 +472,6 @@ fn newest_mtime(paths: &[PathBuf]) -> Option<SystemTime> {
         }
     }
     newest
-}
-
-/// What the numbers were measured on, for the report.
-struct Machine {
-    cpus: usize,
-    cpu_model: String,
-    kernel: String,
-    loadavg_at_start: String,
-    /// Busy fraction of all CPUs over two seconds before anything started: other work on the
-    /// machine, which every figure shares the CPUs with.
-    busy_before_start: Option<f64>,
-    envoy_version: String,
-    git: String,
-}
-
-impl Machine {
-    fn describe(binaries: &Binaries) -> Machine {
-        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let field = |name: &str| {
-            cpuinfo
-                .lines()
-                .find(|line| line.split(':').next().is_some_and(|k| k.trim() == name))
-                .and_then(|line| line.split_once(':'))
-                .map(|(_, value)| value.trim().to_owned())
-                .unwrap_or_else(|| "?".to_owned())
-        };
-        // The model name of a KVM guest is often just "Intel(R) Xeon(R) Processor"; family and
-        // model numbers say which generation it is.
-        let cpu_model = format!(
-            "{}, family {} model {}",
-            field("model name"),
-            field("cpu family"),
-            field("model")
-        );
-        let cpus = cpuinfo
-            .lines()
-            .filter(|line| line.starts_with("processor"))
-            .count();
-        let envoy_version = command_output(&binaries.envoy, &["--version"])
-            .and_then(|out| out.split("version: ").nth(1).map(|v| v.trim().to_owned()))
-            .unwrap_or_else(|| "?".to_owned());
-        let commit = command_output(Path::new("git"), &["rev-parse", "--short", "HEAD"]);
-        let dirty = command_output(Path::new("git"), &["status", "--porcelain"])
-            .is_some_and(|out| !out.trim().is_empty());
-        Machine {
-            cpus,
-            cpu_model,
-            kernel: read_trimmed("/proc/sys/kernel/osrelease"),
-            loadavg_at_start: read_trimmed("/proc/loadavg"),
-            busy_before_start: None,
-            envoy_version,
-            git: match commit {
-                Some(commit) if dirty => format!("{} + uncommitted changes", commit.trim()),
-                Some(commit) => commit.trim().to_owned(),
-                None => "?".to_owned(),
-            },
-        }
-    }
-
-    fn json(&self) -> Value {
-        json!({
-            "cpus": self.cpus,
-            "cpu_model": self.cpu_model,
-            "kernel": self.kernel,
-            "loadavg_at_start": self.loadavg_at_start,
-            "busy_before_start": self.busy_before_start,
-            "envoy_version": self.envoy_version,
-            "git": self.git,
-        })
-    }
-}
-
-fn read_trimmed(path: &str) -> String {
-    std::fs::read_to_string(path)
-        .map(|text| text.trim().to_owned())
-        .unwrap_or_else(|_| "?".to_owned())
-}
-
-fn command_output(program: &Path, args: &[&str]) -> Option<String> {
-    let output = Command::new(program)
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .stderr(Stdio::null())
-        .output()
-        .ok()?;
-    output
-        .status
-        .success()
-        .then(|| String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2281,7 +2195,7 @@ fn overall_table(summaries: &[RateSummary], machine: &Machine, args: &Args) -> S
         machine.cpus,
         machine.cpu_model,
         machine.kernel,
-        machine.envoy_version,
+        machine.software.1,
         machine.git,
         args.rounds,
         args.seconds,

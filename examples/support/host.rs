@@ -5,10 +5,12 @@
 
 use std::future::Future;
 use std::net::{Ipv4Addr, TcpListener};
-use std::process::{Command, ExitCode};
+use std::path::Path;
+use std::process::{Command, ExitCode, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow};
+use serde_json::{Value, json};
 
 /// Runs a benchmark to its end on a runtime of `threads` workers, or until Ctrl-C or SIGTERM:
 /// dropping the benchmark's future drops the processes it owns, and with them every child.
@@ -140,4 +142,88 @@ pub fn median(values: &mut [f64]) -> f64 {
         n if n % 2 == 1 => values[n / 2],
         n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
     }
+}
+
+/// What the numbers were measured on, for a benchmark's report.
+pub struct Machine {
+    pub cpus: usize,
+    pub cpu_model: String,
+    pub kernel: String,
+    pub loadavg_at_start: String,
+    /// Busy fraction of all CPUs over a moment before anything started: other work on the
+    /// machine, which every figure shares the CPUs with. Set by the caller.
+    pub busy_before_start: Option<f64>,
+    /// The commit measured, "+ uncommitted changes" when the tree differs from it.
+    pub git: String,
+    /// The other software measured with, as (JSON key, version): Envoy's or Redis's.
+    pub software: (&'static str, String),
+}
+
+impl Machine {
+    pub fn describe(software: (&'static str, String)) -> Machine {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let field = |name: &str| {
+            cpuinfo
+                .lines()
+                .find(|line| line.split(':').next().is_some_and(|k| k.trim() == name))
+                .and_then(|line| line.split_once(':'))
+                .map_or_else(|| "?".to_owned(), |(_, value)| value.trim().to_owned())
+        };
+        // A KVM guest's model name is often just "Intel(R) Xeon(R) Processor"; family and model
+        // numbers say which generation it is.
+        let cpu_model = format!(
+            "{}, family {} model {}",
+            field("model name"),
+            field("cpu family"),
+            field("model")
+        );
+        let read = |path: &str| {
+            std::fs::read_to_string(path).map_or_else(|_| "?".to_owned(), |s| s.trim().to_owned())
+        };
+        let git = |args: &[&str]| command_output(Path::new("git"), args);
+        let dirty = git(&["status", "--porcelain"]).is_some_and(|out| !out.trim().is_empty());
+        Machine {
+            cpus: cpuinfo
+                .lines()
+                .filter(|line| line.starts_with("processor"))
+                .count(),
+            cpu_model,
+            kernel: read("/proc/sys/kernel/osrelease"),
+            loadavg_at_start: read("/proc/loadavg"),
+            busy_before_start: None,
+            git: match git(&["rev-parse", "--short", "HEAD"]) {
+                Some(commit) if dirty => format!("{} + uncommitted changes", commit.trim()),
+                Some(commit) => commit.trim().to_owned(),
+                None => "?".to_owned(),
+            },
+            software,
+        }
+    }
+
+    pub fn json(&self) -> Value {
+        let mut json = json!({
+            "cpus": self.cpus,
+            "cpu_model": self.cpu_model,
+            "kernel": self.kernel,
+            "loadavg_at_start": self.loadavg_at_start,
+            "busy_before_start": self.busy_before_start,
+            "git": self.git,
+        });
+        json[self.software.0] = json!(self.software.1);
+        json
+    }
+}
+
+/// What `program` printed on stdout, run in the repository, if it succeeded.
+pub fn command_output(program: &Path, args: &[&str]) -> Option<String> {
+    let output = Command::new(program)
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).into_owned())
 }
