@@ -127,8 +127,8 @@ async fn send(
 /// A stream's task. Its future lives as long as the stream, and is as large as the largest
 /// state it can be in, so every held stream pays for the largest step it might ever take. The
 /// large, short-lived steps (`on_message`, `finish`, and the settle in `wait_for_slot`) are
-/// boxed and take memory only while they run: the future is 2,968 B instead of 11,800 B
-/// (`size_of_val`, release build, rustc 1.95).
+/// boxed and take memory only while they run (`tests::stream_task_future_stays_small` holds the
+/// future's size to 4 KiB).
 async fn serve_stream(
     shared: Arc<Shared>,
     mut inbound: Streaming<ProcessingRequest>,
@@ -872,4 +872,29 @@ fn out_of_order(shared: &Shared, phase: &str, message: &Message) -> Status {
     Status::failed_precondition(format!(
         "ext_proc protocol violation: received {got} while {phase}"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The size of the future an async fn returns, without calling it.
+    fn future_size<A, B, C, Fut>(_: &impl Fn(A, B, C) -> Fut) -> usize {
+        std::mem::size_of::<Fut>()
+    }
+
+    /// Every held stream keeps its task's future for as long as it waits, and a future is as
+    /// large as the largest state it can reach: an await of a large step inlined into
+    /// `serve_stream` would cost every queued stream that many bytes (docs/benchmarks.md,
+    /// "Held streams"). `cargo test --release --lib stream_task -- --nocapture` prints the size
+    /// the release build has.
+    #[test]
+    fn stream_task_future_stays_small() {
+        let size = future_size(&serve_stream);
+        println!("serve_stream future: {size} B");
+        assert!(
+            size <= 4096,
+            "serve_stream's future grew to {size} B: box the large step that is awaited inline"
+        );
+    }
 }
