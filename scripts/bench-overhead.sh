@@ -8,6 +8,7 @@
 #   no flags: --rates 500,2000 --seconds 10 --rounds 3 --configs A,E,B,R (about 7 minutes)
 #   e.g.      scripts/bench-overhead.sh --rates 1000 --rounds 5 --json target/bench-overhead.json
 #             scripts/bench-overhead.sh --configs B,C   (C: tollgate without the response phases)
+#             scripts/bench-overhead.sh --configs E,Q,B,C   (Q: the echo without them, C's baseline)
 #
 # Everything runs on 127.0.0.1 ports picked at start-up; the example kills every process it
 # started when it ends, also on error or Ctrl-C. Run it on an otherwise idle machine: it shares
