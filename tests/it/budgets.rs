@@ -362,10 +362,8 @@ async fn a_model_limit_counts_only_requests_for_matching_models() {
 // Settlement: what a finished request is charged, read back from the metrics and from the
 // remaining budget the next request is told.
 //
-// Not here yet (the rules are being changed in src/extproc.rs): a 2xx response that ends before
-// its first body byte (to be refunded in full, like an upstream error), and a stream whose
-// first ProcessingRequest says `protocol_config.response_body_mode: NONE` (to be charged input +
-// its reserved output). Both belong beside these tests, driven the same way.
+// Not here yet: a 2xx response that ends before its first body byte (to be refunded in full,
+// like an upstream error). It belongs beside these tests, driven the same way.
 // ---------------------------------------------------------------------------------------------
 
 /// Output tokens of `max_tokens` in every settlement test: the reservation is its input + this.
@@ -437,6 +435,45 @@ async fn wait_for_metric(server: &TestServer, kind: &str, stage: &str, want: f64
         "tollgate_budget_tokens_total{{kind={kind}, stage={stage}}} never reached {want}:\n{}",
         server.metrics().await.0
     );
+}
+
+/// Rule: when Envoy says in its first message that it will not send the response body
+/// (`protocol_config.response_body_mode: NONE`, as envoy/front-proxy-no-response.yaml does), the
+/// output cannot be counted, so the request is charged its input plus its whole reserved output.
+#[tokio::test]
+async fn without_the_response_body_a_request_is_charged_its_reserved_output() {
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    use envoy_types::pb::envoy::service::ext_proc::v3::ProtocolConfiguration;
+
+    let server = TestServer::start(settle_config()).await;
+    let mut stream = server.stream().await;
+    let mut headers = chat_headers("no-body");
+    headers.protocol_config = Some(ProtocolConfiguration {
+        response_body_mode: BodySendMode::None as i32,
+        ..ProtocolConfiguration::default()
+    });
+    stream.exchange(headers).await;
+    let body = chat_body(serde_json::json!({"max_tokens": SETTLE_MAX_TOKENS}));
+    let answer = stream.exchange(request_body(&body)).await;
+    assert!(admitted(&answer), "{answer:?}");
+    let input: u64 = header(&answer, "x-tollgate-input-tokens")
+        .unwrap()
+        .parse()
+        .unwrap();
+    // The HTTP request ends: Envoy closes the stream, having shown tollgate no response.
+    stream.close();
+    assert!(stream.recv().await.unwrap().is_none());
+    wait_for_metric(&server, "output", "settled", SETTLE_MAX_TOKENS as f64).await;
+    let m = server.metrics().await;
+    assert_eq!(budget_tokens(&m, "input", "settled"), input as f64);
+    assert_eq!(budget_tokens(&m, "output", "refunded"), 0.0);
+    let (_next, remaining) = remaining_after_one_more(&server, "no-body").await;
+    assert_eq!(
+        remaining,
+        SETTLE_BUDGET - (input + SETTLE_MAX_TOKENS) - (input + SETTLE_MAX_TOKENS),
+        "charged the whole reservation, then the new one"
+    );
+    server.stop().await.unwrap();
 }
 
 /// Rule: a client that goes away mid-stream is charged its input plus the output tokens that
