@@ -284,7 +284,13 @@ pub enum FairnessCost {
 pub struct ControlConfig {
     /// Off: the budget stays at `scheduler.initial_limit`.
     pub enabled: bool,
+    /// Which time to first token the controller holds to a target.
+    pub signal: ControlSignal,
+    /// The SLO: p99 TTFT at the gateway, queue wait included. The controller's target with
+    /// `signal: gateway`; with `signal: upstream`, what the dashboard and alerts hold it to.
     pub target_p99_ttft_ms: u64,
+    /// The controller's target with `signal: upstream`: p99 from dispatch to first token.
+    pub upstream_target_p99_ttft_ms: u64,
     pub tick_ms: u64,
     /// The p99 is taken over this sliding window.
     pub window_ms: u64,
@@ -302,6 +308,22 @@ pub struct ControlConfig {
     /// Demand gate: grow only while peak in-flight reached this fraction of the limit (or
     /// requests are queued), so an idle system does not drift upward.
     pub demand_fraction: f64,
+    /// Until the first decrease, each increase doubles the limit.
+    pub slow_start: bool,
+    /// The controller holds while the window has fewer samples than this.
+    pub min_samples: u64,
+}
+
+/// What the controller measures.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ControlSignal {
+    /// From the moment the request got its slot to the first response byte: the upstream's
+    /// latency alone, which the budget drives.
+    #[default]
+    Upstream,
+    /// From request arrival to the first response byte, queue wait included (seed 001).
+    Gateway,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -406,23 +428,32 @@ impl Default for SchedulerConfig {
     }
 }
 
-/// Seed 001's final configuration: start at 128 within [32, 256], p99 TTFT target 2 s, 5 s
-/// ticks over a 30 s window, ±20 % deadband, 3 ticks of cooldown.
+/// Start at 128 within [32, 256], ±20 % deadband, ×0.9 cuts: seed 001's final configuration.
+/// What differs from it, and why (docs/lab.md, "the controller's signal"): the controller
+/// holds the *upstream's* p99 TTFT (from dispatch) to 1 s, not the gateway's to 2 s, so queue
+/// wait cannot feed back into the budget; it ticks every second over a 10 s window, with no
+/// cooldown (the window restarts at each cut instead); it doubles until the first breach; and
+/// it waits for 10 samples. Seed 001's controller is `signal: gateway`, `tick_ms: 5000`,
+/// `window_ms: 30000`, `cooldown_ticks: 3`, `slow_start: false`, `min_samples: 1`.
 impl Default for ControlConfig {
     fn default() -> Self {
         ControlConfig {
             enabled: true,
+            signal: ControlSignal::Upstream,
             target_p99_ttft_ms: 2_000,
-            tick_ms: 5_000,
-            window_ms: 30_000,
+            upstream_target_p99_ttft_ms: 1_000,
+            tick_ms: 1_000,
+            window_ms: 10_000,
             band: 0.2,
             increase_step: 1,
             decrease_factor: 0.9,
             decrease_step: None,
             floor: 32,
             ceiling: 256,
-            cooldown_ticks: 3,
+            cooldown_ticks: 0,
             demand_fraction: 0.8,
+            slow_start: true,
+            min_samples: 10,
         }
     }
 }

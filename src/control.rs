@@ -1,5 +1,5 @@
 //! The control loop's algorithm: an AIMD controller that tunes the global in-flight budget
-//! against a p99 time-to-first-token SLO.
+//! against a p99 time-to-first-token target.
 //!
 //! Netflix's concurrency-limits split: the algorithm *computes* a number, the enforcer (the
 //! scheduler) *applies* it. `Aimd::step` is a pure function of its state, the configuration
@@ -7,6 +7,10 @@
 //! `observe::window`, plus how busy the budget was); it reads no clock and does no I/O, so a
 //! test drives it tick by tick from a table. `tick` is the task that feeds it from the live
 //! window and scheduler and hands the limit to the scheduler.
+//!
+//! Which TTFT it is fed is the enforcer's choice (`config::ControlSignal`): by default the
+//! upstream's, from the moment a request got its slot, so queue wait never reads as a breach;
+//! or the gateway's, queue wait included, as seed 001 ran it. The rules below hold for both.
 //!
 //! # The rules, and the lesson behind each (seed 001)
 //!
@@ -16,16 +20,21 @@
 //!    handled, compounding the overshoot. The cooldown is after decreases *only*: holding
 //!    after increases would cap the climb at one step per `1 + cooldown_ticks` ticks. Backing
 //!    off is careful; climbing is eager.
-//! 2. **No samples, no opinion.** An empty window says nothing about latency.
+//! 2. **No samples, no opinion.** A window with fewer than `min_samples` samples says nothing
+//!    about latency (a p99 of three samples is their maximum).
 //! 3. **Breach** (p99 above `target × (1 + band)`): decrease, multiplicatively (or by a fixed
-//!    step), never below the **floor**. Below a small batch the GPU is *less* efficient per
+//!    step) from the limit or from the peak in flight if that is lower, never below the
+//!    **floor**. A limit far above what is in use (at start-up, or after slow start) cut by
+//!    10 % would hold back nothing. Below a small batch the GPU is *less* efficient per
 //!    token (the weights are read once per forward pass whatever the batch; continuous
 //!    batching has nothing to pack), so throughput falls, a backlog forms, queue wait rises,
 //!    and cutting further makes latency worse: the death spiral that parked seed 001's first
 //!    controller at its floor with p99 at 17 s. The floor is the edge of the regime where
 //!    cutting helps.
-//! 4. **Comfortably under** (p99 below `target × (1 − band)`): add `increase_step`, but only
-//!    with **demand**, and never above the ceiling. Demand counts in-flight requests, not
+//! 4. **Comfortably under** (p99 below `target × (1 − band)`): add `increase_step` (double,
+//!    while **slow start** lasts: until the first decrease), but only with **demand**, and
+//!    never above the ceiling. Slow start is TCP's answer to a start far below the operating
+//!    point: +1 per tick from 16 to the knee at ~140 takes two minutes at a 1 s tick. Demand counts in-flight requests, not
 //!    only queued ones: with a tight queue the healthy steady state has an empty queue, and a
 //!    gate on "queue non-empty" stalled seed 001's controller below its operating point. And
 //!    in-flight must be *near the limit* (Netflix's `inflight * 2 >= limit` guard): a low p99
@@ -35,20 +44,22 @@
 //! 5. Otherwise (inside the **deadband**): hold. Without the band, p99 jittering around the
 //!    target (1.9 s, 2.1 s, 1.95 s) flips the direction every tick.
 //!
-//! What the controller cannot fix: queue wait counts in TTFT (the user did wait), so a long
-//! queue timeout lets queue wait dominate the signal, and then every cut, by slowing dispatch,
-//! lengthens the wait it is reacting to. The cure is the enforcer's: a queue timeout of about
-//! a second (seed 001, post 5 update). `control/tests.rs` replays both regimes on a small
-//! plant model.
+//! What the rules cannot fix on the gateway's signal: queue wait counts in its TTFT (the user
+//! did wait), so a long queue timeout lets queue wait dominate the signal, and then every cut,
+//! by slowing dispatch, lengthens the wait it is reacting to (seed 001's death spiral). Seed
+//! 001's cure was a queue timeout of about a second; the upstream's signal removes the cause,
+//! as a queue there is demand, not a breach. `control/tests.rs` replays both regimes on a
+//! small plant model, with both signals.
 
 pub mod tick;
 
 use std::fmt;
 
-/// The controller's knobs. `validate` before use; `Default` is the recommended setting.
+/// The controller's knobs. `validate` before use; `Default` is seed 001's final controller
+/// (tollgate's defaults are `config::ControlConfig`'s, mapped by `tick::aimd_config`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct AimdConfig {
-    /// The SLO: p99 TTFT, seconds, measured at the gateway (queue wait included).
+    /// The target: p99 TTFT, seconds, of whichever TTFT the controller is fed.
     pub target_p99_ttft_seconds: f64,
     /// Deadband: no action while p99 is within ±`band` (a fraction) of the target.
     pub band: f64,
@@ -65,6 +76,11 @@ pub struct AimdConfig {
     /// "In flight near the limit": increase only if `peak_in_flight >= ceil(limit ×
     /// demand_fraction)` (or something queued).
     pub demand_fraction: f64,
+    /// Until the first decrease, an increase doubles the limit (TCP's slow start) instead of
+    /// adding `increase_step`.
+    pub slow_start: bool,
+    /// Fewer samples than this in the window: no opinion (`Hold::NoSamples`).
+    pub min_samples: u64,
 }
 
 /// How a breach cuts the budget.
@@ -110,6 +126,10 @@ impl Default for AimdConfig {
             // the climb just under the operating point. Anything queued counts as demand
             // regardless.
             demand_fraction: 0.8,
+            // Seed 001's controller had neither; `config::ControlConfig`'s defaults turn them
+            // on together with the upstream signal they were measured with.
+            slow_start: false,
+            min_samples: 1,
         }
     }
 }
@@ -160,6 +180,9 @@ impl AimdConfig {
         if !(fraction > 0.0 && fraction <= 1.0) {
             problems.push(format!("demand_fraction: {fraction} must be in (0, 1]"));
         }
+        if self.min_samples == 0 {
+            problems.push("min_samples: 0 must be at least 1".to_owned());
+        }
         if problems.is_empty() {
             Ok(())
         } else {
@@ -171,13 +194,16 @@ impl AimdConfig {
 /// What the enforcer saw over one tick.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Observation {
-    /// p99 TTFT over the sliding window, queue wait included; None if the window is empty.
+    /// p99 TTFT over the sliding window (overdue requests included, see `tick`); None if the
+    /// window is empty.
     pub p99_ttft_seconds: Option<f64>,
     /// The most requests in flight at once during the tick (a peak, not a snapshot: a
     /// snapshot at tick time misses the bursts that reached the limit).
     pub peak_in_flight: u32,
     /// Requests waiting for a slot (at the tick, or better, the most at once during it).
     pub queued: u32,
+    /// How many samples the p99 was taken over.
+    pub samples: u64,
 }
 
 /// What a tick did.
@@ -195,7 +221,7 @@ pub enum Hold {
     InBand,
     /// p99 comfortably under the target, but the traffic is not using the budget.
     NoDemand,
-    /// The window holds no samples.
+    /// The window holds fewer than `min_samples` samples.
     NoSamples,
     /// Waiting out the ticks after a decrease.
     Cooldown,
@@ -244,6 +270,8 @@ impl fmt::Display for Action {
 pub struct Aimd {
     limit: u32,
     cooldown_left: u32,
+    /// No decrease yet: increases double (if the config has slow start on).
+    slow_start: bool,
 }
 
 impl Aimd {
@@ -254,6 +282,7 @@ impl Aimd {
             // give a wrong number, not a crash. Ceiling wins.
             limit: initial.max(config.floor).min(config.ceiling),
             cooldown_left: 0,
+            slow_start: config.slow_start,
         }
     }
 
@@ -270,12 +299,15 @@ impl Aimd {
         }
         // NaN cannot come out of the window; if it ever does, it is no more a latency than an
         // empty window is.
-        let Some(p99) = observation.p99_ttft_seconds.filter(|p| !p.is_nan()) else {
+        let Some(p99) = observation
+            .p99_ttft_seconds
+            .filter(|p| !p.is_nan() && observation.samples >= config.min_samples)
+        else {
             return Action::Hold(Hold::NoSamples);
         };
         let target = config.target_p99_ttft_seconds;
         if p99 > target * (1.0 + config.band) {
-            return self.decrease(config);
+            return self.decrease(config, observation.peak_in_flight);
         }
         if p99 < target * (1.0 - config.band) {
             if !self.has_demand(config, observation) {
@@ -284,29 +316,41 @@ impl Aimd {
             if self.limit >= config.ceiling {
                 return Action::Hold(Hold::AtCeiling);
             }
-            self.limit = self
-                .limit
-                .saturating_add(config.increase_step)
-                .min(config.ceiling);
+            let step = if self.slow_start {
+                self.limit.max(config.increase_step)
+            } else {
+                config.increase_step
+            };
+            self.limit = self.limit.saturating_add(step).min(config.ceiling);
             return Action::Increase;
         }
         Action::Hold(Hold::InBand)
     }
 
-    fn decrease(&mut self, config: &AimdConfig) -> Action {
+    fn decrease(&mut self, config: &AimdConfig, peak_in_flight: u32) -> Action {
         if self.limit <= config.floor {
             // Nothing was cut, so there are no stale samples to wait out: no cooldown.
             return Action::Hold(Hold::AtFloor);
         }
+        // The first breach ends slow start: the limit has found the knee's neighbourhood, and
+        // doubling from here would go straight back past it.
+        self.slow_start = false;
+        // Cut from what is in use, when that is less than the limit: a limit far above the
+        // traffic (at start-up, or after slow start) cut by 10% would still not hold back the
+        // requests that are overloading the upstream now.
+        let base = match peak_in_flight {
+            0 => self.limit,
+            peak => peak.min(self.limit),
+        };
         let cut = match config.decrease {
             Decrease::Factor(factor) => {
                 // Round down, with a nudge so float noise does not turn 10 × 0.7 into 6.
-                let product = (f64::from(self.limit) * factor + 1e-9).floor();
-                // `as` saturates (NaN → 0); at least 1 less, or a factor near 1 would not cut.
-                (product as u32).min(self.limit - 1)
+                (f64::from(base) * factor + 1e-9).floor() as u32
             }
-            Decrease::Step(step) => self.limit.saturating_sub(step),
+            Decrease::Step(step) => base.saturating_sub(step),
         };
+        // `as` saturates (NaN → 0); at least 1 less, or a factor near 1 would not cut.
+        let cut = cut.min(self.limit - 1);
         self.limit = cut.max(config.floor);
         self.cooldown_left = config.cooldown_ticks;
         Action::Decrease

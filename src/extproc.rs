@@ -32,7 +32,7 @@ pub use service::ExtProcService;
 
 use crate::admission::{self, Admission, BodyVerdict};
 use crate::budget::ledger::{Grant, Hold, Ledger};
-use crate::config::FairnessCost;
+use crate::config::{ControlSignal, FairnessCost};
 use crate::observe::response::{ResponseEnd, ResponseObserver};
 use crate::observe::window::LatencyWindow;
 use crate::observe::{
@@ -161,7 +161,7 @@ async fn serve_stream(
         if let Some(sent) = convert::sends_response_body(&message) {
             output_observed = sent;
         }
-        let answer = match Box::pin(exchange.on_message(&shared, message)).await {
+        let answer = match Box::pin(exchange.on_message(&shared, message, output_observed)).await {
             Step::Answer(answer) => answer,
             Step::Wait(waiting) => {
                 let extend = convert::override_message_timeout(waiting.envoy_timeout);
@@ -169,7 +169,13 @@ async fn serve_stream(
                     break StreamEnd::Envoy;
                 }
                 match exchange
-                    .wait_for_slot(&shared, waiting, &mut inbound, &mut lifecycle)
+                    .wait_for_slot(
+                        &shared,
+                        waiting,
+                        &mut inbound,
+                        &mut lifecycle,
+                        output_observed,
+                    )
                     .await
                 {
                     Some(answer) => answer,
@@ -186,6 +192,14 @@ async fn serve_stream(
         }
     };
     Box::pin(exchange.finish(&shared, end, output_observed)).await;
+}
+
+/// Where the controller's time to first token starts for a request (`control.signal`).
+fn control_started(shared: &Shared, arrived: Instant, dispatched: Instant) -> Instant {
+    match shared.policy.control.signal {
+        ControlSignal::Upstream => dispatched,
+        ControlSignal::Gateway => arrived,
+    }
 }
 
 /// Why a queued request left the queue without a slot.
@@ -268,6 +282,11 @@ enum Exchange {
 struct Watched {
     admission: Admission,
     arrived: Instant,
+    /// When the request got its slot: the upstream's share of its TTFT starts here.
+    dispatched: Instant,
+    /// Counted as pending in the controller's window (`LatencyWindow::start`) until its first
+    /// token, or its end.
+    awaiting_first_token: bool,
     response: Option<ResponseObserver>,
     /// The request's slot in the global budget, freed when the response ends (or, at the
     /// latest, when this drops with the stream).
@@ -283,7 +302,14 @@ impl Exchange {
         !matches!(self, Exchange::Start | Exchange::AwaitingBody { .. })
     }
 
-    async fn on_message(&mut self, shared: &Shared, message: ProcessingRequest) -> Step {
+    /// `output_observed`: whether Envoy will show tollgate the response body (see
+    /// `serve_stream`).
+    async fn on_message(
+        &mut self,
+        shared: &Shared,
+        message: ProcessingRequest,
+        output_observed: bool,
+    ) -> Step {
         let now = Instant::now();
         let Some(message) = message.request else {
             shared.metrics.protocol_error(ProtocolError::EmptyMessage);
@@ -296,7 +322,8 @@ impl Exchange {
                 Step::Answer(Ok(self.on_request_headers(shared, &headers, now)))
             }
             (Exchange::AwaitingBody { head, arrived }, Message::RequestBody(body)) => {
-                self.on_request_body(shared, head, arrived, body).await
+                self.on_request_body(shared, head, arrived, body, output_observed)
+                    .await
             }
             (state, message) => Step::Answer(self.on_later_message(shared, state, message, now)),
         }
@@ -409,6 +436,7 @@ impl Exchange {
         head: InferenceHead,
         arrived: Instant,
         body: HttpBody,
+        output_observed: bool,
     ) -> Step {
         let started = Instant::now();
         let tier = head.identity.tier;
@@ -474,7 +502,7 @@ impl Exchange {
                 shared
                     .metrics
                     .scheduler_outcome(tier, SchedulerOutcome::AdmittedNow);
-                let answer = self.admit(shared, admission, grant, arrived, permit);
+                let answer = self.admit(shared, admission, grant, arrived, permit, output_observed);
                 shared
                     .metrics
                     .decision_duration(started.elapsed().as_secs_f64());
@@ -532,6 +560,7 @@ impl Exchange {
         waiting: Waiting,
         inbound: &mut Streaming<ProcessingRequest>,
         lifecycle: &mut watch::Receiver<Lifecycle>,
+        output_observed: bool,
     ) -> Option<Result<ProcessingResponse, Status>> {
         let Waiting {
             mut ticket,
@@ -565,7 +594,14 @@ impl Exchange {
                     .metrics
                     .scheduler_outcome(tier, SchedulerOutcome::AdmittedAfterWait);
                 shared.metrics.decision_duration(waited);
-                return Some(Ok(self.admit(shared, admission, grant, arrived, permit)));
+                return Some(Ok(self.admit(
+                    shared,
+                    admission,
+                    grant,
+                    arrived,
+                    permit,
+                    output_observed,
+                )));
             }
             Err(left) => left,
         };
@@ -628,6 +664,7 @@ impl Exchange {
         grant: Grant,
         arrived: Instant,
         permit: Permit,
+        output_observed: bool,
     ) -> ProcessingResponse {
         // The rewritten body goes into the answer; nothing needs it after that, and an admitted
         // stream lives as long as its response.
@@ -640,9 +677,21 @@ impl Exchange {
         let (input, output) = admission.reserved_tokens();
         metrics.budget_tokens(tier, TokenKind::Input, TokenStage::Reserved, input);
         metrics.budget_tokens(tier, TokenKind::Output, TokenStage::Reserved, output);
+        let dispatched = Instant::now();
+        // Without the response body there will be no first token to wait for.
+        if output_observed {
+            let started = control_started(shared, arrived, dispatched);
+            shared
+                .ttft_window
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .start(started);
+        }
         *self = Exchange::Admitted(Box::new(Watched {
             admission,
             arrived,
+            dispatched,
+            awaiting_first_token: output_observed,
             response: None,
             permit: Some(permit),
             hold: grant.hold,
@@ -722,12 +771,19 @@ impl Watched {
         if observer.on_chunk(&body.body, body.end_of_stream) {
             let tier = self.admission.identity.tier;
             let ttft = now.duration_since(self.arrived).as_secs_f64();
+            let upstream_ttft = now.duration_since(self.dispatched).as_secs_f64();
             shared.metrics.time_to_first_token(tier, ttft);
+            shared
+                .metrics
+                .upstream_time_to_first_token(tier, upstream_ttft);
+            let started = control_started(shared, self.arrived, self.dispatched);
+            let seconds = now.duration_since(started).as_secs_f64();
+            self.awaiting_first_token = false;
             shared
                 .ttft_window
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .record(now, ttft);
+                .record_started(now, started, seconds);
         }
         if body.end_of_stream {
             // The upstream is done with this request: its slot is free for the next one.
@@ -739,12 +795,21 @@ impl Watched {
         let Watched {
             admission,
             arrived,
+            dispatched,
+            awaiting_first_token,
             response,
             permit,
             hold,
             ..
         } = self;
         drop(permit);
+        if awaiting_first_token {
+            shared
+                .ttft_window
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .abandon(control_started(shared, arrived, dispatched));
+        }
         let tier = admission.identity.tier;
         let metrics = &shared.metrics;
         let end = response

@@ -26,6 +26,7 @@ pub const REJECTIONS: &str = "tollgate_rejections_total";
 pub const ESTIMATED_INPUT_TOKENS: &str = "tollgate_estimated_input_tokens";
 pub const USAGE_TOKENS: &str = "tollgate_usage_tokens_total";
 pub const TTFT: &str = "tollgate_time_to_first_token_seconds";
+pub const UPSTREAM_TTFT: &str = "tollgate_upstream_time_to_first_token_seconds";
 pub const REQUEST_DURATION: &str = "tollgate_request_duration_seconds";
 pub const STREAM_COMPLETIONS: &str = "tollgate_stream_completions_total";
 pub const HELD_STREAMS: &str = "tollgate_held_streams";
@@ -241,6 +242,7 @@ struct Inner {
     /// `[tier][prompt, completion]`.
     usage_tokens: Vec<[Counter; 2]>,
     ttft: Vec<Histogram>,
+    upstream_ttft: Vec<Histogram>,
     request_duration: Vec<Histogram>,
     stream_completions: Vec<Counter>,
     held_streams: Gauge,
@@ -272,6 +274,7 @@ impl Metrics {
         let builder = PrometheusBuilder::new();
         let builder = [
             (TTFT, LATENCY_BUCKETS),
+            (UPSTREAM_TTFT, LATENCY_BUCKETS),
             (REQUEST_DURATION, LATENCY_BUCKETS),
             (DECISION_DURATION, DECISION_BUCKETS),
             (ESTIMATED_INPUT_TOKENS, TOKEN_BUCKETS),
@@ -312,6 +315,12 @@ impl Metrics {
             TTFT,
             Unit::Seconds,
             "From request headers reaching tollgate to the first response body byte, by tier.",
+        );
+        r.describe_histogram(
+            UPSTREAM_TTFT,
+            Unit::Seconds,
+            "From the request getting its slot to the first response body byte, by tier: \
+             the upstream's share of the time to first token, without queue wait.",
         );
         r.describe_histogram(
             REQUEST_DURATION,
@@ -451,6 +460,7 @@ impl Metrics {
                 })
                 .collect(),
             ttft: per_tier(&|t| r.histogram(TTFT, &[("tier", t)])),
+            upstream_ttft: per_tier(&|t| r.histogram(UPSTREAM_TTFT, &[("tier", t)])),
             request_duration: per_tier(&|t| r.histogram(REQUEST_DURATION, &[("tier", t)])),
             stream_completions: ResponseEnd::ALL
                 .iter()
@@ -576,6 +586,10 @@ impl Metrics {
 
     pub fn time_to_first_token(&self, tier: TierId, seconds: f64) {
         self.inner.ttft[tier].record(seconds);
+    }
+
+    pub fn upstream_time_to_first_token(&self, tier: TierId, seconds: f64) {
+        self.inner.upstream_ttft[tier].record(seconds);
     }
 
     pub fn request_duration(&self, tier: TierId, seconds: f64) {

@@ -523,6 +523,18 @@ fn control_problems(c: &ControlConfig) -> Vec<String> {
         "must be positive",
     );
     check(
+        c.upstream_target_p99_ttft_ms > 0,
+        "upstream_target_p99_ttft_ms",
+        c.upstream_target_p99_ttft_ms.to_string(),
+        "must be positive",
+    );
+    check(
+        c.min_samples > 0,
+        "min_samples",
+        c.min_samples.to_string(),
+        "must be at least 1",
+    );
+    check(
         c.tick_ms > 0,
         "tick_ms",
         c.tick_ms.to_string(),

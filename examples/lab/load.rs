@@ -60,6 +60,8 @@ pub struct Sample {
     pub tollgate_limit: Option<f64>,
     pub tollgate_inflight: Option<f64>,
     pub tollgate_queued: Option<f64>,
+    /// The p99 TTFT the controller saw at its last tick, in real seconds (NaN: no samples).
+    pub tollgate_controller_p99: Option<f64>,
     /// Requests each tenant has open (sent, not yet answered in full).
     pub client_inflight: Vec<u64>,
 }
@@ -318,6 +320,11 @@ async fn sample_loop(args: SamplerArgs, shared: Arc<Shared>, client: reqwest::Cl
             tollgate_limit: value(&tollgate, "tollgate_inflight_limit"),
             tollgate_inflight: value(&tollgate, "tollgate_inflight_requests"),
             tollgate_queued: value(&tollgate, "tollgate_queued_requests"),
+            tollgate_controller_p99: value(
+                &tollgate,
+                "tollgate_controller_observed_p99_ttft_seconds",
+            )
+            .filter(|p| p.is_finite()),
             client_inflight: shared
                 .inflight
                 .iter()

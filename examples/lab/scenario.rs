@@ -325,7 +325,12 @@ fn scale_times(config: &mut Value, scale: f64) {
         _ => {}
     });
     if let Some(control) = config.get_mut("control").and_then(Value::as_object_mut) {
-        for key in ["tick_ms", "window_ms", "target_p99_ttft_ms"] {
+        for key in [
+            "tick_ms",
+            "window_ms",
+            "target_p99_ttft_ms",
+            "upstream_target_p99_ttft_ms",
+        ] {
             if let Some(value) = control.get_mut(key) {
                 divide(value);
             }
@@ -348,6 +353,10 @@ fn fill_time_defaults(config: &mut Value) {
             ("tick_ms", control.tick_ms),
             ("window_ms", control.window_ms),
             ("target_p99_ttft_ms", control.target_p99_ttft_ms),
+            (
+                "upstream_target_p99_ttft_ms",
+                control.upstream_target_p99_ttft_ms,
+            ),
         ] {
             map.entry(key).or_insert(Value::from(default));
         }
@@ -444,7 +453,9 @@ mod tests {
             json!({
                 "tiers": {"free": {"queue_deadline_ms": 250, "tokens_per_minute": 400}},
                 "tenants": {"a": {"queue_deadline_ms": 500}},
-                "control": {"tick_ms": 1250, "window_ms": 7500, "target_p99_ttft_ms": 500, "floor": 32},
+                // The upstream target was not named: tollgate's default (1 s), scaled.
+                "control": {"tick_ms": 1250, "window_ms": 7500, "target_p99_ttft_ms": 500,
+                            "upstream_target_p99_ttft_ms": 250, "floor": 32},
                 "store": {"timeout_ms": 50},
             })
         );
@@ -461,7 +472,8 @@ mod tests {
             config,
             json!({
                 "tiers": {"free": {"weight": 1, "queue_deadline_ms": 250}, "paid": {"queue_deadline_ms": 500}},
-                "control": {"enabled": true, "tick_ms": 1250, "window_ms": 7500, "target_p99_ttft_ms": 500},
+                "control": {"enabled": true, "tick_ms": 250, "window_ms": 2500, "target_p99_ttft_ms": 500,
+                            "upstream_target_p99_ttft_ms": 250},
             })
         );
         // No tiers named: the built-in ones, with their deadlines scaled.
@@ -470,7 +482,7 @@ mod tests {
         assert_eq!(config["tiers"]["free"]["queue_deadline_ms"], json!(250));
         assert_eq!(config["tiers"]["premium"]["queue_deadline_ms"], json!(500));
         assert_eq!(config["tiers"]["free"]["max_concurrent"], json!(3));
-        assert_eq!(config["control"]["tick_ms"], json!(1250));
+        assert_eq!(config["control"]["tick_ms"], json!(250));
     }
 
     #[test]

@@ -25,6 +25,7 @@ fn seen(p99: f64, peak_in_flight: u32, queued: u32) -> Observation {
         p99_ttft_seconds: Some(p99),
         peak_in_flight,
         queued,
+        samples: 100,
     }
 }
 
@@ -32,6 +33,7 @@ const NO_SAMPLES: Observation = Observation {
     p99_ttft_seconds: None,
     peak_in_flight: 0,
     queued: 0,
+    samples: 0,
 };
 
 /// p99 comfortably under, on the SLO, and in breach of the default 2 s ± 20% target.
@@ -200,6 +202,86 @@ fn waits_out_exactly_the_cooldown_then_acts_again() {
         );
         assert_eq!(aimd.limit(), 162);
     }
+}
+
+#[test]
+fn slow_start_doubles_until_the_first_breach_then_adds_steps() {
+    let config = with(|c| {
+        c.slow_start = true;
+        c.cooldown_ticks = 0;
+    });
+    trace(
+        &config,
+        32,
+        &[
+            (seen(FAST, 32, 4), INCREASE, 64),
+            (seen(FAST, 64, 4), INCREASE, 128),
+            // Doubling stops at the ceiling like any increase.
+            (seen(FAST, 128, 0), INCREASE, 256),
+            (seen(FAST, 256, 0), AT_CEILING, 256),
+            // The first breach ends slow start (and cuts from the 160 in flight).
+            (seen(SLOW, 160, 0), DECREASE, 144),
+            (seen(FAST, 144, 1), INCREASE, 145),
+            (seen(FAST, 145, 1), INCREASE, 146),
+        ],
+    );
+    // Without demand slow start does not double either.
+    trace(&config, 32, &[(seen(FAST, 3, 0), NO_DEMAND, 32)]);
+}
+
+#[test]
+fn a_breach_cuts_from_what_is_in_flight_when_that_is_under_the_limit() {
+    let config = with(|c| c.cooldown_ticks = 0);
+    trace(
+        &config,
+        256,
+        &[
+            // 170 in flight under a limit of 256: 10% off the limit would hold nothing back.
+            (seen(SLOW, 170, 0), DECREASE, 153),
+            // More in flight than the limit (a cut does not preempt): from the limit.
+            (seen(SLOW, 200, 0), DECREASE, 137),
+            // Nothing in flight this tick (a breach from samples alone): from the limit.
+            (seen(SLOW, 0, 0), DECREASE, 123),
+        ],
+    );
+    let by_step = with(|c| {
+        c.cooldown_ticks = 0;
+        c.decrease = Decrease::Step(10);
+    });
+    trace(&by_step, 256, &[(seen(SLOW, 170, 0), DECREASE, 160)]);
+    // Never below the floor, and always at least one below the limit.
+    trace(&config, 100, &[(seen(SLOW, 1, 0), DECREASE, 32)]);
+    let gentle = with(|c| {
+        c.cooldown_ticks = 0;
+        c.decrease = Decrease::Factor(0.99);
+    });
+    trace(&gentle, 50, &[(seen(SLOW, 50, 0), DECREASE, 49)]);
+}
+
+#[test]
+fn too_few_samples_hold_whatever_they_say() {
+    let config = with(|c| c.min_samples = 10);
+    let nine_slow = Observation {
+        samples: 9,
+        ..seen(SLOW, 100, 0)
+    };
+    let ten_slow = Observation {
+        samples: 10,
+        ..seen(SLOW, 100, 0)
+    };
+    let nine_fast = Observation {
+        samples: 9,
+        ..seen(FAST, 100, 5)
+    };
+    trace(
+        &config,
+        100,
+        &[
+            (nine_slow, Action::Hold(Hold::NoSamples), 100),
+            (nine_fast, Action::Hold(Hold::NoSamples), 100),
+            (ten_slow, DECREASE, 90),
+        ],
+    );
 }
 
 #[test]
@@ -427,6 +509,8 @@ fn never_leaves_floor_and_ceiling_whatever_it_sees() {
             c.cooldown_ticks = lcg.below(5);
             c.band = f64::from(lcg.below(50)) / 100.0;
             c.demand_fraction = f64::from(1 + lcg.below(100)) / 100.0;
+            c.slow_start = lcg.below(2) == 0;
+            c.min_samples = u64::from(1 + lcg.below(20));
         });
         let mut aimd = Aimd::new(lcg.below(1000), &config);
         for tick in 0..500 {
@@ -440,6 +524,7 @@ fn never_leaves_floor_and_ceiling_whatever_it_sees() {
                 p99_ttft_seconds: p99,
                 peak_in_flight: lcg.below(u64::from(config.ceiling) * 2 + 1),
                 queued: if lcg.below(3) == 0 { lcg.below(20) } else { 0 },
+                samples: u64::from(lcg.below(30)),
             };
             let before = aimd.limit();
             let action = aimd.step(&config, observation);
@@ -451,10 +536,13 @@ fn never_leaves_floor_and_ceiling_whatever_it_sees() {
             );
             match action {
                 Action::Increase => {
-                    assert!(
-                        after > before && after - before <= config.increase_step,
-                        "{context}"
-                    )
+                    // At most one step, or a doubling while slow start lasts.
+                    let most = if config.slow_start {
+                        before.max(config.increase_step)
+                    } else {
+                        config.increase_step
+                    };
+                    assert!(after > before && after - before <= most, "{context}")
                 }
                 Action::Decrease => assert!(after < before, "{context}"),
                 Action::Hold(_) => assert_eq!(after, before, "{context}"),
@@ -515,6 +603,9 @@ fn throughput(n: f64) -> f64 {
 
 struct Plant {
     queue_timeout: f64,
+    /// What the controller is shown: the upstream's TTFT alone (`signal: upstream`), or with
+    /// the queue wait added (the gateway's, seed 001).
+    signal: Signal,
     /// Requests waiting at the gateway.
     backlog: f64,
     /// TTFT samples of the last `WINDOW_TICKS` ticks, newest last.
@@ -522,9 +613,10 @@ struct Plant {
 }
 
 impl Plant {
-    fn new(queue_timeout: f64) -> Plant {
+    fn new(queue_timeout: f64, signal: Signal) -> Plant {
         Plant {
             queue_timeout,
+            signal,
             backlog: 0.0,
             window: VecDeque::new(),
         }
@@ -548,8 +640,12 @@ impl Plant {
         };
         let ttft = service_ttft(f64::from(in_flight));
         let served = (served_per_second * TICK_SECONDS).round() as usize;
+        let shown_wait = match self.signal {
+            Signal::Upstream => 0.0,
+            Signal::Gateway => wait,
+        };
         let samples = (0..served)
-            .map(|i| ttft * (0.8 + 0.4 * (i as f64 + 0.5) / served as f64) + wait)
+            .map(|i| ttft * (0.8 + 0.4 * (i as f64 + 0.5) / served as f64) + shown_wait)
             .collect();
         self.window.push_back(samples);
         if self.window.len() > WINDOW_TICKS {
@@ -559,6 +655,7 @@ impl Plant {
             p99_ttft_seconds: self.p99(),
             peak_in_flight: in_flight,
             queued,
+            samples: self.window.iter().map(|tick| tick.len() as u64).sum(),
         }
     }
 
@@ -596,8 +693,19 @@ struct Replay {
     p99s: Vec<Option<f64>>,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Signal {
+    Upstream,
+    Gateway,
+}
+
 fn replay(config: &AimdConfig, initial: u32, queue_timeout: f64) -> Replay {
-    let mut plant = Plant::new(queue_timeout);
+    replay_signal(config, initial, queue_timeout, Signal::Gateway)
+}
+
+/// As `control::tick` does: with the upstream signal, a cut restarts the window.
+fn replay_signal(config: &AimdConfig, initial: u32, queue_timeout: f64, signal: Signal) -> Replay {
+    let mut plant = Plant::new(queue_timeout, signal);
     let mut aimd = Aimd::new(initial, config);
     let mut replay = Replay {
         limits: Vec::new(),
@@ -609,7 +717,10 @@ fn replay(config: &AimdConfig, initial: u32, queue_timeout: f64) -> Replay {
             let observation = plant.tick(budget, offered);
             replay.limits.push(budget);
             replay.p99s.push(observation.p99_ttft_seconds);
-            aimd.step(config, observation);
+            let action = aimd.step(config, observation);
+            if action == Action::Decrease && signal == Signal::Upstream {
+                plant.window.clear();
+            }
         }
     }
     replay
@@ -774,6 +885,52 @@ fn seed_001_replayed_the_timeout_decides_between_converging_and_the_death_spiral
                     "{name}: tick {tick} p99 {p99}"
                 );
             }
+        }
+    }
+}
+
+/// tollgate's default: the upstream's p99 TTFT held to 1 s, slow start, no cooldown (the
+/// window restarts at each cut), on the plant's 5 s ticks.
+fn upstream_default() -> AimdConfig {
+    with(|c| {
+        c.target_p99_ttft_seconds = 1.0;
+        c.cooldown_ticks = 0;
+        c.slow_start = true;
+        c.min_samples = 10;
+    })
+}
+
+#[test]
+fn seed_001_replayed_on_the_upstream_signal_no_timeout_makes_a_spiral() {
+    // The plant's service TTFT stays under the 0.8 s increase threshold up to about 145 in
+    // flight and passes the 1.2 s breach threshold (p99 of a ±20% spread) past about 152.
+    let near_knee = 128..=155;
+    let config = upstream_default();
+    for queue_timeout in [1.0, 30.0] {
+        for initial in [32, 128, 256] {
+            let name = format!("{queue_timeout} s timeout, from {initial}");
+            let replay = replay_signal(&config, initial, queue_timeout, Signal::Upstream);
+            let limits = &replay.limits;
+            // Queue wait is not in the signal, so a long queue never reads as a breach: the
+            // seed's spiral (a cut lengthens the wait it reacts to) has nothing to feed on.
+            assert!(!parks_at_floor(&replay, config.floor), "{name}: {limits:?}");
+            // Near the knee after the first half of the overload, whatever the timeout.
+            for tick in OVERLOAD.start + 50..OVERLOAD.end {
+                assert!(
+                    near_knee.contains(&limits[tick]),
+                    "{name}: tick {tick} at {} {limits:?}",
+                    limits[tick]
+                );
+            }
+            // And there within ten ticks of the overload's start from anywhere: slow start and
+            // cuts from what is in flight, not a step per tick.
+            let arrived = (OVERLOAD.start..OVERLOAD.end)
+                .find(|&tick| near_knee.contains(&limits[tick]))
+                .expect("reaches the knee");
+            assert!(
+                arrived <= OVERLOAD.start + 10,
+                "{name}: at the knee only at tick {arrived} {limits:?}"
+            );
         }
     }
 }

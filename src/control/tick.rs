@@ -7,8 +7,8 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 
-use super::{Aimd, AimdConfig, Decrease, Observation};
-use crate::config::ControlConfig;
+use super::{Action, Aimd, AimdConfig, Decrease, Observation};
+use crate::config::{ControlConfig, ControlSignal};
 use crate::extproc::{Lifecycle, reached};
 use crate::observe::Metrics;
 use crate::observe::window::LatencyWindow;
@@ -16,8 +16,12 @@ use crate::scheduler::Scheduler;
 
 /// The pure controller's settings from the configuration.
 pub fn aimd_config(control: &ControlConfig) -> AimdConfig {
+    let target_ms = match control.signal {
+        ControlSignal::Upstream => control.upstream_target_p99_ttft_ms,
+        ControlSignal::Gateway => control.target_p99_ttft_ms,
+    };
     AimdConfig {
-        target_p99_ttft_seconds: control.target_p99_ttft_ms as f64 / 1000.0,
+        target_p99_ttft_seconds: target_ms as f64 / 1000.0,
         band: control.band,
         increase_step: control.increase_step,
         decrease: match control.decrease_step {
@@ -28,6 +32,8 @@ pub fn aimd_config(control: &ControlConfig) -> AimdConfig {
         ceiling: control.ceiling,
         cooldown_ticks: control.cooldown_ticks,
         demand_fraction: control.demand_fraction,
+        slow_start: control.slow_start,
+        min_samples: control.min_samples,
     }
 }
 
@@ -42,6 +48,8 @@ pub async fn run(
     mut lifecycle: watch::Receiver<Lifecycle>,
 ) {
     let config = aimd_config(&control);
+    let breach_threshold =
+        Duration::from_secs_f64(config.target_p99_ttft_seconds * (1.0 + config.band));
     let mut aimd = Aimd::new(initial_limit, &config);
     scheduler.set_limit(aimd.limit());
     metrics.scheduler_load(scheduler.load());
@@ -57,16 +65,27 @@ pub async fn run(
             () = reached(&mut lifecycle, Lifecycle::Draining) => return,
         }
         let now = Instant::now();
-        let p99 = ttft_window
+        // A request already waiting longer than the breach threshold is a breach, whenever it
+        // answers: counting it now is what lets the controller see a saturated upstream
+        // before the requests stuck in its queue come out.
+        let (p99, samples) = ttft_window
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .quantile(now, 0.99);
+            .quantile_counting_overdue(now, 0.99, breach_threshold);
         let observation = Observation {
             p99_ttft_seconds: p99,
             peak_in_flight: scheduler.take_peak_in_flight(),
             queued: scheduler.load().queued,
+            samples,
         };
         let action = aimd.step(&config, observation);
+        if action == Action::Decrease && control.signal == ControlSignal::Upstream {
+            // From here the window hears only from requests dispatched under the new limit.
+            ttft_window
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .restart(now);
+        }
         scheduler.set_limit(aimd.limit());
         metrics.controller_tick(action, p99);
         metrics.scheduler_load(scheduler.load());
@@ -131,42 +150,113 @@ mod tests {
         Duration::from_millis(ControlConfig::default().tick_ms)
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_breach_shrinks_the_budget_then_the_cooldown_holds_it() {
-        let h = start(ControlConfig::default(), 128);
-        tokio::task::yield_now().await;
-        assert_eq!(h.limit(), 128);
-        h.record(10.0, 100);
-        tokio::time::sleep(tick() + Duration::from_millis(1)).await;
-        assert_eq!(h.limit(), 115, "128 x 0.9, rounded down");
-        // Three ticks of cooldown: no further cut although the window still breaches.
-        tokio::time::sleep(tick() * 3).await;
-        assert_eq!(h.limit(), 115);
-        tokio::time::sleep(tick()).await;
-        assert_eq!(h.limit(), 103, "acts again after the cooldown");
+    /// Seed 001's controller: the gateway's TTFT, 5 s ticks, 3 ticks of cooldown.
+    fn seed_001() -> ControlConfig {
+        ControlConfig {
+            signal: ControlSignal::Gateway,
+            tick_ms: 5_000,
+            window_ms: 30_000,
+            cooldown_ticks: 3,
+            slow_start: false,
+            min_samples: 1,
+            ..ControlConfig::default()
+        }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn fast_first_tokens_grow_the_budget_only_while_it_is_used() {
-        let h = start(ControlConfig::default(), 40);
-        tokio::task::yield_now().await;
-        h.record(0.2, 100);
-        // Idle: fast samples but nothing in flight, so no growth.
-        tokio::time::sleep(tick() * 2 + Duration::from_millis(1)).await;
-        assert_eq!(h.limit(), 40);
-        // Busy at the limit: one step per tick.
+    fn busy(h: &Harness, requests: usize) -> Vec<crate::scheduler::Admit> {
         let class = crate::scheduler::FlowClass {
             weight: 1,
             band: 0,
             queue_max: 0,
             reserved_slots: 0,
         };
-        let _permits: Vec<_> = (0..40)
+        (0..requests)
             .map(|_| h.scheduler.submit("t", class, 1, 0))
-            .collect();
-        h.record(0.2, 100);
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_breach_shrinks_the_budget_then_only_requests_dispatched_after_it_count() {
+        let h = start(ControlConfig::default(), 128);
+        tokio::task::yield_now().await;
+        assert_eq!(h.limit(), 128);
+        let before_the_cut = Instant::now();
+        h.record(10.0, 100);
+        tokio::time::sleep(tick() + Duration::from_millis(1)).await;
+        assert_eq!(h.limit(), 115, "128 x 0.9, rounded down");
+        // The window restarted: the old samples are gone, and a straggler dispatched before
+        // the cut reporting now does not count either, so no second cut.
+        {
+            let mut window = h.window.lock().unwrap();
+            for _ in 0..100 {
+                window.record_started(Instant::now(), before_the_cut, 10.0);
+            }
+        }
+        tokio::time::sleep(tick() * 3).await;
+        assert_eq!(h.limit(), 115);
+        // Slow requests dispatched under the new limit do.
+        {
+            let mut window = h.window.lock().unwrap();
+            let now = Instant::now();
+            for _ in 0..100 {
+                window.record_started(now, now, 10.0);
+            }
+        }
         tokio::time::sleep(tick()).await;
-        assert_eq!(h.limit(), 41);
+        assert_eq!(h.limit(), 103, "115 x 0.9");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_stuck_past_the_breach_threshold_cut_before_they_answer() {
+        let h = start(ControlConfig::default(), 128);
+        tokio::task::yield_now().await;
+        let _in_flight = busy(&h, 100);
+        let dispatched = Instant::now();
+        {
+            let mut window = h.window.lock().unwrap();
+            (0..20).for_each(|_| window.start(dispatched));
+        }
+        // Under the 1.2 s breach threshold (1 s target + 20 %) they are not overdue yet: the
+        // window holds nothing else, so nothing happens.
+        tokio::time::sleep(tick() + Duration::from_millis(1)).await;
+        assert_eq!(h.limit(), 128);
+        // Past it they are breaches, although none has answered: cut from what is in flight.
+        tokio::time::sleep(tick()).await;
+        assert_eq!(h.limit(), 90, "100 in flight x 0.9");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn seed_001_controller_holds_for_its_cooldown_after_a_breach() {
+        let config = seed_001();
+        let tick = Duration::from_millis(config.tick_ms);
+        let h = start(config, 128);
+        tokio::task::yield_now().await;
+        h.record(10.0, 100);
+        tokio::time::sleep(tick + Duration::from_millis(1)).await;
+        assert_eq!(h.limit(), 115, "128 x 0.9, rounded down");
+        // Three ticks of cooldown: no further cut although the window still breaches.
+        tokio::time::sleep(tick * 3).await;
+        assert_eq!(h.limit(), 115);
+        tokio::time::sleep(tick).await;
+        assert_eq!(h.limit(), 103, "acts again after the cooldown");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fast_first_tokens_grow_the_budget_only_while_it_is_used() {
+        for (config, grown) in [(ControlConfig::default(), 80), (seed_001(), 41)] {
+            let tick = Duration::from_millis(config.tick_ms);
+            let h = start(config.clone(), 40);
+            tokio::task::yield_now().await;
+            h.record(0.2, 100);
+            // Idle: fast samples but nothing in flight, so no growth.
+            tokio::time::sleep(tick * 2 + Duration::from_millis(1)).await;
+            assert_eq!(h.limit(), 40, "{:?}", config.signal);
+            // Busy at the limit: slow start doubles; seed 001's adds one step.
+            let _permits = busy(&h, 40);
+            h.record(0.2, 100);
+            tokio::time::sleep(tick).await;
+            assert_eq!(h.limit(), grown, "{:?}", config.signal);
+        }
     }
 
     #[tokio::test(start_paused = true)]

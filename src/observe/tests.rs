@@ -93,6 +93,7 @@ const METRICS: &[(&str, &str)] = &[
     (ESTIMATED_INPUT_TOKENS, "histogram"),
     (USAGE_TOKENS, "counter"),
     (TTFT, "histogram"),
+    (UPSTREAM_TTFT, "histogram"),
     (REQUEST_DURATION, "histogram"),
     (STREAM_COMPLETIONS, "counter"),
     (HELD_STREAMS, "gauge"),
@@ -324,6 +325,7 @@ fn histograms_have_explicit_buckets_before_any_event() {
     for tier in tiers(&policy) {
         let labels = [("tier", tier)];
         check_buckets(&scraped, TTFT, &labels, LATENCY_BUCKETS, 0.0);
+        check_buckets(&scraped, UPSTREAM_TTFT, &labels, LATENCY_BUCKETS, 0.0);
         check_buckets(&scraped, REQUEST_DURATION, &labels, LATENCY_BUCKETS, 0.0);
         check_buckets(
             &scraped,

@@ -40,6 +40,7 @@
 //! - +∞ and anything from 2^12 s up count in the top bucket (reported as about 67 min). A
 //!   very slow sample must never vanish: hiding it would tell the controller latency is fine.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
@@ -67,6 +68,11 @@ pub struct LatencyWindow {
     origin: Option<Instant>,
     /// The highest slot number seen so far; time never goes back behind it.
     latest: u64,
+    /// Samples of requests that started before this instant are not recorded (`restart`).
+    since: Option<Instant>,
+    /// Requests started and still waiting for their latency, by start instant: how many.
+    /// At most one entry per request in flight, so its size is bounded by the in-flight budget.
+    pending: BTreeMap<Instant, u32>,
 }
 
 #[derive(Clone)]
@@ -97,7 +103,63 @@ impl LatencyWindow {
                 .collect(),
             origin: None,
             latest: 0,
+            since: None,
+            pending: BTreeMap::new(),
         }
+    }
+
+    /// A request started at `started` and is waiting for its latency, until `record_started`
+    /// or `abandon` is called for it; `quantile_counting_overdue` counts it once it is overdue.
+    ///
+    /// Why: a request stuck in the upstream's queue reports its latency only when it gets
+    /// out, so a window of finished samples hears about a saturated upstream late, from the
+    /// requests that were stuck longest, and latest of all. Its age is a lower bound on its
+    /// latency, known now.
+    pub fn start(&mut self, started: Instant) {
+        if self.since.is_some_and(|since| started < since) {
+            return;
+        }
+        *self.pending.entry(started).or_insert(0) += 1;
+    }
+
+    /// A request counted by `start` ended without a latency: it stops counting.
+    pub fn abandon(&mut self, started: Instant) {
+        self.end_pending(started);
+    }
+
+    fn end_pending(&mut self, started: Instant) {
+        if let Some(count) = self.pending.get_mut(&started) {
+            *count -= 1;
+            if *count == 0 {
+                self.pending.remove(&started);
+            }
+        }
+    }
+
+    /// Forgets every sample, and from now on ignores samples of requests that started before
+    /// `now` (see `record_started`).
+    ///
+    /// For the controller after a cut: a request dispatched under the old, larger budget
+    /// reports its latency after the cut, and would make the controller cut again for a
+    /// problem already handled. Waiting out a fixed cooldown guesses how long those stragglers
+    /// take; an epoch knows which ones they are.
+    pub fn restart(&mut self, now: Instant) {
+        for slot in &mut self.slots {
+            slot.total = 0;
+            slot.counts.fill(0);
+        }
+        self.pending.clear();
+        self.since = Some(now);
+    }
+
+    /// Records the latency of a request that started at `started`, as `record` does, and ends
+    /// its `start`; unless it started before the last `restart`.
+    pub fn record_started(&mut self, now: Instant, started: Instant, seconds: f64) {
+        if self.since.is_some_and(|since| started < since) {
+            return;
+        }
+        self.end_pending(started);
+        self.record(now, seconds);
     }
 
     /// Records one latency, in seconds, observed at `now` (see the module docs for NaN,
@@ -126,8 +188,43 @@ impl LatencyWindow {
     /// reported as its bucket's midpoint. A `q` outside (0, 1] is clamped into it (so 0 and NaN
     /// give the minimum).
     pub fn quantile(&mut self, now: Instant, q: f64) -> Option<f64> {
+        self.quantile_with(now, q, None)
+    }
+
+    /// The q-quantile, as `quantile`, with every pending request (see `start`) that is already
+    /// older than `overdue_after` counted as a sample of its age so far; and how many samples
+    /// that was over.
+    ///
+    /// Only the overdue ones count: a young pending request may yet answer fast or slow, and
+    /// counting it at its age would pull the quantile down on no evidence. An overdue one is
+    /// known to be slower than `overdue_after`, whenever it answers.
+    pub fn quantile_counting_overdue(
+        &mut self,
+        now: Instant,
+        q: f64,
+        overdue_after: Duration,
+    ) -> (Option<f64>, u64) {
+        let mut overdue = vec![0u64; BUCKETS];
+        let mut count = 0;
+        for (&started, &n) in &self.pending {
+            let age = now.saturating_duration_since(started);
+            if age <= overdue_after {
+                // The map is ordered by start: every later entry is younger.
+                break;
+            }
+            if let Some(bucket) = bucket_of(age.as_secs_f64()) {
+                overdue[bucket] += u64::from(n);
+                count += u64::from(n);
+            }
+        }
+        let quantile = self.quantile_with(now, q, Some(&overdue));
+        (quantile, self.count(now) + count)
+    }
+
+    fn quantile_with(&mut self, now: Instant, q: f64, extra: Option<&[u64]>) -> Option<f64> {
         let current = self.advance(now);
-        let total = self.live_total(current);
+        let extra_at = |bucket: usize| extra.map_or(0, |extra| extra[bucket]);
+        let total = self.live_total(current) + (0..BUCKETS).map(extra_at).sum::<u64>();
         if total == 0 {
             return None;
         }
@@ -138,6 +235,7 @@ impl LatencyWindow {
         let ring = self.slots.len() as u64;
         let mut seen = 0;
         for bucket in 0..BUCKETS {
+            seen += extra_at(bucket);
             seen += self
                 .slots
                 .iter()
@@ -152,7 +250,7 @@ impl LatencyWindow {
         Some(bucket_midpoint(BUCKETS - 1))
     }
 
-    /// How many samples are within the window ending at `now`.
+    /// How many samples are within the window ending at `now` (pending requests are not).
     pub fn count(&mut self, now: Instant) -> u64 {
         let current = self.advance(now);
         self.live_total(current)
@@ -186,6 +284,8 @@ impl fmt::Debug for LatencyWindow {
             .field("slot_width", &self.slot_width)
             .field("slots", &self.slots.len())
             .field("latest_slot", &self.latest)
+            .field("since", &self.since)
+            .field("pending", &self.pending.len())
             .finish_non_exhaustive()
     }
 }

@@ -448,8 +448,16 @@ fn control_loop_settings_must_be_usable() {
         &["control.tick_ms: 0 must be positive"],
     );
     check_problems(
+        |c| c.control.upstream_target_p99_ttft_ms = 0,
+        &["control.upstream_target_p99_ttft_ms: 0 must be positive"],
+    );
+    check_problems(
+        |c| c.control.min_samples = 0,
+        &["control.min_samples: 0 must be at least 1"],
+    );
+    check_problems(
         |c| c.control.window_ms = c.control.tick_ms - 1,
-        &["control.window_ms: 4999 must be at least control.tick_ms"],
+        &["control.window_ms: 999 must be at least control.tick_ms"],
     );
     check_problems(
         |c| c.control.band = 1.0,

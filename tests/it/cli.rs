@@ -205,10 +205,16 @@ fn print_config_shows_the_issue_defaults() {
     assert_eq!(control["floor"], 32);
     assert_eq!(control["ceiling"], 256);
     assert_eq!(control["target_p99_ttft_ms"], 2_000);
-    assert_eq!(control["tick_ms"], 5_000);
-    assert_eq!(control["window_ms"], 30_000);
     assert_eq!(control["band"], 0.2);
-    assert_eq!(control["cooldown_ticks"], 3);
+    // Where tollgate's controller departs from seed 001's (5 s ticks over 30 s, 3 ticks of
+    // cooldown, the gateway's TTFT): docs/lab.md, "The controller's signal".
+    assert_eq!(control["signal"], "upstream");
+    assert_eq!(control["upstream_target_p99_ttft_ms"], 1_000);
+    assert_eq!(control["tick_ms"], 1_000);
+    assert_eq!(control["window_ms"], 10_000);
+    assert_eq!(control["cooldown_ticks"], 0);
+    assert_eq!(control["slow_start"], true);
+    assert_eq!(control["min_samples"], 10);
     // The store: in memory unless a Redis URL is given; fail modes as the issue names them.
     let store = &printed["store"];
     assert!(store["redis_url"].is_null());

@@ -3,6 +3,7 @@
 
 mod budgets;
 mod cli;
+mod control;
 mod deploy;
 mod e2e;
 mod envoy_config;

@@ -365,3 +365,90 @@ fn memory_does_not_grow_with_samples() {
     assert!(window.slots.iter().all(|slot| slot.counts.len() == BUCKETS));
     assert_eq!(window.count(at(20.0)), 200_000);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Restarts and pending requests (the controller's epoch and overdue requests)
+
+#[test]
+fn a_restart_forgets_every_sample_and_ignores_requests_started_before_it() {
+    let mut window = thirty_seconds();
+    (0..50).for_each(|_| window.record(at(1.0), 5.0));
+    window.start(at(1.5));
+    window.restart(at(2.0));
+    assert_eq!(window.quantile(at(2.0), 0.99), None);
+    assert_eq!(
+        window.quantile_counting_overdue(at(9.0), 0.99, Duration::from_secs(1)),
+        (None, 0),
+        "the request pending at the restart is forgotten too"
+    );
+    // Stragglers, dispatched before the restart, answer after it: not counted.
+    window.record_started(at(3.0), at(1.9), 8.0);
+    window.start(at(1.9));
+    assert_eq!(window.quantile(at(3.0), 0.99), None);
+    assert_eq!(
+        window.quantile_counting_overdue(at(9.0), 0.99, Duration::from_secs(1)),
+        (None, 0)
+    );
+    // Requests started at or after it count as usual.
+    window.record_started(at(3.0), at(2.0), 0.25);
+    window.record_started(at(3.0), at(2.5), 0.5);
+    assert_eq!(window.count(at(3.0)), 2);
+    assert_close(window.quantile(at(3.0), 0.99).unwrap(), 0.5, "p99 after");
+}
+
+#[test]
+fn pending_requests_count_only_once_overdue_and_at_their_age() {
+    let overdue_after = Duration::from_millis(1200);
+    let mut window = thirty_seconds();
+    (0..98).for_each(|_| window.record(at(0.5), 0.3));
+    (0..2).for_each(|_| window.start(at(1.0)));
+    // Young: unknown yet, so they neither count nor pull the quantile anywhere.
+    let (p99, samples) = window.quantile_counting_overdue(at(2.0), 0.99, overdue_after);
+    assert_eq!(samples, 98);
+    assert_close(p99.unwrap(), 0.3, "young pending ignored");
+    // 4 s after they started, both are overdue: 2 of 100 samples at 4 s, so p99 is 4 s.
+    let (p99, samples) = window.quantile_counting_overdue(at(5.0), 0.99, overdue_after);
+    assert_eq!(samples, 100);
+    assert_close(p99.unwrap(), 4.0, "overdue at their age");
+    // `quantile` alone still reports the answered ones only.
+    assert_close(
+        window.quantile(at(5.0), 0.99).unwrap(),
+        0.3,
+        "plain quantile",
+    );
+    // One answers (4.5 s) and one is abandoned: neither is pending any longer.
+    window.record_started(at(5.5), at(1.0), 4.5);
+    window.abandon(at(1.0));
+    let (p99, samples) = window.quantile_counting_overdue(at(6.0), 0.99, overdue_after);
+    assert_eq!(samples, 99);
+    assert_close(p99.unwrap(), 4.5, "the answer is a sample like any other");
+    assert_eq!(window.pending.len(), 0);
+}
+
+#[test]
+fn pending_requests_stay_pending_past_the_window() {
+    // A request stuck longer than the window must not fall out of it: it is still the
+    // slowest thing there is.
+    let mut window = thirty_seconds();
+    window.start(at(0.0));
+    let (p99, samples) = window.quantile_counting_overdue(at(100.0), 0.99, Duration::ZERO);
+    assert_eq!(samples, 1);
+    assert_close(p99.unwrap(), 100.0, "100 s pending");
+}
+
+#[test]
+fn requests_started_at_the_same_instant_are_counted_apart() {
+    let mut window = thirty_seconds();
+    (0..3).for_each(|_| window.start(at(1.0)));
+    window.abandon(at(1.0));
+    let (_, samples) = window.quantile_counting_overdue(at(5.0), 0.99, Duration::ZERO);
+    assert_eq!(samples, 2);
+    // Ending a request that was never started (or already ended) changes nothing.
+    window.abandon(at(2.0));
+    window.abandon(at(1.0));
+    window.abandon(at(1.0));
+    window.abandon(at(1.0));
+    let (_, samples) = window.quantile_counting_overdue(at(5.0), 0.99, Duration::ZERO);
+    assert_eq!(samples, 0);
+    assert!(window.pending.is_empty());
+}
