@@ -115,8 +115,9 @@ pub struct TierConfig {
     /// Strict priority: band 0 is served before band 1, and so on; weights apply within a band.
     pub priority_band: u8,
     /// Requests of one tenant that may wait for a slot; one more is refused at once (503).
-    /// Small on purpose: a deep queue turns into queue wait, which the controller sees as TTFT
-    /// and answers by shrinking the budget (seed 001's death spiral).
+    /// Small on purpose: a deep queue turns into queue wait, which users feel, and which a
+    /// controller on the gateway's signal sees as TTFT and answers by shrinking the budget
+    /// (seed 001's death spiral).
     pub queue_max: u32,
     /// How long a request may wait for a slot before a 503. About 1 s: a request that waited
     /// longer is a lost cause, and serving it feeds a chain reaction (seed 001).
@@ -433,8 +434,9 @@ impl Default for SchedulerConfig {
 /// holds the *upstream's* p99 TTFT (from dispatch) to 1 s, not the gateway's to 2 s, so queue
 /// wait cannot feed back into the budget; it ticks every second over a 10 s window, with no
 /// cooldown (the window restarts at each cut instead); it doubles until the first breach; and
-/// it waits for 10 samples. Seed 001's controller is `signal: gateway`, `tick_ms: 5000`,
-/// `window_ms: 30000`, `cooldown_ticks: 3`, `slow_start: false`, `min_samples: 1`.
+/// it waits for 10 samples. Seed 001's settings are `signal: gateway`, `tick_ms: 5000`,
+/// `window_ms: 30000`, `cooldown_ticks: 3`, `slow_start: false`, `min_samples: 1` (on
+/// tollgate's rules: cuts from what is in flight, overdue requests counted).
 impl Default for ControlConfig {
     fn default() -> Self {
         ControlConfig {

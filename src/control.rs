@@ -23,16 +23,17 @@
 //! 2. **No samples, no opinion.** A window with fewer than `min_samples` samples says nothing
 //!    about latency (a p99 of three samples is their maximum).
 //! 3. **Breach** (p99 above `target × (1 + band)`): decrease, multiplicatively (or by a fixed
-//!    step) from the limit or from the peak in flight if that is lower, never below the
-//!    **floor**. A limit far above what is in use (at start-up, or after slow start) cut by
-//!    10 % would hold back nothing. Below a small batch the GPU is *less* efficient per
+//!    step) from the limit or from the peak in flight if that is lower (but not under half the
+//!    limit), never below the **floor**. A limit far above what is in use (at start-up, or
+//!    after slow start) cut by 10 % would hold back nothing. Below a small batch the GPU is *less* efficient per
 //!    token (the weights are read once per forward pass whatever the batch; continuous
 //!    batching has nothing to pack), so throughput falls, a backlog forms, queue wait rises,
 //!    and cutting further makes latency worse: the death spiral that parked seed 001's first
 //!    controller at its floor with p99 at 17 s. The floor is the edge of the regime where
 //!    cutting helps.
 //! 4. **Comfortably under** (p99 below `target × (1 − band)`): add `increase_step` (double,
-//!    while **slow start** lasts: until the first decrease), but only with **demand**, and
+//!    while **slow start** lasts: until the first decrease with at least half the budget in
+//!    flight), but only with **demand**, and
 //!    never above the ceiling. Slow start is TCP's answer to a start far below the operating
 //!    point: +1 per tick from 16 to the knee at ~140 takes two minutes at a 1 s tick. Demand counts in-flight requests, not
 //!    only queued ones: with a tight queue the healthy steady state has an empty queue, and a
@@ -76,8 +77,8 @@ pub struct AimdConfig {
     /// "In flight near the limit": increase only if `peak_in_flight >= ceil(limit ×
     /// demand_fraction)` (or something queued).
     pub demand_fraction: f64,
-    /// Until the first decrease, an increase doubles the limit (TCP's slow start) instead of
-    /// adding `increase_step`.
+    /// Until the first decrease with at least half the limit in flight, an increase doubles the
+    /// limit (TCP's slow start) instead of adding `increase_step`.
     pub slow_start: bool,
     /// Fewer samples than this in the window: no opinion (`Hold::NoSamples`).
     pub min_samples: u64,
@@ -332,15 +333,21 @@ impl Aimd {
             // Nothing was cut, so there are no stale samples to wait out: no cooldown.
             return Action::Hold(Hold::AtFloor);
         }
-        // The first breach ends slow start: the limit has found the knee's neighbourhood, and
-        // doubling from here would go straight back past it.
-        self.slow_start = false;
+        // A breach with the budget in real use ends slow start: the limit has found the knee's
+        // neighbourhood, and doubling from here would go straight back past it. One with most
+        // of it idle (a single slow request at light load) says little about where the knee
+        // is.
+        if peak_in_flight.saturating_mul(2) >= self.limit {
+            self.slow_start = false;
+        }
         // Cut from what is in use, when that is less than the limit: a limit far above the
         // traffic (at start-up, or after slow start) cut by 10% would still not hold back the
-        // requests that are overloading the upstream now.
+        // requests that are overloading the upstream now. But from no less than half the
+        // limit, so that one slow request among a handful in flight cannot take a healthy
+        // limit to the floor.
         let base = match peak_in_flight {
             0 => self.limit,
-            peak => peak.min(self.limit),
+            peak => peak.clamp(self.limit / 2, self.limit),
         };
         let cut = match config.decrease {
             Decrease::Factor(factor) => {

@@ -34,7 +34,7 @@ use crate::admission::{self, Admission, BodyVerdict};
 use crate::budget::ledger::{Grant, Hold, Ledger};
 use crate::config::{ControlSignal, FairnessCost};
 use crate::observe::response::{ResponseEnd, ResponseObserver};
-use crate::observe::window::LatencyWindow;
+use crate::observe::window::{LatencyWindow, Pending};
 use crate::observe::{
     GaugeGuard, Metrics, ProtocolError, RequestOutcome, SchedulerOutcome, TokenKind, TokenStage,
 };
@@ -138,8 +138,12 @@ async fn serve_stream(
     let mut lifecycle = shared.lifecycle.clone();
     let mut exchange = Exchange::default();
     // Whether Envoy will show tollgate the response body, and so the output tokens: its first
-    // message says how it is configured. Assumed until it says otherwise (older Envoys do not).
+    // message says how it is configured. Assumed until it says otherwise (older Envoys do not)
+    // for charging, where assuming wrongly only charges the reserved output; but a first token
+    // is waited for only when Envoy said so, as waiting for one that never comes would read as
+    // an ever slower request.
     let mut output_observed = true;
+    let mut first_token_expected = false;
     let end = loop {
         let message = tokio::select! {
             biased;
@@ -160,29 +164,31 @@ async fn serve_stream(
         };
         if let Some(sent) = convert::sends_response_body(&message) {
             output_observed = sent;
+            first_token_expected = sent;
         }
-        let answer = match Box::pin(exchange.on_message(&shared, message, output_observed)).await {
-            Step::Answer(answer) => answer,
-            Step::Wait(waiting) => {
-                let extend = convert::override_message_timeout(waiting.envoy_timeout);
-                if !send(&tx, Ok(extend)).await {
-                    break StreamEnd::Envoy;
+        let answer =
+            match Box::pin(exchange.on_message(&shared, message, first_token_expected)).await {
+                Step::Answer(answer) => answer,
+                Step::Wait(waiting) => {
+                    let extend = convert::override_message_timeout(waiting.envoy_timeout);
+                    if !send(&tx, Ok(extend)).await {
+                        break StreamEnd::Envoy;
+                    }
+                    match exchange
+                        .wait_for_slot(
+                            &shared,
+                            waiting,
+                            &mut inbound,
+                            &mut lifecycle,
+                            first_token_expected,
+                        )
+                        .await
+                    {
+                        Some(answer) => answer,
+                        None => break StreamEnd::Envoy,
+                    }
                 }
-                match exchange
-                    .wait_for_slot(
-                        &shared,
-                        waiting,
-                        &mut inbound,
-                        &mut lifecycle,
-                        output_observed,
-                    )
-                    .await
-                {
-                    Some(answer) => answer,
-                    None => break StreamEnd::Envoy,
-                }
-            }
-        };
+            };
         let stop = answer.is_err();
         if !send(&tx, answer).await {
             break StreamEnd::Envoy;
@@ -284,9 +290,9 @@ struct Watched {
     arrived: Instant,
     /// When the request got its slot: the upstream's share of its TTFT starts here.
     dispatched: Instant,
-    /// Counted as pending in the controller's window (`LatencyWindow::start`) until its first
-    /// token, or its end.
-    awaiting_first_token: bool,
+    /// Pending in the controller's window until the first token, or the request's end
+    /// (`Pending` ends it on drop). None when no first token is expected.
+    awaiting_first_token: Option<Pending>,
     response: Option<ResponseObserver>,
     /// The request's slot in the global budget, freed when the response ends (or, at the
     /// latest, when this drops with the stream).
@@ -302,13 +308,13 @@ impl Exchange {
         !matches!(self, Exchange::Start | Exchange::AwaitingBody { .. })
     }
 
-    /// `output_observed`: whether Envoy will show tollgate the response body (see
+    /// `first_token_expected`: Envoy said it will show tollgate the response body (see
     /// `serve_stream`).
     async fn on_message(
         &mut self,
         shared: &Shared,
         message: ProcessingRequest,
-        output_observed: bool,
+        first_token_expected: bool,
     ) -> Step {
         let now = Instant::now();
         let Some(message) = message.request else {
@@ -322,7 +328,7 @@ impl Exchange {
                 Step::Answer(Ok(self.on_request_headers(shared, &headers, now)))
             }
             (Exchange::AwaitingBody { head, arrived }, Message::RequestBody(body)) => {
-                self.on_request_body(shared, head, arrived, body, output_observed)
+                self.on_request_body(shared, head, arrived, body, first_token_expected)
                     .await
             }
             (state, message) => Step::Answer(self.on_later_message(shared, state, message, now)),
@@ -436,7 +442,7 @@ impl Exchange {
         head: InferenceHead,
         arrived: Instant,
         body: HttpBody,
-        output_observed: bool,
+        first_token_expected: bool,
     ) -> Step {
         let started = Instant::now();
         let tier = head.identity.tier;
@@ -502,7 +508,14 @@ impl Exchange {
                 shared
                     .metrics
                     .scheduler_outcome(tier, SchedulerOutcome::AdmittedNow);
-                let answer = self.admit(shared, admission, grant, arrived, permit, output_observed);
+                let answer = self.admit(
+                    shared,
+                    admission,
+                    grant,
+                    arrived,
+                    permit,
+                    first_token_expected,
+                );
                 shared
                     .metrics
                     .decision_duration(started.elapsed().as_secs_f64());
@@ -560,7 +573,7 @@ impl Exchange {
         waiting: Waiting,
         inbound: &mut Streaming<ProcessingRequest>,
         lifecycle: &mut watch::Receiver<Lifecycle>,
-        output_observed: bool,
+        first_token_expected: bool,
     ) -> Option<Result<ProcessingResponse, Status>> {
         let Waiting {
             mut ticket,
@@ -600,7 +613,7 @@ impl Exchange {
                     grant,
                     arrived,
                     permit,
-                    output_observed,
+                    first_token_expected,
                 )));
             }
             Err(left) => left,
@@ -664,7 +677,7 @@ impl Exchange {
         grant: Grant,
         arrived: Instant,
         permit: Permit,
-        output_observed: bool,
+        first_token_expected: bool,
     ) -> ProcessingResponse {
         // The rewritten body goes into the answer; nothing needs it after that, and an admitted
         // stream lives as long as its response.
@@ -678,20 +691,19 @@ impl Exchange {
         metrics.budget_tokens(tier, TokenKind::Input, TokenStage::Reserved, input);
         metrics.budget_tokens(tier, TokenKind::Output, TokenStage::Reserved, output);
         let dispatched = Instant::now();
-        // Without the response body there will be no first token to wait for.
-        if output_observed {
-            let started = control_started(shared, arrived, dispatched);
-            shared
-                .ttft_window
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .start(started);
-        }
+        // Only when Envoy has said it will show tollgate the response body: otherwise there
+        // may be no first token to wait for, and the request's age would read as a latency.
+        let awaiting_first_token = first_token_expected.then(|| {
+            Pending::start(
+                &shared.ttft_window,
+                control_started(shared, arrived, dispatched),
+            )
+        });
         *self = Exchange::Admitted(Box::new(Watched {
             admission,
             arrived,
             dispatched,
-            awaiting_first_token: output_observed,
+            awaiting_first_token,
             response: None,
             permit: Some(permit),
             hold: grant.hold,
@@ -756,6 +768,8 @@ impl Watched {
         if headers.end_of_stream {
             observer.on_end_of_stream();
             self.permit = None;
+            // A response without a body has no first token to wait for.
+            self.awaiting_first_token = None;
         }
         self.response = Some(observer);
     }
@@ -778,12 +792,14 @@ impl Watched {
                 .upstream_time_to_first_token(tier, upstream_ttft);
             let started = control_started(shared, self.arrived, self.dispatched);
             let seconds = now.duration_since(started).as_secs_f64();
-            self.awaiting_first_token = false;
-            shared
-                .ttft_window
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .record_started(now, started, seconds);
+            match self.awaiting_first_token.take() {
+                Some(pending) => pending.answered(now, seconds),
+                None => shared
+                    .ttft_window
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .record_started(now, started, seconds),
+            }
         }
         if body.end_of_stream {
             // The upstream is done with this request: its slot is free for the next one.
@@ -795,7 +811,6 @@ impl Watched {
         let Watched {
             admission,
             arrived,
-            dispatched,
             awaiting_first_token,
             response,
             permit,
@@ -803,13 +818,8 @@ impl Watched {
             ..
         } = self;
         drop(permit);
-        if awaiting_first_token {
-            shared
-                .ttft_window
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .abandon(control_started(shared, arrived, dispatched));
-        }
+        // Over without a first token (an error, a reset): no longer pending.
+        drop(awaiting_first_token);
         let tier = admission.identity.tier;
         let metrics = &shared.metrics;
         let end = response

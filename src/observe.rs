@@ -392,7 +392,8 @@ impl Metrics {
         r.describe_gauge(
             CONTROLLER_P99,
             Unit::Seconds,
-            "The p99 time to first token the controller saw at its last tick (NaN: no samples).",
+            "The p99 time to first token the controller saw at its last tick, of its signal \
+             (control.signal), overdue requests included (NaN: no samples).",
         );
 
         r.describe_counter(

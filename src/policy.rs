@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use crate::budget::{Quantity, WindowLimit};
 use crate::config::{
-    Config, ConfigError, ControlConfig, FairnessCost, OutputLimitPolicy, StoreConfig, TierConfig,
+    Config, ConfigError, ControlConfig, ControlSignal, FairnessCost, OutputLimitPolicy,
+    StoreConfig, TierConfig,
 };
 use crate::tokens::{Encoding, EncodingRule};
 
@@ -533,6 +534,24 @@ fn control_problems(c: &ControlConfig) -> Vec<String> {
         "min_samples",
         c.min_samples.to_string(),
         "must be at least 1",
+    );
+    check(
+        c.signal != ControlSignal::Gateway || c.cooldown_ticks > 0,
+        "cooldown_ticks",
+        c.cooldown_ticks.to_string(),
+        "must be at least 1 with signal: gateway (the window keeps a breach's samples, and \
+         without a cooldown every tick would cut again on them; seed 001 used 3)",
+    );
+    check(
+        c.signal != ControlSignal::Upstream
+            || c.upstream_target_p99_ttft_ms <= c.target_p99_ttft_ms,
+        "upstream_target_p99_ttft_ms",
+        c.upstream_target_p99_ttft_ms.to_string(),
+        &format!(
+            "must be at most control.target_p99_ttft_ms ({}): the upstream's share of the \
+             time to first token cannot exceed the whole",
+            c.target_p99_ttft_ms
+        ),
     );
     check(
         c.tick_ms > 0,

@@ -227,6 +227,18 @@ fn slow_start_doubles_until_the_first_breach_then_adds_steps() {
     );
     // Without demand slow start does not double either.
     trace(&config, 32, &[(seen(FAST, 3, 0), NO_DEMAND, 32)]);
+    // A breach with most of the budget idle (one slow request at light load) is no knee:
+    // slow start goes on after it.
+    trace(
+        &config,
+        128,
+        &[
+            (seen(SLOW, 5, 0), DECREASE, 57),
+            (seen(FAST, 57, 3), INCREASE, 114),
+            (seen(SLOW, 114, 0), DECREASE, 102),
+            (seen(FAST, 102, 3), INCREASE, 103),
+        ],
+    );
 }
 
 #[test]
@@ -249,8 +261,11 @@ fn a_breach_cuts_from_what_is_in_flight_when_that_is_under_the_limit() {
         c.decrease = Decrease::Step(10);
     });
     trace(&by_step, 256, &[(seen(SLOW, 170, 0), DECREASE, 160)]);
+    // From no less than half the limit: one slow request among a few in flight (50 × 0.9).
+    trace(&config, 100, &[(seen(SLOW, 1, 0), DECREASE, 45)]);
     // Never below the floor, and always at least one below the limit.
-    trace(&config, 100, &[(seen(SLOW, 1, 0), DECREASE, 32)]);
+    trace(&config, 40, &[(seen(SLOW, 40, 0), DECREASE, 36)]);
+    trace(&config, 34, &[(seen(SLOW, 20, 0), DECREASE, 32)]);
     let gentle = with(|c| {
         c.cooldown_ticks = 0;
         c.decrease = Decrease::Factor(0.99);

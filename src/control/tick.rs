@@ -80,7 +80,11 @@ pub async fn run(
         };
         let action = aimd.step(&config, observation);
         if action == Action::Decrease && control.signal == ControlSignal::Upstream {
-            // From here the window hears only from requests dispatched under the new limit.
+            // From here the window hears only from requests dispatched under the new limit: the
+            // cut is judged on its own effect, not on samples from before it. (The gateway's
+            // signal keeps seed 001's cooldown instead: its samples include queue wait, which
+            // a cut lengthens, so an epoch would hear the cut's side effect as a new breach
+            // at once.)
             ttft_window
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -1,10 +1,10 @@
 //! A latency quantile over a sliding time window, in bounded memory: what the control loop
-//! reads as "p99 TTFT over the last 30 s".
+//! reads as "p99 TTFT over the last 10 s".
 //!
 //! Why a window and not the Prometheus histogram: the controller must react to what latency is
 //! *now*, and a cumulative histogram remembers the whole process lifetime. Why not a list of
-//! samples: at a few thousand requests per second a 30 s list is large and grows with load; an
-//! admission service must not let traffic grow its memory.
+//! samples: at a few thousand requests per second a window's list is large and grows with load;
+//! an admission service must not let traffic grow its memory.
 //!
 //! # Shape
 //!
@@ -13,16 +13,26 @@
 //! 16 equal buckets, from 2^-10 s (about 1 ms) to 2^12 s (about 68 min), 352 buckets in all.
 //! A quantile is reported as the midpoint of the bucket it falls in, so it is within 1/32
 //! (about 3.1%) of a sample in that bucket. Memory is `slots` × 352 counters, whatever the
-//! sample count; a quantile merges the live slots bucket by bucket (`slots` × 352 additions,
-//! nothing at a 5 s tick).
+//! sample count, plus one entry per *pending* request (below); a quantile merges the live slots
+//! bucket by bucket (`slots` × 352 additions, nothing at a 1 s tick).
+//!
+//! # Pending requests and restarts
+//!
+//! A request can be counted as pending from its start (`start`) until it answers (`answered`)
+//! or ends without answering (`abandon`); `Pending` makes the server's calls, exactly once per
+//! request. `quantile_counting_overdue` counts the pending requests already older than a
+//! threshold at their age: a request stuck in the upstream's queue is known to be late before
+//! it answers. The pending set is keyed by start instant, one entry per distinct instant, so it
+//! is bounded by the requests in flight. `restart` forgets every sample and every pending
+//! request, and ignores requests started before it: the controller's epoch after a cut.
 //!
 //! # Expiry
 //!
 //! Slots expire whole. A slot is live while it is the current one or one of the `slots - 1`
 //! before it; so a sample is forgotten between `window - window / slots` and `window` after it
 //! was recorded, never later. (Forgetting a little early, rather than keeping a little too long,
-//! is the side to err on: the controller's cooldown exists because stale samples from before a
-//! decrease make it cut again, seed 001 §5.)
+//! is the side to err on: stale samples from before a decrease make a controller cut again,
+//! seed 001 §5.)
 //!
 //! # Time
 //!
@@ -42,6 +52,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -108,8 +119,9 @@ impl LatencyWindow {
         }
     }
 
-    /// A request started at `started` and is waiting for its latency, until `record_started`
-    /// or `abandon` is called for it; `quantile_counting_overdue` counts it once it is overdue.
+    /// A request started at `started` and is waiting for its latency, until `answered` or
+    /// `abandon` is called for it; `quantile_counting_overdue` counts it once it is overdue.
+    /// (In the server, `Pending` makes the call that ends it, whichever way the request ends.)
     ///
     /// Why: a request stuck in the upstream's queue reports its latency only when it gets
     /// out, so a window of finished samples hears about a saturated upstream late, from the
@@ -152,14 +164,22 @@ impl LatencyWindow {
         self.since = Some(now);
     }
 
-    /// Records the latency of a request that started at `started`, as `record` does, and ends
-    /// its `start`; unless it started before the last `restart`.
+    /// Records the latency of a request that started at `started`, as `record` does, unless it
+    /// started before the last `restart`. It does not end a `start`: only the request that
+    /// called `start` may (`answered`), or it would end another request started at the same
+    /// instant.
     pub fn record_started(&mut self, now: Instant, started: Instant, seconds: f64) {
         if self.since.is_some_and(|since| started < since) {
             return;
         }
-        self.end_pending(started);
         self.record(now, seconds);
+    }
+
+    /// The request counted by `start(started)` answered after `seconds`: it stops being pending
+    /// and its latency is recorded (as `record_started`).
+    pub fn answered(&mut self, now: Instant, started: Instant, seconds: f64) {
+        self.end_pending(started);
+        self.record_started(now, started, seconds);
     }
 
     /// Records one latency, in seconds, observed at `now` (see the module docs for NaN,
@@ -275,6 +295,56 @@ impl LatencyWindow {
             .map(|slot| slot.total)
             .sum()
     }
+}
+
+/// A request counted as pending in a shared window (`LatencyWindow::start`), ended exactly
+/// once: by `answered`, or on drop (`abandon`), whichever way the request ends, a panic
+/// included. A pending entry left behind would age forever and read as a breach.
+pub struct Pending {
+    window: Arc<Mutex<LatencyWindow>>,
+    started: Instant,
+    /// `answered` ended it; the drop must not end it again.
+    ended: bool,
+}
+
+impl Pending {
+    /// Counts a request started at `started` as pending in `window` until this is answered or
+    /// dropped.
+    pub fn start(window: &Arc<Mutex<LatencyWindow>>, started: Instant) -> Pending {
+        lock(window).start(started);
+        Pending {
+            window: window.clone(),
+            started,
+            ended: false,
+        }
+    }
+
+    /// When the request started.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// The request answered after `seconds`: recorded, and no longer pending.
+    pub fn answered(mut self, now: Instant, seconds: f64) {
+        lock(&self.window).answered(now, self.started, seconds);
+        self.ended = true;
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.ended {
+            lock(&self.window).abandon(self.started);
+        }
+    }
+}
+
+/// A poisoned lock only means another thread panicked mid-update; the counters are still
+/// counters.
+fn lock(window: &Mutex<LatencyWindow>) -> std::sync::MutexGuard<'_, LatencyWindow> {
+    window
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl fmt::Debug for LatencyWindow {

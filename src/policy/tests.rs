@@ -456,6 +456,25 @@ fn control_loop_settings_must_be_usable() {
         &["control.min_samples: 0 must be at least 1"],
     );
     check_problems(
+        |c| {
+            c.control.signal = ControlSignal::Gateway;
+            c.control.cooldown_ticks = 0;
+        },
+        &["control.cooldown_ticks: 0 must be at least 1 with signal: gateway"],
+    );
+    check_valid(|c| {
+        c.control.signal = ControlSignal::Gateway;
+        c.control.cooldown_ticks = 3;
+        // Only the signal's own target is checked against the SLO.
+        c.control.upstream_target_p99_ttft_ms = 5_000;
+    });
+    check_problems(
+        |c| c.control.upstream_target_p99_ttft_ms = 2_001,
+        &[
+            "control.upstream_target_p99_ttft_ms: 2001 must be at most control.target_p99_ttft_ms (2000)",
+        ],
+    );
+    check_problems(
         |c| c.control.window_ms = c.control.tick_ms - 1,
         &["control.window_ms: 999 must be at least control.tick_ms"],
     );

@@ -1,28 +1,37 @@
 //! The controller through the whole server, in real time: what it measures (`control.signal`),
-//! and requests that have not answered yet. Short ticks and a 150 ms target keep each test
-//! around a second; every wait is many ticks longer than the effect it waits for.
+//! and requests that have not answered yet. 50 ms ticks keep each test to a few seconds; the
+//! margins that matter are the breach thresholds (target + 20 %), and every scripted step that
+//! must not breach is expected to take a small fraction of them, on a loaded machine too.
 
 use std::time::Duration;
 
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingResponse, ProtocolConfiguration};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    ProcessingResponse, ProtocolConfiguration, processing_request::Request,
+    processing_response::Response,
+};
 use tollgate::config::{Config, ControlConfig, ControlSignal};
 
 use crate::support::server::*;
 
-/// Target 150 ms (breach above 180 ms), a 50 ms tick, no slow start, any single sample enough;
-/// the budget starts at and cannot grow past `limit`. Free tier, queue deadline 5 s.
-fn config(signal: ControlSignal, limit: u32) -> Config {
+/// The controller on `signal` with a target of `target_ms` (breach above 1.2x), a 50 ms tick,
+/// one tick of cooldown (the gateway's signal needs one), no slow start, any single sample
+/// enough; the budget starts at and cannot grow past `limit`. Free tier, queue deadline 5 s.
+fn config(signal: ControlSignal, target_ms: u64, limit: u32) -> Config {
     let mut config = Config::default();
     config.scheduler.initial_limit = limit;
+    let (target_p99_ttft_ms, upstream_target_p99_ttft_ms) = match signal {
+        ControlSignal::Gateway => (target_ms, target_ms),
+        ControlSignal::Upstream => (target_ms.max(2_000), target_ms),
+    };
     config.control = ControlConfig {
         enabled: true,
         signal,
-        target_p99_ttft_ms: 150,
-        upstream_target_p99_ttft_ms: 150,
+        target_p99_ttft_ms,
+        upstream_target_p99_ttft_ms,
         tick_ms: 50,
         window_ms: 5_000,
-        cooldown_ticks: 0,
+        cooldown_ticks: 1,
         slow_start: false,
         min_samples: 1,
         floor: 1,
@@ -39,13 +48,12 @@ fn config(signal: ControlSignal, limit: u32) -> Config {
 }
 
 fn is_admitted(answer: &ProcessingResponse) -> bool {
-    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
     matches!(answer.response, Some(Response::RequestBody(_)))
 }
 
 /// A chat request from `user`; the body's first answer (admitted, or an extension of Envoy's
-/// timeout if it was queued). Without `sends_body`, the request headers carry Envoy's
-/// `protocol_config` saying it will not send the response body.
+/// timeout if it was queued). Its first message carries Envoy's `protocol_config`, as every
+/// supported Envoy sends it: the response body STREAMED if `sends_body`, else NONE.
 async fn submit(
     server: &TestServer,
     user: &str,
@@ -53,12 +61,15 @@ async fn submit(
 ) -> (ExtProcStream, ProcessingResponse) {
     let mut stream = server.stream().await;
     let mut headers = chat_headers(user);
-    if !sends_body {
-        headers.protocol_config = Some(ProtocolConfiguration {
-            response_body_mode: BodySendMode::None as i32,
-            ..ProtocolConfiguration::default()
-        });
-    }
+    let response_body_mode = if sends_body {
+        BodySendMode::Streamed
+    } else {
+        BodySendMode::None
+    };
+    headers.protocol_config = Some(ProtocolConfiguration {
+        response_body_mode: response_body_mode as i32,
+        ..ProtocolConfiguration::default()
+    });
     stream.exchange(headers).await;
     let answer = stream
         .exchange(request_body(&chat_body(serde_json::json!({}))))
@@ -95,11 +106,13 @@ fn ttft_sum(m: &Metrics, name: &str) -> f64 {
 
 #[tokio::test]
 async fn queue_wait_is_a_breach_for_the_gateway_signal_and_only_demand_for_the_upstream_one() {
-    for (signal, limit_after) in [
-        (ControlSignal::Upstream, 2.0),
-        (ControlSignal::Gateway, 1.0),
+    // The gateway's target is 150 ms, which the 600 ms wait breaches; the upstream's 500 ms,
+    // which an upstream answering at once does not.
+    for (signal, target_ms, limit_after) in [
+        (ControlSignal::Upstream, 500, 2.0),
+        (ControlSignal::Gateway, 150, 1.0),
     ] {
-        let server = TestServer::start(config(signal, 2)).await;
+        let server = TestServer::start(config(signal, target_ms, 2)).await;
         // Two requests hold both slots; their upstream answers at once.
         let (mut first, answer) = submit(&server, "alice", true).await;
         assert!(is_admitted(&answer), "{answer:?}");
@@ -137,21 +150,21 @@ async fn queue_wait_is_a_breach_for_the_gateway_signal_and_only_demand_for_the_u
 
 #[tokio::test]
 async fn requests_stuck_without_a_first_token_cut_the_budget_once_before_they_answer() {
-    let server = TestServer::start(config(ControlSignal::Upstream, 4)).await;
+    let server = TestServer::start(config(ControlSignal::Upstream, 500, 4)).await;
     let mut stuck = admit_four(&server, true).await;
-    // No first token, no finished sample: the four are overdue 180 ms after dispatch, and that
+    // No first token, no finished sample: the four are overdue 600 ms after dispatch, and that
     // alone is a breach. 4 in flight x 0.9 = 3.6, so 3.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
     assert_eq!(limit(&server).await, 3.0);
     // They are still stuck, but they were dispatched before the cut: the window restarted
     // without them, so they do not cut again.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
     assert_eq!(limit(&server).await, 3.0);
     // When they do answer, late, they still do not count.
     for stream in &mut stuck {
         first_token(stream).await;
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(limit(&server).await, 3.0);
     drop(stuck);
     server.stop().await.unwrap();
@@ -161,9 +174,9 @@ async fn requests_stuck_without_a_first_token_cut_the_budget_once_before_they_an
 async fn without_the_response_body_there_is_no_first_token_to_wait_for() {
     // Envoy says it will not send the response body: these requests will never report a
     // first token, and their age is not a latency.
-    let server = TestServer::start(config(ControlSignal::Upstream, 4)).await;
+    let server = TestServer::start(config(ControlSignal::Upstream, 500, 4)).await;
     let open = admit_four(&server, false).await;
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
     assert_eq!(limit(&server).await, 4.0);
     drop(open);
     server.stop().await.unwrap();
@@ -173,21 +186,20 @@ async fn without_the_response_body_there_is_no_first_token_to_wait_for() {
 async fn a_request_that_ends_without_a_first_token_stops_counting() {
     // An upstream error before any body byte: the request is over, and must not go on aging
     // in the window as if it were still waiting.
-    let server = TestServer::start(config(ControlSignal::Upstream, 4)).await;
+    let server = TestServer::start(config(ControlSignal::Upstream, 500, 4)).await;
     let (mut failed, answer) = submit(&server, "a", true).await;
     assert!(is_admitted(&answer), "{answer:?}");
     let mut headers_only = response_headers(502, "text/plain");
-    if let Some(
-        envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request::ResponseHeaders(
-            h,
-        ),
-    ) = headers_only.request.as_mut()
-    {
+    if let Some(Request::ResponseHeaders(h)) = headers_only.request.as_mut() {
         h.end_of_stream = true;
     }
     failed.exchange(headers_only).await;
+    // The ext_proc stream stays open (Envoy closes it when the HTTP stream is done): the
+    // headers' end of stream alone must end the wait.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(limit(&server).await, 4.0);
     drop(failed);
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(limit(&server).await, 4.0);
     server.stop().await.unwrap();
 }

@@ -417,7 +417,7 @@ fn pending_requests_count_only_once_overdue_and_at_their_age() {
         "plain quantile",
     );
     // One answers (4.5 s) and one is abandoned: neither is pending any longer.
-    window.record_started(at(5.5), at(1.0), 4.5);
+    window.answered(at(5.5), at(1.0), 4.5);
     window.abandon(at(1.0));
     let (p99, samples) = window.quantile_counting_overdue(at(6.0), 0.99, overdue_after);
     assert_eq!(samples, 99);
@@ -451,4 +451,36 @@ fn requests_started_at_the_same_instant_are_counted_apart() {
     let (_, samples) = window.quantile_counting_overdue(at(5.0), 0.99, Duration::ZERO);
     assert_eq!(samples, 0);
     assert!(window.pending.is_empty());
+}
+
+#[test]
+fn a_latency_recorded_for_a_request_never_started_ends_no_other() {
+    // Two requests share a start instant; only one was counted as pending. The other one's
+    // latency must not end the first one's wait.
+    let mut window = thirty_seconds();
+    window.start(at(1.0));
+    window.record_started(at(1.5), at(1.0), 0.5);
+    let (p99, samples) = window.quantile_counting_overdue(at(5.0), 0.99, Duration::ZERO);
+    assert_eq!(samples, 2);
+    assert_close(p99.unwrap(), 4.0, "still pending, 4 s old");
+}
+
+#[test]
+fn a_pending_guard_ends_its_request_exactly_once() {
+    let window = Arc::new(Mutex::new(thirty_seconds()));
+    let pending = |w: &Arc<Mutex<LatencyWindow>>| w.lock().unwrap().pending.len();
+    // Dropped without an answer (an error, a reset, a panic): abandoned.
+    let dropped = Pending::start(&window, at(1.0));
+    assert_eq!(pending(&window), 1);
+    drop(dropped);
+    assert_eq!(pending(&window), 0);
+    // Answered: recorded and ended, and its drop does not end it again (which would take
+    // another request started at the same instant with it).
+    let other = Pending::start(&window, at(2.0));
+    let answered = Pending::start(&window, at(2.0));
+    answered.answered(at(2.5), 0.5);
+    assert_eq!(window.lock().unwrap().pending[&at(2.0)], 1);
+    assert_eq!(window.lock().unwrap().count(at(2.5)), 1);
+    drop(other);
+    assert_eq!(pending(&window), 0);
 }
