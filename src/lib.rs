@@ -162,6 +162,16 @@ where
         ttft_window: ttft_window.clone(),
     });
     if policy.control.enabled {
+        let control = &policy.control;
+        let aimd = control::tick::aimd_config(control);
+        // Says which target drives the budget: with the upstream signal, a tuned
+        // `target_p99_ttft_ms` is the SLO the dashboards and alerts use, not the controller's.
+        tracing::info!(
+            signal = ?control.signal,
+            target_p99_ms = aimd.target_p99_ttft_seconds * 1000.0,
+            slo_p99_ttft_ms = control.target_p99_ttft_ms,
+            "controller"
+        );
         tokio::spawn(control::tick::run(
             policy.control.clone(),
             policy.scheduling.initial_limit,
