@@ -62,7 +62,7 @@ use std::fmt::Write as _;
 use std::io::ErrorKind;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -88,7 +88,7 @@ use tonic::transport::{Channel, Endpoint};
 #[path = "support/host.rs"]
 mod host;
 use host::{
-    Machine, admin_client, busy_fraction, clock_ticks_per_second, cpu_ticks_of, free_port,
+    Machine, Proc, admin_client, busy_fraction, clock_ticks_per_second, cpu_ticks_of, free_port,
     machine_jiffies, median,
 };
 
@@ -1937,62 +1937,6 @@ impl Report<'_> {
 
 // ---------------------------------------------------------------------------------------------
 // Processes, binaries and the machine
-
-/// A child process, killed and reaped on drop (on every way out: return, `?`, panic, signal).
-struct Proc {
-    name: &'static str,
-    child: Mutex<Child>,
-    pid: u32,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn spawn(name: &'static str, command: &mut Command, log: PathBuf) -> Result<Proc> {
-        let file =
-            std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
-        let child = command
-            .stdin(Stdio::null())
-            .stderr(file)
-            .spawn()
-            .with_context(|| format!("spawn {name}"))?;
-        Ok(Proc {
-            name,
-            pid: child.id(),
-            child: Mutex::new(child),
-            log,
-        })
-    }
-
-    fn pid(&self) -> u32 {
-        self.pid
-    }
-
-    fn check_alive(&self) -> Result<()> {
-        if let Some(status) = lock(&self.child).try_wait().context("poll child")? {
-            bail!(
-                "{} exited ({status}); end of its log:\n{}",
-                self.name,
-                self.log_tail(40)
-            );
-        }
-        Ok(())
-    }
-
-    fn log_tail(&self, lines: usize) -> String {
-        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let all: Vec<&str> = log.lines().collect();
-        all[all.len().saturating_sub(lines)..].join("\n")
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        // SIGKILL, then reap so no zombie is left. Errors mean it is already gone.
-        let child = self.child.get_mut().unwrap_or_else(|p| p.into_inner());
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-}
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex

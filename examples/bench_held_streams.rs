@@ -48,7 +48,7 @@
 use std::fmt::Write as _;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -71,7 +71,7 @@ use tonic::transport::{Channel, Endpoint};
 #[allow(dead_code)]
 #[path = "support/host.rs"]
 mod host;
-use host::{clock_ticks_per_second, free_port};
+use host::{Proc, clock_ticks_per_second, free_port};
 
 /// Start-up budget for tollgate; generous because the machine may be compiling meanwhile.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -185,7 +185,11 @@ async fn bench(args: &Args) -> Result<bool> {
             command.env_remove(name);
         }
     }
-    let mut tollgate = Proc::spawn(&mut command, dir.path().join("tollgate.log"))?;
+    let mut tollgate = Proc::spawn(
+        "tollgate",
+        command.stdout(Stdio::null()),
+        dir.path().join("tollgate.log"),
+    )?;
     let http = reqwest::Client::builder()
         // An http_proxy in the environment must not capture loopback traffic.
         .no_proxy()
@@ -372,50 +376,6 @@ fn config_yaml(args: &Args) -> String {
         deadline = args.deadline_ms,
     );
     yaml
-}
-
-/// A child process, killed and reaped on drop (on every way out: return, `?`, panic, signal).
-struct Proc {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn spawn(command: &mut Command, log: PathBuf) -> Result<Proc> {
-        let file =
-            std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
-        let child = command
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(file)
-            .spawn()
-            .context("spawn tollgate")?;
-        Ok(Proc { child, log })
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn check_alive(&mut self) -> Result<()> {
-        if let Some(status) = self.child.try_wait().context("poll tollgate")? {
-            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-            let lines: Vec<&str> = log.lines().collect();
-            bail!(
-                "tollgate exited ({status}); end of its log:\n{}",
-                lines[lines.len().saturating_sub(40)..].join("\n")
-            );
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        // SIGKILL, then reap so no zombie is left. Errors mean it is already gone.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 async fn wait_ready(tollgate: &mut Proc, http: &reqwest::Client, admin: SocketAddr) -> Result<()> {

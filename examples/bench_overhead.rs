@@ -61,7 +61,7 @@ use std::fmt::Write as _;
 use std::io::{BufRead, BufReader};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -74,12 +74,15 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 // Shared with the other benchmarks; each uses a subset of it.
+#[path = "support/front_proxy.rs"]
+mod front_proxy;
 #[allow(dead_code)]
 #[path = "support/host.rs"]
 mod host;
+use front_proxy::{EnvoyPorts, render_config, without_ext_proc};
 use host::{
-    Machine, admin_client, busy_fraction, clock_ticks_per_second, command_output, cpu_ticks_of,
-    free_port, machine_jiffies, median,
+    Machine, Proc, admin_client, busy_fraction, clock_ticks_per_second, command_output,
+    cpu_ticks_of, free_port, machine_jiffies, median,
 };
 
 /// The Envoy version the repository tests against (tests/it/support/envoy.rs, ENVOY_VERSION).
@@ -484,23 +487,6 @@ fn newest_mtime(paths: &[PathBuf]) -> Option<SystemTime> {
 // ---------------------------------------------------------------------------------------------
 // Envoy configs
 
-/// The Envoy-alone variant of `front_proxy`: the same file with the ext_proc HTTP filter and the
-/// `tollgate` cluster removed, everything else (buffer limits, timeouts, circuit breakers, the
-/// port placeholders) byte for byte the same, so A differs from B by tollgate only.
-fn without_ext_proc(front_proxy: &str) -> Result<String> {
-    let without_filter = remove_list_item(front_proxy, "- name: envoy.filters.http.ext_proc")?;
-    let direct = remove_list_item(&without_filter, "- name: tollgate")?;
-    ensure!(
-        !direct.contains("ext_proc.v3") && !direct.contains("cluster_name: tollgate"),
-        "ext_proc is still referenced after removing the filter and the cluster"
-    );
-    ensure!(
-        direct.contains("envoy.filters.http.router"),
-        "the router filter went missing"
-    );
-    Ok(direct)
-}
-
 /// Configs C and Q: `front_proxy` with Envoy's response phases off, so the ext_proc stream
 /// carries the request headers and body only. tollgate then decides exactly as in B but is never
 /// shown the response; the difference between B and C is what observing responses costs, and Q
@@ -518,151 +504,8 @@ fn request_phases_only(front_proxy: &str) -> Result<String> {
     Ok(config)
 }
 
-/// Removes the YAML list item that starts with `header` (after indentation): its line and every
-/// following line that is blank or indented deeper than the dash. The header must occur once.
-fn remove_list_item(yaml: &str, header: &str) -> Result<String> {
-    let lines: Vec<&str> = yaml.lines().collect();
-    let starts: Vec<usize> = (0..lines.len())
-        .filter(|&i| lines[i].trim_start() == header)
-        .collect();
-    let [start] = starts[..] else {
-        bail!("`{header}` occurs {} times, expected once", starts.len());
-    };
-    let indent = lines[start].len() - lines[start].trim_start().len();
-    let mut end = start + 1;
-    while end < lines.len() {
-        let line = lines[end];
-        let line_indent = line.len() - line.trim_start().len();
-        if !line.trim().is_empty() && line_indent <= indent {
-            break;
-        }
-        end += 1;
-    }
-    // Blank lines at the end of the item separate it from the next one: keep them.
-    while end > start + 1 && lines[end - 1].trim().is_empty() {
-        end -= 1;
-    }
-    let mut kept: Vec<&str> = lines[..start].to_vec();
-    kept.extend_from_slice(&lines[end..]);
-    Ok(kept.join("\n") + "\n")
-}
-
-/// The ports a config is rendered with; same scheme as tests/it/support/envoy.rs and the
-/// header of envoy/front-proxy.yaml.
-struct EnvoyPorts {
-    listen: u16,
-    upstream: u16,
-    /// `None` for the Envoy-alone config, which has no ext_proc cluster.
-    extproc: Option<u16>,
-    admin: u16,
-}
-
-/// Substitutes the ports and binds the listener to 127.0.0.1 (as `render_config` does in the
-/// tests). Each placeholder must occur exactly once, or the file broke the scheme.
-fn render_config(config: &str, ports: &EnvoyPorts) -> Result<String> {
-    let mut replacements = vec![
-        ("port_value: 10000", format!("port_value: {}", ports.listen)),
-        (
-            "port_value: 8000",
-            format!("port_value: {}", ports.upstream),
-        ),
-        ("port_value: 9901", format!("port_value: {}", ports.admin)),
-        ("address: 0.0.0.0", "address: 127.0.0.1".to_owned()),
-    ];
-    if let Some(extproc) = ports.extproc {
-        replacements.push(("port_value: 50051", format!("port_value: {extproc}")));
-    }
-    let mut rendered = config.to_owned();
-    for (placeholder, value) in replacements {
-        let count = rendered.matches(placeholder).count();
-        ensure!(
-            count == 1,
-            "`{placeholder}` occurs {count} times in the Envoy config, expected once (see the \
-             header of envoy/front-proxy.yaml)"
-        );
-        rendered = rendered.replacen(placeholder, &value, 1);
-    }
-    // Belt and braces: every socket address in the rendered config must be loopback, so no
-    // listener is reachable from outside and no traffic leaves the machine.
-    for line in rendered
-        .lines()
-        .filter(|l| !l.trim_start().starts_with('#'))
-    {
-        let bytes = line.as_bytes();
-        // `address: X` as a key of its own, not the end of e.g. `use_remote_address: true`.
-        let starts = line
-            .match_indices("address: ")
-            .map(|(i, _)| i)
-            .filter(|&i| i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
-        for start in starts {
-            let rest = &line[start + "address: ".len()..];
-            let value = rest.split([',', ' ', '}']).next().unwrap_or_default();
-            ensure!(
-                value == "127.0.0.1",
-                "the rendered Envoy config has a non-loopback address: {}",
-                line.trim()
-            );
-        }
-    }
-    Ok(rendered)
-}
-
 // ---------------------------------------------------------------------------------------------
 // Child processes
-
-/// A child process, killed and reaped on drop (on every way out: return, `?`, panic, signal).
-struct Proc {
-    name: &'static str,
-    child: Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn spawn(name: &'static str, command: &mut Command, log: PathBuf) -> Result<Proc> {
-        let file =
-            std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
-        let child = command
-            .stdin(Stdio::null())
-            .stderr(file)
-            .spawn()
-            .with_context(|| format!("spawn {name}"))?;
-        Ok(Proc { name, child, log })
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn check_alive(&mut self) -> Result<()> {
-        if let Some(status) = self.child.try_wait().context("poll child")? {
-            bail!(
-                "{} exited ({status}); end of its log:\n{}",
-                self.name,
-                self.log_tail(40)
-            );
-        }
-        Ok(())
-    }
-
-    fn log_tail(&self, lines: usize) -> String {
-        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let all: Vec<&str> = log.lines().collect();
-        all[all.len().saturating_sub(lines)..].join("\n")
-    }
-
-    /// utime + stime so far, in clock ticks, for the whole process (all threads).
-    fn cpu_ticks(&self) -> Option<u64> {
-        cpu_ticks_of(&format!("/proc/{}/stat", self.pid()))
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        // SIGKILL, then reap so no zombie is left. Errors mean it is already gone.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 struct EnvoyProc {
     proc: Proc,
@@ -719,7 +562,7 @@ impl Stack {
             dir.path().join("upstream.log"),
         )?;
         let mut first_line = String::new();
-        BufReader::new(upstream.child.stdout.take().context("upstream stdout")?)
+        BufReader::new(upstream.take_stdout().context("upstream stdout")?)
             .read_line(&mut first_line)
             .context("read the upstream's first line")?;
         let upstream_addr: SocketAddr = first_line
@@ -834,7 +677,7 @@ impl Stack {
     fn log_tails(&self) -> String {
         let mut out = String::new();
         for (_, proc) in self.procs() {
-            let _ = writeln!(out, "--- {} ---\n{}", proc.name, proc.log_tail(20));
+            let _ = writeln!(out, "--- {} ---\n{}", proc.name(), proc.log_tail(20));
         }
         let _ = writeln!(out, "(logs in {})", self.dir.path().display());
         out
@@ -1022,7 +865,7 @@ where
         if Instant::now() >= deadline {
             bail!(
                 "{} not ready within {READY_TIMEOUT:?}; end of its log:\n{}",
-                proc.name,
+                proc.name(),
                 proc.log_tail(40)
             );
         }

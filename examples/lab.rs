@@ -25,6 +25,8 @@
 
 #[path = "lab/chart.rs"]
 mod chart;
+#[path = "support/front_proxy.rs"]
+mod front_proxy;
 #[path = "lab/load.rs"]
 mod load;
 #[path = "lab/report.rs"]
@@ -33,12 +35,16 @@ mod report;
 mod scenario;
 #[path = "lab/stack.rs"]
 mod stack;
+// Shared with the benchmarks; the lab uses a subset of it.
+#[allow(dead_code)]
+#[path = "support/host.rs"]
+mod host;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, ensure};
+use anyhow::{Context, Result, ensure};
 use clap::Parser;
 use serde_json::{Value, json};
 
@@ -75,32 +81,8 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("lab: cannot start the tokio runtime: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result = runtime.block_on(async {
-        // Dropping the lab future on a signal drops the stack, and with it every child.
-        tokio::select! {
-            result = lab(&args) => result,
-            _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted; children stopped")),
-        }
-    });
-    runtime.shutdown_timeout(Duration::from_secs(1));
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("lab: {error:#}");
-            ExitCode::FAILURE
-        }
-    }
+    // Dropping the lab future on Ctrl-C or SIGTERM drops the stack, and with it every child.
+    host::run_bench("lab", 2, "", async { lab(&args).await.map(|()| true) })
 }
 
 async fn lab(args: &Args) -> Result<()> {

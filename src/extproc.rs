@@ -137,13 +137,11 @@ async fn serve_stream(
     let _held = StreamGuard::new(&shared);
     let mut lifecycle = shared.lifecycle.clone();
     let mut exchange = Exchange::default();
-    // Whether Envoy will show tollgate the response body, and so the output tokens: its first
-    // message says how it is configured. Assumed until it says otherwise (older Envoys do not)
-    // for charging, where assuming wrongly only charges the reserved output; but a first token
-    // is waited for only when Envoy said so, as waiting for one that never comes would read as
-    // an ever slower request.
-    let mut output_observed = true;
-    let mut first_token_expected = false;
+    // Whether Envoy will show tollgate the response body, as its first message says (older
+    // Envoys say nothing). Unknown counts as yes for charging, where assuming wrongly only
+    // charges the reserved output, and as no for waiting on a first token, where waiting for
+    // one that never comes would read as an ever slower request.
+    let mut sends_response_body: Option<bool> = None;
     let end = loop {
         let message = tokio::select! {
             biased;
@@ -163,9 +161,9 @@ async fn serve_stream(
             Ok(None) | Err(_) => break StreamEnd::Envoy,
         };
         if let Some(sent) = convert::sends_response_body(&message) {
-            output_observed = sent;
-            first_token_expected = sent;
+            sends_response_body = Some(sent);
         }
+        let first_token_expected = sends_response_body == Some(true);
         let answer =
             match Box::pin(exchange.on_message(&shared, message, first_token_expected)).await {
                 Step::Answer(answer) => answer,
@@ -197,6 +195,7 @@ async fn serve_stream(
             break StreamEnd::Tollgate;
         }
     };
+    let output_observed = sends_response_body != Some(false);
     Box::pin(exchange.finish(&shared, end, output_observed)).await;
 }
 

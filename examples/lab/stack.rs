@@ -5,13 +5,16 @@
 //! killed and reaped on drop.
 
 use std::io::{BufRead, BufReader};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::Value;
+
+use crate::front_proxy::{EnvoyPorts, render_config, without_ext_proc};
+use crate::host::{Proc, free_port};
 
 /// The Envoy the tests use (tests/it/support/envoy.rs), installed by scripts/install-test-deps.sh.
 const ENVOY_VERSION: &str = "1.40.0";
@@ -65,47 +68,6 @@ impl Binaries {
     }
 }
 
-/// A child process with its log file; SIGKILLed and reaped on drop.
-pub struct Proc {
-    name: &'static str,
-    child: Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn spawn(name: &'static str, command: &mut Command, log: PathBuf) -> Result<Proc> {
-        let file =
-            std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
-        let child = command
-            .stdin(Stdio::null())
-            .stderr(file)
-            .spawn()
-            .with_context(|| format!("spawn {name}"))?;
-        Ok(Proc { name, child, log })
-    }
-
-    pub fn check_alive(&mut self) -> Result<()> {
-        if let Some(status) = self.child.try_wait().context("poll child")? {
-            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(30).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
-            bail!(
-                "{} exited ({status}); end of its log:\n{}",
-                self.name,
-                tail.join("\n")
-            );
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 pub struct Stack {
     pub envoy_listen: SocketAddr,
     pub upstream_addr: SocketAddr,
@@ -139,7 +101,7 @@ impl Stack {
             dir.path().join("upstream.log"),
         )?;
         let mut line = String::new();
-        BufReader::new(upstream.child.stdout.take().context("upstream stdout")?)
+        BufReader::new(upstream.take_stdout().context("upstream stdout")?)
             .read_line(&mut line)
             .context("read the upstream's first line")?;
         let upstream_addr: SocketAddr = match line.trim().strip_prefix("upstream listening on ") {
@@ -187,26 +149,14 @@ impl Stack {
         };
         let listen = free_port()?;
         let admin = free_port()?;
-        let mut replacements = vec![
-            ("port_value: 10000", listen),
-            ("port_value: 8000", upstream_addr.port()),
-            ("port_value: 9901", admin),
-        ];
-        if let Some(port) = grpc_port {
-            replacements.push(("port_value: 50051", port));
-        }
-        let mut rendered = text.replace("address: 0.0.0.0", "address: 127.0.0.1");
-        for (placeholder, port) in replacements {
-            let count = rendered.matches(placeholder).count();
-            ensure!(
-                count == 1,
-                "`{placeholder}` occurs {count} times in the Envoy config, expected once (see \
-                 the header of envoy/front-proxy.yaml)"
-            );
-            rendered = rendered.replacen(placeholder, &format!("port_value: {port}"), 1);
-        }
+        let ports = EnvoyPorts {
+            listen,
+            upstream: upstream_addr.port(),
+            extproc: grpc_port,
+            admin,
+        };
         let config_path = dir.path().join("envoy.yaml");
-        std::fs::write(&config_path, rendered)?;
+        std::fs::write(&config_path, render_config(&text, &ports)?)?;
         let mut envoy = Proc::spawn(
             "envoy",
             Command::new(&binaries.envoy)
@@ -260,68 +210,8 @@ async fn wait_until(
         ensure!(
             tokio::time::Instant::now() < deadline,
             "{} was not ready at {url} within {READY_TIMEOUT:?}",
-            proc.name
+            proc.name()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|listener| listener.local_addr())
-        .context("bind 127.0.0.1:0")?
-        .port())
-}
-
-/// `front_proxy` without the ext_proc HTTP filter and the `tollgate` cluster: Envoy straight
-/// to the upstream, with everything else (timeouts, buffer limits, circuit breakers) the same.
-pub fn without_ext_proc(front_proxy: &str) -> Result<String> {
-    let direct = remove_list_item(front_proxy, "- name: envoy.filters.http.ext_proc")?;
-    let direct = remove_list_item(&direct, "- name: tollgate")?;
-    ensure!(
-        !direct.contains("ext_proc.v3") && !direct.contains("cluster_name: tollgate"),
-        "ext_proc is still referenced after removing the filter and the cluster"
-    );
-    Ok(direct)
-}
-
-/// Removes the YAML list item whose first line (after indentation) is `header`, with every
-/// following line that is blank or indented deeper than its dash.
-fn remove_list_item(yaml: &str, header: &str) -> Result<String> {
-    let lines: Vec<&str> = yaml.lines().collect();
-    let indent = |line: &str| line.len() - line.trim_start().len();
-    let starts: Vec<usize> = (0..lines.len())
-        .filter(|&i| lines[i].trim_start() == header)
-        .collect();
-    let [start] = starts[..] else {
-        bail!("`{header}` occurs {} times, expected once", starts.len());
-    };
-    let end = (start + 1..lines.len())
-        .find(|&i| !lines[i].trim().is_empty() && indent(lines[i]) <= indent(lines[start]))
-        .unwrap_or(lines.len());
-    let mut kept = lines[..start].to_vec();
-    kept.extend_from_slice(&lines[end..]);
-    Ok(kept.join("\n") + "\n")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_front_proxy_loses_ext_proc_and_keeps_the_rest() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let front_proxy = std::fs::read_to_string(root.join("envoy/front-proxy.yaml")).unwrap();
-        let direct = without_ext_proc(&front_proxy).unwrap();
-        assert!(!direct.contains("port_value: 50051"));
-        for kept in [
-            "envoy.filters.http.router",
-            "- name: inference",
-            "port_value: 8000",
-            "stream_idle_timeout: 600s",
-            "per_connection_buffer_limit_bytes: 8388608",
-        ] {
-            assert!(direct.contains(kept), "{kept} went missing");
-        }
     }
 }

@@ -1,15 +1,17 @@
-//! What the benchmark examples read off the machine and the processes they start: CPU time
-//! from `/proc`, free loopback ports, signals, medians. Included by each benchmark with
-//! `#[path = "support/host.rs"] mod host;` (a folder under `examples/` is not an example of its
-//! own); each uses a subset, hence the `dead_code` allowance where it is included.
+//! What the benchmark examples and the load lab read off the machine and the processes they
+//! start: the child processes themselves (`Proc`), CPU time from `/proc`, free loopback ports,
+//! signals, medians. Included by each with `#[path = "support/host.rs"] mod host;` (a folder
+//! under `examples/` is not an example of its own); each uses a subset, hence the `dead_code`
+//! allowance where it is included.
 
 use std::future::Future;
 use std::net::{Ipv4Addr, TcpListener};
-use std::path::Path;
-use std::process::{Command, ExitCode, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, ExitCode, Stdio};
+use std::sync::Mutex;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use serde_json::{Value, json};
 
 /// Runs a benchmark to its end on a runtime of `threads` workers, or until Ctrl-C or SIGTERM:
@@ -66,6 +68,93 @@ pub async fn interrupted() -> &'static str {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => "SIGINT",
         _ = term.recv() => "SIGTERM",
+    }
+}
+
+/// A child process with its stderr in a log file; SIGKILLed and reaped on drop (on every way
+/// out: return, `?`, panic, signal), so no benchmark leaves a process behind.
+pub struct Proc {
+    name: &'static str,
+    // Behind a lock so a process shared by tasks can be polled through `&self`.
+    child: Mutex<Child>,
+    pid: u32,
+    log: PathBuf,
+}
+
+impl Proc {
+    /// Spawns `command` with stdin closed and stderr into `log`; stdout is the command's to set.
+    pub fn spawn(name: &'static str, command: &mut Command, log: PathBuf) -> Result<Proc> {
+        let file =
+            std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
+        let child = command
+            .stdin(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .with_context(|| format!("spawn {name}"))?;
+        Ok(Proc {
+            name,
+            pid: child.id(),
+            child: Mutex::new(child),
+            log,
+        })
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The child's stdout, if the command piped it (once).
+    pub fn take_stdout(&mut self) -> Option<ChildStdout> {
+        self.child_mut().stdout.take()
+    }
+
+    /// An error with the end of its log if the process has exited.
+    pub fn check_alive(&self) -> Result<()> {
+        let status = self
+            .child
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .try_wait()
+            .context("poll child")?;
+        if let Some(status) = status {
+            bail!(
+                "{} exited ({status}); end of its log:\n{}",
+                self.name,
+                self.log_tail(40)
+            );
+        }
+        Ok(())
+    }
+
+    /// The last `lines` lines of its log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// utime + stime so far, in clock ticks, for the whole process (all threads).
+    pub fn cpu_ticks(&self) -> Option<u64> {
+        cpu_ticks_of(&format!("/proc/{}/stat", self.pid))
+    }
+
+    fn child_mut(&mut self) -> &mut Child {
+        self.child
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // SIGKILL, then reap so no zombie is left. Errors mean it is already gone.
+        let child = self.child_mut();
+        let _ = child.kill();
+        let _ = child.wait();
     }
 }
 

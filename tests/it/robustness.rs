@@ -1677,6 +1677,24 @@ struct Seen {
     headers_answered: bool,
 }
 
+/// Matches `answer` with the oldest message still unanswered: the index of the step it
+/// answered, or `None` for a queued request's timeout extension (the real answer follows).
+fn take_answer(
+    answer: &ProcessingResponse,
+    unanswered: &mut std::collections::VecDeque<(usize, &Msg)>,
+) -> Result<Option<usize>, String> {
+    if answer.response.is_none() && answer.override_message_timeout.is_some() {
+        return Ok(None);
+    }
+    let Some((sent, pending)) = unanswered.pop_front() else {
+        return Err(format!("an answer to nothing: {answer:?}"));
+    };
+    if !pending.accepts(answer) {
+        return Err(format!("{pending:?} answered with {answer:?}"));
+    }
+    Ok(Some(sent))
+}
+
 /// Plays one plan. Errors are property violations.
 async fn drive(server: &TestServer, plan: &Plan) -> Result<Seen, String> {
     let mut stream = server.stream().await;
@@ -1700,7 +1718,7 @@ async fn drive(server: &TestServer, plan: &Plan) -> Result<Seen, String> {
         if !wait {
             continue;
         }
-        while let Some(&(sent, pending)) = unanswered.front() {
+        while let Some(&(_, pending)) = unanswered.front() {
             let got = tokio::time::timeout(ANSWER_WITHIN, stream.recv_raw())
                 .await
                 .map_err(|_| {
@@ -1708,15 +1726,8 @@ async fn drive(server: &TestServer, plan: &Plan) -> Result<Seen, String> {
                 })?;
             match got {
                 Ok(Some(answer)) => {
-                    if answer.response.is_none() && answer.override_message_timeout.is_some() {
-                        // Queued: the real answer follows.
-                        continue;
-                    }
-                    if !pending.accepts(&answer) {
-                        return Err(format!("{pending:?} answered with {answer:?}"));
-                    }
-                    headers_answered |= sent == 0 && headers_first;
-                    unanswered.pop_front();
+                    headers_answered |=
+                        take_answer(&answer, &mut unanswered)? == Some(0) && headers_first;
                 }
                 Ok(None) => {
                     return Err(format!(
@@ -1748,16 +1759,8 @@ async fn drive(server: &TestServer, plan: &Plan) -> Result<Seen, String> {
                     })?;
                 match got {
                     Ok(Some(answer)) => {
-                        if answer.response.is_none() && answer.override_message_timeout.is_some() {
-                            continue;
-                        }
-                        let Some((sent, pending)) = unanswered.pop_front() else {
-                            return Err(format!("an answer to nothing: {answer:?}"));
-                        };
-                        if !pending.accepts(&answer) {
-                            return Err(format!("{pending:?} answered with {answer:?}"));
-                        }
-                        headers_answered |= sent == 0 && headers_first;
+                        headers_answered |=
+                            take_answer(&answer, &mut unanswered)? == Some(0) && headers_first;
                     }
                     Ok(None) | Err(_) => break,
                 }
