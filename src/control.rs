@@ -20,9 +20,7 @@
 //!    handled, compounding the overshoot. The cooldown is after decreases *only*: holding
 //!    after increases would cap the climb at one step per `1 + cooldown_ticks` ticks. Backing
 //!    off is careful; climbing is eager.
-//! 2. **No samples, no opinion.** A window with fewer than `min_samples` samples says nothing
-//!    about latency (a p99 of three samples is their maximum).
-//! 3. **Breach** (p99 above `target × (1 + band)`): decrease, multiplicatively (or by a fixed
+//! 2. **Breach** (p99 above `target × (1 + band)`): decrease, multiplicatively (or by a fixed
 //!    step) from the limit or from the peak in flight if that is lower (but not under half the
 //!    limit), never below the **floor**. A limit far above what is in use (at start-up, or
 //!    after slow start) cut by 10 % would hold back nothing. Below a small batch the GPU is *less* efficient per
@@ -31,7 +29,17 @@
 //!    and cutting further makes latency worse: the death spiral that parked seed 001's first
 //!    controller at its floor with p99 at 17 s. The floor is the edge of the regime where
 //!    cutting helps.
-//! 4. **Comfortably under** (p99 below `target × (1 − band)`): add `increase_step` (double,
+//! 3. **Engine saturated** (`engine_saturation` ≥ 1, when the engines' metrics are scraped,
+//!    see `engine`): no increase, slow start ends, and a limit above the peak in flight comes
+//!    down to it (not below the floor). TTFT lags the KV-cache knee by seconds: sequences
+//!    admitted under the knee keep growing their KV as they decode, and the latency shows
+//!    only once the engine preempts. Without a leading signal, slow start doubled past the
+//!    knee in that gap and the cold start's overshoot was the run's p99 (docs/lab.md). The
+//!    clamp is not a cut: the requests in flight stay, only the headroom above them goes, so
+//!    it restarts no window and starts no cooldown.
+//! 4. **No samples, no opinion.** A window with fewer than `min_samples` samples says nothing
+//!    about latency (a p99 of three samples is their maximum).
+//! 5. **Comfortably under** (p99 below `target × (1 − band)`): add `increase_step` (double,
 //!    while **slow start** lasts: until the first decrease with at least half the budget in
 //!    flight), but only with **demand**, and
 //!    never above the ceiling. Slow start is TCP's answer to a start far below the operating
@@ -42,7 +50,7 @@
 //!    says nothing about a budget the traffic never used, and without the guard an idle or
 //!    lightly loaded system drifts up to the ceiling, ready to let the next burst straight
 //!    into KV-cache saturation.
-//! 5. Otherwise (inside the **deadband**): hold. Without the band, p99 jittering around the
+//! 6. Otherwise (inside the **deadband**): hold. Without the band, p99 jittering around the
 //!    target (1.9 s, 2.1 s, 1.95 s) flips the direction every tick.
 //!
 //! What the rules cannot fix on the gateway's signal: queue wait counts in its TTFT (the user
@@ -52,6 +60,8 @@
 //! as a queue there is demand, not a breach. `control/tests.rs` replays both regimes on a
 //! small plant model, with both signals.
 
+pub mod engine;
+pub mod scrape;
 pub mod tick;
 
 use std::fmt;
@@ -205,6 +215,9 @@ pub struct Observation {
     pub queued: u32,
     /// How many samples the p99 was taken over.
     pub samples: u64,
+    /// The engines' saturation (`engine::saturation`, 1 or more is saturated); None when their
+    /// metrics are not scraped, or no engine answered this tick.
+    pub engine_saturation: Option<f64>,
 }
 
 /// What a tick did.
@@ -212,6 +225,8 @@ pub struct Observation {
 pub enum Action {
     Increase,
     Decrease,
+    /// The engines are saturated: the limit came down to the peak in flight.
+    Clamp,
     Hold(Hold),
 }
 
@@ -230,19 +245,23 @@ pub enum Hold {
     AtCeiling,
     /// Would decrease, but the limit is at the floor.
     AtFloor,
+    /// The engines are saturated, and the limit is already no higher than the peak in flight.
+    EngineSaturated,
 }
 
 impl Action {
     /// Every action, for creating every metric series at start-up.
-    pub const ALL: [Action; 8] = [
+    pub const ALL: [Action; 10] = [
         Action::Increase,
         Action::Decrease,
+        Action::Clamp,
         Action::Hold(Hold::InBand),
         Action::Hold(Hold::NoDemand),
         Action::Hold(Hold::NoSamples),
         Action::Hold(Hold::Cooldown),
         Action::Hold(Hold::AtCeiling),
         Action::Hold(Hold::AtFloor),
+        Action::Hold(Hold::EngineSaturated),
     ];
 
     /// The metric label value; stable.
@@ -250,12 +269,14 @@ impl Action {
         match self {
             Action::Increase => "increase",
             Action::Decrease => "decrease",
+            Action::Clamp => "clamp_engine_saturated",
             Action::Hold(Hold::InBand) => "hold_in_band",
             Action::Hold(Hold::NoDemand) => "hold_no_demand",
             Action::Hold(Hold::NoSamples) => "hold_no_samples",
             Action::Hold(Hold::Cooldown) => "hold_cooldown",
             Action::Hold(Hold::AtCeiling) => "hold_at_ceiling",
             Action::Hold(Hold::AtFloor) => "hold_at_floor",
+            Action::Hold(Hold::EngineSaturated) => "hold_engine_saturated",
         }
     }
 }
@@ -300,16 +321,19 @@ impl Aimd {
         }
         // NaN cannot come out of the window; if it ever does, it is no more a latency than an
         // empty window is.
-        let Some(p99) = observation
+        let p99 = observation
             .p99_ttft_seconds
-            .filter(|p| !p.is_nan() && observation.samples >= config.min_samples)
-        else {
-            return Action::Hold(Hold::NoSamples);
-        };
+            .filter(|p| !p.is_nan() && observation.samples >= config.min_samples);
         let target = config.target_p99_ttft_seconds;
-        if p99 > target * (1.0 + config.band) {
+        if p99.is_some_and(|p99| p99 > target * (1.0 + config.band)) {
             return self.decrease(config, observation.peak_in_flight);
         }
+        if observation.engine_saturation.is_some_and(|s| s >= 1.0) {
+            return self.clamp(config, observation.peak_in_flight);
+        }
+        let Some(p99) = p99 else {
+            return Action::Hold(Hold::NoSamples);
+        };
         if p99 < target * (1.0 - config.band) {
             if !self.has_demand(config, observation) {
                 return Action::Hold(Hold::NoDemand);
@@ -361,6 +385,19 @@ impl Aimd {
         self.limit = cut.max(config.floor);
         self.cooldown_left = config.cooldown_ticks;
         Action::Decrease
+    }
+
+    /// The engines are full: whatever the latency says yet, the budget has found the knee, so
+    /// slow start ends and no headroom is left above what is in flight.
+    fn clamp(&mut self, config: &AimdConfig, peak_in_flight: u32) -> Action {
+        self.slow_start = false;
+        let in_use = peak_in_flight.max(config.floor);
+        if self.limit > in_use {
+            self.limit = in_use;
+            Action::Clamp
+        } else {
+            Action::Hold(Hold::EngineSaturated)
+        }
     }
 
     /// Seed 001's gate (anything in flight or queued) and Netflix's (in flight near the

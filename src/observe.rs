@@ -41,6 +41,10 @@ pub const SCHEDULER_SUBMITTED: &str = "tollgate_scheduler_submitted_total";
 pub const SCHEDULER_OUTCOMES: &str = "tollgate_scheduler_outcomes_total";
 pub const CONTROLLER_ACTIONS: &str = "tollgate_controller_actions_total";
 pub const CONTROLLER_P99: &str = "tollgate_controller_observed_p99_ttft_seconds";
+pub const ENGINE_SCRAPES: &str = "tollgate_engine_scrapes_total";
+pub const ENGINE_SATURATION: &str = "tollgate_engine_saturation_ratio";
+pub const ENGINE_KV_CACHE_USAGE: &str = "tollgate_engine_kv_cache_usage_ratio";
+pub const ENGINE_WAITING: &str = "tollgate_engine_requests_waiting";
 pub const BUDGET_TOKENS: &str = "tollgate_budget_tokens_total";
 pub const STORE_DURATION: &str = "tollgate_store_request_duration_seconds";
 pub const STORE_ERRORS: &str = "tollgate_store_errors_total";
@@ -258,6 +262,11 @@ struct Inner {
     scheduler_outcomes: Vec<Vec<Counter>>,
     controller_actions: Vec<Counter>,
     controller_p99: Gauge,
+    /// `[ok, error]`.
+    engine_scrapes: [Counter; 2],
+    engine_saturation: Gauge,
+    engine_kv_cache_usage: Gauge,
+    engine_waiting: Gauge,
     /// `[tier][kind * 3 + stage]`.
     budget_tokens: Vec<Vec<Counter>>,
     store_duration: Vec<Histogram>,
@@ -395,6 +404,29 @@ impl Metrics {
             "The p99 time to first token the controller saw at its last tick, of its signal \
              (control.signal), overdue requests included (NaN: no samples).",
         );
+        r.describe_counter(
+            ENGINE_SCRAPES,
+            Unit::Count,
+            "Scrapes of the engines' metrics (control.engine.metrics_urls), one per engine per \
+             controller tick, by result (ok, error).",
+        );
+        r.describe_gauge(
+            ENGINE_SATURATION,
+            Unit::Percent,
+            "The engines' saturation at the last tick, as a ratio (1 = saturated): per engine \
+             the larger of KV-cache usage and waiting requests over their thresholds, averaged \
+             (NaN: no engine answered).",
+        );
+        r.describe_gauge(
+            ENGINE_KV_CACHE_USAGE,
+            Unit::Percent,
+            "The engines' mean KV-cache usage at the last tick, as a ratio (NaN: none reported).",
+        );
+        r.describe_gauge(
+            ENGINE_WAITING,
+            Unit::Count,
+            "Requests waiting inside the engines at the last tick, summed (NaN: none reported).",
+        );
 
         r.describe_counter(
             BUDGET_TOKENS,
@@ -501,6 +533,11 @@ impl Metrics {
                 .map(|a| r.counter(CONTROLLER_ACTIONS, &[("action", a.as_str())]))
                 .collect(),
             controller_p99: r.gauge(CONTROLLER_P99, &[]),
+            engine_scrapes: ["ok", "error"]
+                .map(|result| r.counter(ENGINE_SCRAPES, &[("result", result)])),
+            engine_saturation: r.gauge(ENGINE_SATURATION, &[]),
+            engine_kv_cache_usage: r.gauge(ENGINE_KV_CACHE_USAGE, &[]),
+            engine_waiting: r.gauge(ENGINE_WAITING, &[]),
             budget_tokens: tier_names
                 .iter()
                 .map(|t| {
@@ -658,6 +695,30 @@ impl Metrics {
         self.inner
             .controller_p99
             .set(p99_seconds.unwrap_or(f64::NAN));
+    }
+
+    /// One tick's scrape of the engines, and the saturation it came to.
+    pub fn engine_scrape(&self, scrape: &crate::control::scrape::Scrape, saturation: Option<f64>) {
+        let inner = &self.inner;
+        inner.engine_scrapes[0].increment(scrape.loads.len() as u64);
+        inner.engine_scrapes[1].increment(scrape.failures as u64);
+        inner.engine_saturation.set(saturation.unwrap_or(f64::NAN));
+        let kv: Vec<f64> = scrape
+            .loads
+            .iter()
+            .filter_map(|l| l.kv_cache_usage)
+            .collect();
+        inner.engine_kv_cache_usage.set(if kv.is_empty() {
+            f64::NAN
+        } else {
+            kv.iter().sum::<f64>() / kv.len() as f64
+        });
+        let waiting: Vec<f64> = scrape.loads.iter().filter_map(|l| l.waiting).collect();
+        inner.engine_waiting.set(if waiting.is_empty() {
+            f64::NAN
+        } else {
+            waiting.iter().sum()
+        });
     }
 
     pub fn budget_tokens(&self, tier: TierId, kind: TokenKind, stage: TokenStage, tokens: u64) {

@@ -559,6 +559,47 @@ fn control_problems(c: &ControlConfig) -> Vec<String> {
         c.tick_ms.to_string(),
         "must be positive",
     );
+    let engine = &c.engine;
+    for (index, url) in engine.metrics_urls.iter().enumerate() {
+        if let Err(problem) = crate::control::scrape::uri(url) {
+            check(
+                false,
+                &format!("engine.metrics_urls[{index}]"),
+                format!("{url:?}"),
+                &problem,
+            );
+        }
+    }
+    check(
+        engine.kv_cache_threshold > 0.0 && engine.kv_cache_threshold <= 1.0,
+        "engine.kv_cache_threshold",
+        engine.kv_cache_threshold.to_string(),
+        "must be in (0, 1]",
+    );
+    check(
+        engine.queue_depth_threshold > 0,
+        "engine.queue_depth_threshold",
+        engine.queue_depth_threshold.to_string(),
+        "must be at least 1",
+    );
+    check(
+        engine.metrics_urls.is_empty()
+            || c.tick_ms == 0
+            || (engine.scrape_timeout_ms > 0 && engine.scrape_timeout_ms < c.tick_ms),
+        "engine.scrape_timeout_ms",
+        engine.scrape_timeout_ms.to_string(),
+        &format!(
+            "must be positive and under control.tick_ms ({}): a tick waits for its scrape",
+            c.tick_ms
+        ),
+    );
+    check(
+        engine.metrics_urls.is_empty()
+            || !(engine.kv_cache_usage_metrics.is_empty() && engine.waiting_metrics.is_empty()),
+        "engine.kv_cache_usage_metrics",
+        "[]".to_owned(),
+        "and control.engine.waiting_metrics cannot both be empty when metrics_urls are set",
+    );
     check(
         c.window_ms >= c.tick_ms,
         "window_ms",

@@ -292,7 +292,8 @@ pub fn merge(base: &mut Value, patch: &Value) {
 /// A time the scenario leaves out would otherwise run on tollgate's real-time default (a 5 s
 /// controller tick would be 20 simulated seconds at scale 4), so tollgate's own defaults for the
 /// scaled times are written in first: the controller's tick, window and target, and the queue
-/// deadline of every tier (the built-in tiers, if the scenario names none).
+/// deadline of every tier (the built-in tiers, if the scenario names none), and the engines'
+/// scrape timeout if the scenario scrapes them.
 fn scale_times(config: &mut Value, scale: f64) {
     fill_time_defaults(config);
     let divide = |value: &mut Value| {
@@ -318,7 +319,7 @@ fn scale_times(config: &mut Value, scale: f64) {
         }
     }
     walk(config, &mut |key, value| match key {
-        "queue_deadline_ms" => divide(value),
+        "queue_deadline_ms" | "scrape_timeout_ms" => divide(value),
         "tokens_per_minute" | "tokens_per_hour" | "tokens_per_day" | "requests_per_minute" => {
             multiply(value)
         }
@@ -359,6 +360,12 @@ fn fill_time_defaults(config: &mut Value) {
             ),
         ] {
             map.entry(key).or_insert(Value::from(default));
+        }
+        // The engines' scrape must fit in the (scaled) tick.
+        if let Some(Value::Object(engine)) = map.get_mut("engine") {
+            engine
+                .entry("scrape_timeout_ms")
+                .or_insert(Value::from(control.engine.scrape_timeout_ms));
         }
     }
     match root.get_mut("tiers") {
@@ -483,6 +490,16 @@ mod tests {
         assert_eq!(config["tiers"]["premium"]["queue_deadline_ms"], json!(500));
         assert_eq!(config["tiers"]["free"]["max_concurrent"], json!(3));
         assert_eq!(config["control"]["tick_ms"], json!(250));
+        // Scraping the engines: the scrape timeout too, named or not, so it stays under the
+        // tick as tollgate requires.
+        for (engine, timeout) in [(json!({}), 63), (json!({"scrape_timeout_ms": 100}), 25)] {
+            let mut config = json!({"control": {"engine": engine}});
+            scale_times(&mut config, 4.0);
+            assert_eq!(
+                config["control"]["engine"]["scrape_timeout_ms"],
+                json!(timeout)
+            );
+        }
     }
 
     #[test]

@@ -117,8 +117,9 @@ impl Stack {
         let mut grpc_port = None;
         if let Some(config) = tollgate_config {
             let path = dir.path().join("tollgate.yaml");
+            let config = with_upstream(config, &format!("http://{upstream_addr}"));
             // JSON is YAML.
-            std::fs::write(&path, serde_json::to_string_pretty(config)?)?;
+            std::fs::write(&path, serde_json::to_string_pretty(&config)?)?;
             let grpc = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
             let admin = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
             let mut command = Command::new(&binaries.tollgate);
@@ -192,6 +193,24 @@ impl Stack {
     }
 }
 
+/// `config` with `{upstream}` in every string replaced by the simulated vLLM's base URL, so a
+/// scenario can point tollgate at its metrics (`control.engine.metrics_urls`).
+fn with_upstream(config: &Value, base_url: &str) -> Value {
+    match config {
+        Value::String(text) => Value::String(text.replace("{upstream}", base_url)),
+        Value::Array(items) => {
+            Value::Array(items.iter().map(|v| with_upstream(v, base_url)).collect())
+        }
+        Value::Object(fields) => Value::Object(
+            fields
+                .iter()
+                .map(|(k, v)| (k.clone(), with_upstream(v, base_url)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
 async fn wait_until(
     proc: &mut Proc,
     client: &reqwest::Client,
@@ -213,5 +232,26 @@ async fn wait_until(
             proc.name()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn upstream_placeholders_become_the_simulated_vllms_url() {
+        let config = json!({
+            "control": {"engine": {"metrics_urls": ["{upstream}/metrics"]}, "floor": 16},
+            "note": "no placeholder",
+        });
+        assert_eq!(
+            with_upstream(&config, "http://127.0.0.1:9"),
+            json!({
+                "control": {"engine": {"metrics_urls": ["http://127.0.0.1:9/metrics"]}, "floor": 16},
+                "note": "no placeholder",
+            })
+        );
     }
 }

@@ -26,6 +26,15 @@ fn seen(p99: f64, peak_in_flight: u32, queued: u32) -> Observation {
         peak_in_flight,
         queued,
         samples: 100,
+        engine_saturation: None,
+    }
+}
+
+/// `seen`, with the engines' saturation scraped.
+fn engine(saturation: f64, observation: Observation) -> Observation {
+    Observation {
+        engine_saturation: Some(saturation),
+        ..observation
     }
 }
 
@@ -34,6 +43,7 @@ const NO_SAMPLES: Observation = Observation {
     peak_in_flight: 0,
     queued: 0,
     samples: 0,
+    engine_saturation: None,
 };
 
 /// p99 comfortably under, on the SLO, and in breach of the default 2 s ± 20% target.
@@ -237,6 +247,58 @@ fn slow_start_doubles_until_the_first_breach_then_adds_steps() {
             (seen(FAST, 57, 3), INCREASE, 114),
             (seen(SLOW, 114, 0), DECREASE, 102),
             (seen(FAST, 102, 3), INCREASE, 103),
+        ],
+    );
+}
+
+#[test]
+fn saturated_engines_end_slow_start_and_take_the_headroom_above_what_is_in_flight() {
+    let config = with(|c| {
+        c.slow_start = true;
+        c.cooldown_ticks = 0;
+    });
+    const CLAMP: Action = Action::Clamp;
+    const SATURATED: Action = Action::Hold(Hold::EngineSaturated);
+    trace(
+        &config,
+        64,
+        &[
+            // Under saturation the engine signal changes nothing: slow start doubles.
+            (engine(0.5, seen(FAST, 64, 4)), INCREASE, 128),
+            // Full engines with fast first tokens (the KV cache fills before latency shows
+            // it): no doubling, and the limit comes down to the 120 in flight.
+            (engine(1.05, seen(FAST, 120, 0)), CLAMP, 120),
+            // Still full, nothing above the peak to take: hold.
+            (engine(1.0, seen(FAST, 120, 3)), SATURATED, 120),
+            // Room again: +1, not a doubling, since slow start is over.
+            (engine(0.9, seen(FAST, 120, 3)), INCREASE, 121),
+            // A breach still cuts, saturated or not, and before the clamp would.
+            (engine(2.0, seen(SLOW, 121, 0)), DECREASE, 108),
+            // Without samples the engines still count.
+            (engine(1.5, NO_SAMPLES), CLAMP, config.floor),
+            (engine(1.5, NO_SAMPLES), SATURATED, config.floor),
+            // Unknown saturation (no engine answered) is no opinion: the latency rules act.
+            (seen(FAST, 40, 0), INCREASE, config.floor + 1),
+        ],
+    );
+    // The clamp never goes under the floor, and never above the limit.
+    trace(
+        &config,
+        100,
+        &[
+            (engine(1.0, seen(FAST, 3, 0)), CLAMP, config.floor),
+            (engine(1.0, seen(FAST, 500, 0)), SATURATED, config.floor),
+        ],
+    );
+    // The gateway signal's cooldown after a cut holds the engine rule back too.
+    let config = with(|c| c.cooldown_ticks = 1);
+    trace(
+        &config,
+        100,
+        &[
+            (seen(SLOW, 100, 0), DECREASE, 90),
+            (engine(1.5, seen(FAST, 50, 0)), COOLDOWN, 90),
+            (engine(1.5, seen(FAST, 50, 0)), CLAMP, 50),
         ],
     );
 }
@@ -479,12 +541,14 @@ fn action_labels_are_stable() {
         [
             "increase",
             "decrease",
+            "clamp_engine_saturated",
             "hold_in_band",
             "hold_no_demand",
             "hold_no_samples",
             "hold_cooldown",
             "hold_at_ceiling",
             "hold_at_floor",
+            "hold_engine_saturated",
         ]
     );
     assert_eq!(Action::Hold(Hold::Cooldown).to_string(), "hold_cooldown");
@@ -540,6 +604,10 @@ fn never_leaves_floor_and_ceiling_whatever_it_sees() {
                 peak_in_flight: lcg.below(u64::from(config.ceiling) * 2 + 1),
                 queued: if lcg.below(3) == 0 { lcg.below(20) } else { 0 },
                 samples: u64::from(lcg.below(30)),
+                engine_saturation: match lcg.below(4) {
+                    0 => None,
+                    _ => Some(f64::from(lcg.below(300)) / 100.0),
+                },
             };
             let before = aimd.limit();
             let action = aimd.step(&config, observation);
@@ -559,7 +627,7 @@ fn never_leaves_floor_and_ceiling_whatever_it_sees() {
                     };
                     assert!(after > before && after - before <= most, "{context}")
                 }
-                Action::Decrease => assert!(after < before, "{context}"),
+                Action::Decrease | Action::Clamp => assert!(after < before, "{context}"),
                 Action::Hold(_) => assert_eq!(after, before, "{context}"),
             }
         }
@@ -671,6 +739,7 @@ impl Plant {
             peak_in_flight: in_flight,
             queued,
             samples: self.window.iter().map(|tick| tick.len() as u64).sum(),
+            engine_saturation: None,
         }
     }
 

@@ -1,5 +1,6 @@
-//! The task that ticks the controller: every `tick_ms` it reads the p99 time to first token over
-//! the window and the scheduler's demand, steps the pure `Aimd`, and resizes the budget.
+//! The task that ticks the controller: every `tick_ms` it scrapes the engines' metrics (if
+//! configured), reads the p99 time to first token over the window and the scheduler's
+//! demand, steps the pure `Aimd`, and resizes the budget.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -7,7 +8,8 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 
-use super::{Action, Aimd, AimdConfig, Decrease, Observation};
+use super::scrape::Scraper;
+use super::{Action, Aimd, AimdConfig, Decrease, Observation, engine};
 use crate::config::{ControlConfig, ControlSignal};
 use crate::extproc::{Lifecycle, reached};
 use crate::observe::Metrics;
@@ -51,6 +53,7 @@ pub async fn run(
     let breach_threshold =
         Duration::from_secs_f64(config.target_p99_ttft_seconds * (1.0 + config.band));
     let mut aimd = Aimd::new(initial_limit, &config);
+    let mut scraper = Scraper::new(&control.engine);
     scheduler.set_limit(aimd.limit());
     metrics.scheduler_load(scheduler.load());
     let mut tick = tokio::time::interval_at(
@@ -64,6 +67,16 @@ pub async fn run(
             _ = tick.tick() => {}
             () = reached(&mut lifecycle, Lifecycle::Draining) => return,
         }
+        // First, so the latency and the peak in flight below are read after it, as fresh.
+        let engine_saturation = match &mut scraper {
+            Some(scraper) => {
+                let scrape = scraper.scrape().await;
+                let saturation = engine::saturation(&scrape.loads, scraper.signal());
+                metrics.engine_scrape(&scrape, saturation);
+                saturation
+            }
+            None => None,
+        };
         let now = Instant::now();
         // A request already waiting longer than the breach threshold is a breach, whenever it
         // answers: counting it now is what lets the controller see a saturated upstream
@@ -77,6 +90,7 @@ pub async fn run(
             peak_in_flight: scheduler.take_peak_in_flight(),
             queued: scheduler.load().queued,
             samples,
+            engine_saturation,
         };
         let action = aimd.step(&config, observation);
         if action == Action::Decrease && control.signal == ControlSignal::Upstream {

@@ -441,6 +441,48 @@ fn the_queued_body_cap_must_hold_at_least_the_largest_body() {
 }
 
 #[test]
+fn engine_metrics_settings_must_be_usable() {
+    let scraping = |edit: fn(&mut crate::config::EngineMetricsConfig)| {
+        move |c: &mut Config| {
+            c.control.engine.metrics_urls = vec!["http://10.0.0.7:8000/metrics".to_owned()];
+            edit(&mut c.control.engine);
+        }
+    };
+    check_valid(scraping(|_| {}));
+    check_problems(
+        scraping(|e| e.metrics_urls.push("https://vllm/metrics".to_owned())),
+        &[
+            r#"control.engine.metrics_urls[1]: "https://vllm/metrics" must be http://HOST[:PORT]/PATH"#,
+        ],
+    );
+    check_problems(
+        scraping(|e| e.kv_cache_threshold = 1.5),
+        &["control.engine.kv_cache_threshold: 1.5 must be in (0, 1]"],
+    );
+    check_problems(
+        scraping(|e| e.queue_depth_threshold = 0),
+        &["control.engine.queue_depth_threshold: 0 must be at least 1"],
+    );
+    check_problems(
+        scraping(|e| e.scrape_timeout_ms = 1_000),
+        &[
+            "control.engine.scrape_timeout_ms: 1000 must be positive and under control.tick_ms (1000)",
+        ],
+    );
+    check_problems(
+        scraping(|e| {
+            e.kv_cache_usage_metrics.clear();
+            e.waiting_metrics.clear();
+        }),
+        &[
+            "control.engine.kv_cache_usage_metrics: [] and control.engine.waiting_metrics cannot both be empty",
+        ],
+    );
+    // Not scraping: the scrape's settings do not constrain a fast tick.
+    check_valid(|c| c.control.tick_ms = 50);
+}
+
+#[test]
 fn control_loop_settings_must_be_usable() {
     check_valid(|c| c.control.decrease_step = Some(4));
     check_problems(

@@ -215,6 +215,13 @@ fn print_config_shows_the_issue_defaults() {
     assert_eq!(control["cooldown_ticks"], 0);
     assert_eq!(control["slow_start"], true);
     assert_eq!(control["min_samples"], 10);
+    // The engines' signal is off until their metrics URLs are given; its thresholds are the
+    // Inference Extension's, but for the KV cache (docs/lab.md).
+    let engine = &control["engine"];
+    assert_eq!(engine["metrics_urls"], serde_json::json!([]));
+    assert_eq!(engine["kv_cache_threshold"], 0.9);
+    assert_eq!(engine["queue_depth_threshold"], 5);
+    assert_eq!(engine["scrape_timeout_ms"], 250);
     // The store: in memory unless a Redis URL is given; fail modes as the issue names them.
     let store = &printed["store"];
     assert!(store["redis_url"].is_null());

@@ -203,3 +203,108 @@ async fn a_request_that_ends_without_a_first_token_stops_counting() {
     assert_eq!(limit(&server).await, 4.0);
     server.stop().await.unwrap();
 }
+
+/// A stand-in for a vLLM engine's `/metrics`: serves whatever text `set` last gave it.
+struct FakeEngine {
+    url: String,
+    text: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl FakeEngine {
+    async fn start() -> FakeEngine {
+        let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let served = text.clone();
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let served = served.clone();
+                async move { served.lock().unwrap().clone() }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/metrics", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        FakeEngine { url, text }
+    }
+
+    /// vLLM V1's series for a KV-cache usage and a waiting queue.
+    fn set(&self, kv_cache_usage: f64, waiting: u32) {
+        *self.text.lock().unwrap() = format!(
+            "# TYPE vllm:num_requests_waiting gauge\n\
+             vllm:num_requests_waiting{{model_name=\"m\"}} {waiting}\n\
+             # TYPE vllm:kv_cache_usage_perc gauge\n\
+             vllm:kv_cache_usage_perc{{model_name=\"m\"}} {kv_cache_usage}\n"
+        );
+    }
+}
+
+/// Polls the limit until it is `want`, for up to 3 s.
+async fn limit_becomes(server: &TestServer, want: f64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    let mut last = limit(server).await;
+    while last != want && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        last = limit(server).await;
+    }
+    assert_eq!(last, want, "the limit did not become {want}");
+}
+
+#[tokio::test]
+async fn saturated_engines_take_the_headroom_above_what_is_in_flight_and_give_it_back() {
+    let engine = FakeEngine::start().await;
+    engine.set(0.5, 0);
+    // A second engine that accepts the connection and never answers: its scrapes time out,
+    // and the controller goes on with the engine that does answer.
+    let hung = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut config = config(ControlSignal::Upstream, 500, 8);
+    config.control.engine.metrics_urls = vec![
+        engine.url.clone(),
+        format!("http://{}/metrics", hung.local_addr().unwrap()),
+    ];
+    config.control.engine.scrape_timeout_ms = 40;
+    let server = TestServer::start(config).await;
+    let mut admitted = Vec::new();
+    for user in ["a", "b", "c", "d"] {
+        let (mut stream, answer) = submit(&server, user, true).await;
+        assert!(is_admitted(&answer), "{answer:?}");
+        first_token(&mut stream).await;
+        admitted.push(stream);
+    }
+    // Half full, fast first tokens, four of eight slots used (no demand): nothing to do.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(limit(&server).await, 8.0);
+
+    // The KV cache at 0.95 against the 0.9 threshold: the four slots above the four in
+    // flight go, although every latency is fast, and a fifth request waits.
+    engine.set(0.95, 0);
+    limit_becomes(&server, 4.0).await;
+    let (mut fifth, answer) = submit(&server, "e", true).await;
+    assert!(!is_admitted(&answer), "{answer:?}");
+    let m = server.metrics().await;
+    assert!((m.value("tollgate_engine_saturation_ratio", &[]) - 0.95 / 0.9).abs() < 1e-6);
+    assert_eq!(m.value("tollgate_engine_kv_cache_usage_ratio", &[]), 0.95);
+    assert_eq!(m.value("tollgate_engine_requests_waiting", &[]), 0.0);
+    assert!(m.value("tollgate_engine_scrapes_total", &["result=\"ok\""]) > 0.0);
+    assert!(m.value("tollgate_engine_scrapes_total", &["result=\"error\""]) > 0.0);
+    assert!(
+        m.value(
+            "tollgate_controller_actions_total",
+            &["action=\"clamp_engine_saturated\""]
+        ) >= 1.0
+    );
+
+    // Room again: the budget grows, one step a tick (slow start is over), and the fifth
+    // request gets its slot.
+    engine.set(0.3, 0);
+    let answer = fifth.recv().await.unwrap().unwrap();
+    assert!(is_admitted(&answer), "{answer:?}");
+    first_token(&mut fifth).await;
+    // A queue inside the engine at its threshold (5) saturates it just as a full KV cache
+    // does: back down to the five in flight, and no growth while it lasts.
+    engine.set(0.1, 5);
+    limit_becomes(&server, 5.0).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(limit(&server).await, 5.0);
+    drop((admitted, fifth, hung));
+    server.stop().await.unwrap();
+}
