@@ -1,7 +1,9 @@
 //! Fetches the engines' `/metrics` once per controller tick: the I/O half of `engine`.
 //!
-//! Off the request path: one GET per engine per tick, all engines at once, each bounded by
-//! `scrape_timeout_ms` so a hung engine delays a tick by at most that. An engine that does not
+//! Off the request path: one GET per engine per tick, all engines at once, all within
+//! `scrape_timeout_ms` so a hung engine delays a tick by at most that. A URL's host is
+//! resolved every tick and each address it resolves to is an engine, so one URL naming a
+//! Kubernetes headless Service follows the engines as they scale. An engine that does not
 //! answer, answers with an error, or serves none of the configured metrics is left out of the
 //! tick's saturation; when none answers, the controller runs on latency alone for that tick.
 //! The first failure of a run of failures is logged, and every scrape is counted
@@ -12,10 +14,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Limited};
-use hyper::Uri;
+use hyper::header::HOST;
+use hyper::{Request, Uri};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use tokio::time::Instant;
 
 use super::engine::{self, EngineLoad, EngineSignal};
 use crate::config::EngineMetricsConfig;
@@ -72,46 +76,90 @@ impl Scraper {
         &self.signal
     }
 
-    /// Every engine, concurrently.
+    /// Every engine, concurrently, within the timeout.
     pub async fn scrape(&mut self) -> Scrape {
         let (client, signal, timeout) = (&self.client, &self.signal, self.timeout);
-        let results = futures_util::future::join_all(self.urls.iter().map(|url| async move {
-            tokio::time::timeout(timeout, fetch(client, url.clone()))
-                .await
-                .unwrap_or_else(|_| Err(format!("no answer within {timeout:?}")))
-                .and_then(|text| engine::parse(&text, signal))
-        }))
+        let deadline = Instant::now() + timeout;
+        let results = futures_util::future::join_all(
+            self.urls
+                .iter()
+                .map(|url| scrape_url(client, url, signal, deadline, timeout)),
+        )
         .await;
         let mut scrape = Scrape::default();
-        for ((url, failing), result) in self.urls.iter().zip(&mut self.failing).zip(results) {
-            match result {
-                Ok(load) => {
-                    if *failing {
-                        tracing::info!(%url, "engine metrics: answering again");
+        for ((url, failing), results) in self.urls.iter().zip(&mut self.failing).zip(results) {
+            let mut first_error = None;
+            for result in results {
+                match result {
+                    Ok(load) => scrape.loads.push(load),
+                    Err(error) => {
+                        scrape.failures += 1;
+                        first_error.get_or_insert(error);
                     }
-                    *failing = false;
-                    scrape.loads.push(load);
-                }
-                Err(error) => {
-                    if !*failing {
-                        tracing::warn!(
-                            %url,
-                            %error,
-                            "engine metrics: scrape failed; the controller leaves this engine \
-                             out until it answers"
-                        );
-                    }
-                    *failing = true;
-                    scrape.failures += 1;
                 }
             }
+            match &first_error {
+                None if *failing => tracing::info!(%url, "engine metrics: answering again"),
+                Some(error) if !*failing => tracing::warn!(
+                    %url,
+                    %error,
+                    "engine metrics: scrape failed; the controller leaves the engines that do \
+                     not answer out until they do"
+                ),
+                _ => {}
+            }
+            *failing = first_error.is_some();
         }
         scrape
     }
 }
 
-async fn fetch(client: &Client<HttpConnector, Empty<Bytes>>, url: Uri) -> Result<String, String> {
-    let response = client.get(url).await.map_err(|e| e.to_string())?;
+/// Every address `url`'s host resolves to: one result per engine, or one error if the name
+/// does not resolve.
+async fn scrape_url(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    url: &Uri,
+    signal: &EngineSignal,
+    deadline: Instant,
+    timeout: Duration,
+) -> Vec<Result<EngineLoad, String>> {
+    let late = || format!("no answer within {timeout:?}");
+    let host = url.host().unwrap_or_default();
+    let port = url.port_u16().unwrap_or(80);
+    // An IPv6 literal comes bracketed in the URL and must not be for the resolver.
+    let name = host.trim_start_matches('[').trim_end_matches(']');
+    let addresses =
+        match tokio::time::timeout_at(deadline, tokio::net::lookup_host((name, port))).await {
+            Ok(Ok(addresses)) => addresses.collect::<Vec<_>>(),
+            Ok(Err(error)) => return vec![Err(format!("cannot resolve {name}: {error}"))],
+            Err(_) => return vec![Err(late())],
+        };
+    let path = url.path_and_query().map_or("/", |p| p.as_str());
+    let authority = url.authority().map_or(host, |a| a.as_str());
+    futures_util::future::join_all(addresses.into_iter().map(|address| async move {
+        let direct: Uri = format!("http://{address}{path}")
+            .parse()
+            .map_err(|e| format!("{e}"))?;
+        tokio::time::timeout_at(deadline, fetch(client, direct, authority))
+            .await
+            .unwrap_or_else(|_| Err(late()))
+            .and_then(|text| engine::parse(&text, signal))
+            .map_err(|error| format!("{address}: {error}"))
+    }))
+    .await
+}
+
+/// GET `url` (an address), as `authority` (the name the engine was configured by).
+async fn fetch(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    url: Uri,
+    authority: &str,
+) -> Result<String, String> {
+    let request = Request::get(url)
+        .header(HOST, authority)
+        .body(Empty::new())
+        .map_err(|e| e.to_string())?;
+    let response = client.request(request).await.map_err(|e| e.to_string())?;
     let status = response.status();
     if !status.is_success() {
         return Err(format!("HTTP {status}"));
@@ -148,6 +196,83 @@ pub fn uri(url: &str) -> Result<Uri, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Serves vLLM's KV-cache series on `listener`, only to requests that name `host` in
+    /// their Host header.
+    fn serve(listener: tokio::net::TcpListener, host: String, kv: f64) {
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move |headers: hyper::HeaderMap| async move {
+                match headers.get(HOST).and_then(|h| h.to_str().ok()) {
+                    Some(got) if got == host => Ok(format!(
+                        "vllm:kv_cache_usage_perc{{model_name=\"m\"}} {kv}\n"
+                    )),
+                    _ => Err(hyper::StatusCode::MISDIRECTED_REQUEST),
+                }
+            }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+    }
+
+    #[tokio::test]
+    async fn each_address_a_name_resolves_to_is_an_engine_asked_by_that_name() {
+        let v4 = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = v4.local_addr().unwrap().port();
+        let host = format!("localhost:{port}");
+        serve(v4, host.clone(), 0.5);
+        // Where the machine has IPv6 loopback, an engine there too, on the same port.
+        if let Ok(v6) = tokio::net::TcpListener::bind(("::1", port)).await {
+            serve(v6, host.clone(), 0.7);
+        }
+        let config = EngineMetricsConfig {
+            metrics_urls: vec![format!("http://{host}/metrics")],
+            ..EngineMetricsConfig::default()
+        };
+        let mut scraper = Scraper::new(&config).unwrap();
+        let addresses: Vec<_> = tokio::net::lookup_host(("localhost", port))
+            .await
+            .unwrap()
+            .collect();
+        let scrape = scraper.scrape().await;
+        // One engine per address, each asked once; 127.0.0.1 always answers. (An address
+        // with nobody listening is a failure, not a silent gap.)
+        assert_eq!(
+            scrape.loads.len() + scrape.failures,
+            addresses.len(),
+            "{addresses:?}"
+        );
+        assert!(scrape.loads.contains(&EngineLoad {
+            kv_cache_usage: Some(0.5),
+            waiting: None
+        }));
+        assert!(scraper.failing[0] == (scrape.failures > 0));
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_does_not_answer_is_a_failure_within_the_timeout() {
+        let hung = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let unresolvable = "http://tollgate-test.invalid/metrics".to_owned();
+        let config = EngineMetricsConfig {
+            metrics_urls: vec![
+                format!("http://{}/metrics", hung.local_addr().unwrap()),
+                unresolvable,
+            ],
+            scrape_timeout_ms: 100,
+            ..EngineMetricsConfig::default()
+        };
+        let mut scraper = Scraper::new(&config).unwrap();
+        let started = Instant::now();
+        let scrape = scraper.scrape().await;
+        assert_eq!((scrape.loads.len(), scrape.failures), (0, 2));
+        assert_eq!(scraper.failing, [true, true]);
+        // Generous: the bound is the timeout, the margin is for a loaded machine.
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        drop(hung);
+    }
 
     #[test]
     fn uri_accepts_plain_http_with_a_host_only() {
