@@ -579,6 +579,14 @@ impl Metrics {
             active_leases: r.gauge(ACTIVE_LEASES, &[]),
             handle: recorder.handle(),
         };
+        // Nothing scraped yet (or the engines' signal is off): unknown, not an idle engine.
+        for unknown in [
+            &inner.engine_saturation,
+            &inner.engine_kv_cache_usage,
+            &inner.engine_waiting,
+        ] {
+            unknown.set(f64::NAN);
+        }
         Metrics {
             inner: Arc::new(inner),
         }

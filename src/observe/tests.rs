@@ -107,6 +107,10 @@ const METRICS: &[(&str, &str)] = &[
     (SCHEDULER_OUTCOMES, "counter"),
     (CONTROLLER_ACTIONS, "counter"),
     (CONTROLLER_P99, "gauge"),
+    (ENGINE_SCRAPES, "counter"),
+    (ENGINE_SATURATION, "gauge"),
+    (ENGINE_KV_CACHE_USAGE, "gauge"),
+    (ENGINE_WAITING, "gauge"),
     (BUDGET_TOKENS, "counter"),
     (STORE_DURATION, "histogram"),
     (STORE_ERRORS, "counter"),
@@ -205,6 +209,49 @@ fn every_scheduler_and_controller_series_exists_at_zero_before_any_event() {
     for action in Action::ALL {
         let labels = [("action", action.as_str())];
         assert_eq!(value(&scraped, CONTROLLER_ACTIONS, &labels), 0.0);
+    }
+    for result in ["ok", "error"] {
+        assert_eq!(value(&scraped, ENGINE_SCRAPES, &[("result", result)]), 0.0);
+    }
+    // Nothing scraped yet: the engines' load is unknown, not zero.
+    for gauge in [ENGINE_SATURATION, ENGINE_KV_CACHE_USAGE, ENGINE_WAITING] {
+        assert!(value(&scraped, gauge, &[]).is_nan(), "{gauge}");
+    }
+}
+
+#[test]
+fn engine_scrapes_count_by_result_and_show_the_engines_load() {
+    use crate::control::engine::EngineLoad;
+    use crate::control::scrape::Scrape;
+    let metrics = Metrics::new(&default_policy());
+    let load = |kv, waiting| EngineLoad {
+        kv_cache_usage: kv,
+        waiting,
+    };
+    let answered = Scrape {
+        loads: vec![load(Some(0.5), Some(2.0)), load(Some(0.9), None)],
+        failures: 1,
+    };
+    metrics.engine_scrape(&answered, Some(0.78));
+    let scraped = scrape(&metrics);
+    assert_eq!(value(&scraped, ENGINE_SCRAPES, &[("result", "ok")]), 2.0);
+    assert_eq!(value(&scraped, ENGINE_SCRAPES, &[("result", "error")]), 1.0);
+    assert_eq!(value(&scraped, ENGINE_SATURATION, &[]), 0.78);
+    // The mean of the engines that report a KV cache; the sum of those that report a queue.
+    assert!((value(&scraped, ENGINE_KV_CACHE_USAGE, &[]) - 0.7).abs() < 1e-9);
+    assert_eq!(value(&scraped, ENGINE_WAITING, &[]), 2.0);
+    // No engine answered: unknown again.
+    metrics.engine_scrape(
+        &Scrape {
+            loads: vec![],
+            failures: 2,
+        },
+        None,
+    );
+    let scraped = scrape(&metrics);
+    assert_eq!(value(&scraped, ENGINE_SCRAPES, &[("result", "error")]), 3.0);
+    for gauge in [ENGINE_SATURATION, ENGINE_KV_CACHE_USAGE, ENGINE_WAITING] {
+        assert!(value(&scraped, gauge, &[]).is_nan(), "{gauge}");
     }
 }
 
