@@ -262,6 +262,9 @@ async fn saturated_engines_take_the_headroom_above_what_is_in_flight_and_give_it
         format!("http://{}/metrics", hung.local_addr().unwrap()),
     ];
     config.control.engine.scrape_timeout_ms = 40;
+    // The first tokens below stay in the window for the whole test, however slow the machine:
+    // without samples the controller would not grow the budget back.
+    config.control.window_ms = 60_000;
     let server = TestServer::start(config).await;
     let mut admitted = Vec::new();
     for user in ["a", "b", "c", "d"] {
@@ -306,5 +309,34 @@ async fn saturated_engines_take_the_headroom_above_what_is_in_flight_and_give_it
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(limit(&server).await, 5.0);
     drop((admitted, fifth, hung));
+    server.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_simulated_vllms_own_metrics_are_read_with_the_default_names() {
+    // vLLM's metric names as the lab's simulated vLLM serves them (examples/upstream.rs), read
+    // by tollgate's defaults: nothing configured but the URL.
+    let vllm = crate::support::process::Upstream::start(&["--engine", "vllm"]);
+    let mut config = config(ControlSignal::Upstream, 500, 8);
+    config.control.engine.metrics_urls = vec![format!("http://{}/metrics", vllm.addr)];
+    config.control.engine.scrape_timeout_ms = 40;
+    let server = TestServer::start(config).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut m = server.metrics().await;
+    while m.value("tollgate_engine_scrapes_total", &["result=\"ok\""]) < 3.0
+        && tokio::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        m = server.metrics().await;
+    }
+    assert!(m.value("tollgate_engine_scrapes_total", &["result=\"ok\""]) >= 3.0);
+    assert_eq!(
+        m.value("tollgate_engine_scrapes_total", &["result=\"error\""]),
+        0.0
+    );
+    // An idle engine: an empty KV cache and queue, read as numbers (not the NaN of unknown).
+    assert_eq!(m.value("tollgate_engine_kv_cache_usage_ratio", &[]), 0.0);
+    assert_eq!(m.value("tollgate_engine_requests_waiting", &[]), 0.0);
+    assert_eq!(m.value("tollgate_engine_saturation_ratio", &[]), 0.0);
     server.stop().await.unwrap();
 }
