@@ -170,6 +170,7 @@ where
             signal = ?control.signal,
             target_p99_ms = aimd.target_p99_ttft_seconds * 1000.0,
             slo_p99_ttft_ms = control.target_p99_ttft_ms,
+            engine_metrics_urls = ?control.engine.metrics_urls,
             "controller"
         );
         tokio::spawn(control::tick::run(
