@@ -134,6 +134,10 @@ async fn scrape_url(
             Ok(Err(error)) => return vec![Err(format!("cannot resolve {name}: {error}"))],
             Err(_) => return vec![Err(late())],
         };
+    if addresses.is_empty() {
+        // A headless Service with no ready pod: no engine to read, and worth saying so.
+        return vec![Err(format!("{name} resolves to no address"))];
+    }
     let path = url.path_and_query().map_or("/", |p| p.as_str());
     let authority = url.authority().map_or(host, |a| a.as_str());
     futures_util::future::join_all(addresses.into_iter().map(|address| async move {
