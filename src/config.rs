@@ -309,7 +309,8 @@ pub struct ControlConfig {
     /// Demand gate: grow only while peak in-flight reached this fraction of the limit (or
     /// requests are queued), so an idle system does not drift upward.
     pub demand_fraction: f64,
-    /// Until the first decrease, each increase doubles the limit.
+    /// Until the first decrease (or engine saturation) with the budget in real use, each
+    /// increase doubles the limit.
     pub slow_start: bool,
     /// The controller holds while the window has fewer samples than this.
     pub min_samples: u64,

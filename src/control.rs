@@ -31,8 +31,11 @@
 //!    controller at its floor with p99 at 17 s. The floor is the edge of the regime where
 //!    cutting helps.
 //! 3. **Engine saturated** (`engine_saturation` ≥ 1, when the engines' metrics are scraped,
-//!    see `engine`): no increase, slow start ends, and a limit above the peak in flight comes
-//!    down to it (not below the floor). TTFT lags the KV-cache knee by seconds: sequences
+//!    see `engine`): no increase, and a limit above the peak in flight comes down to it (not
+//!    below the floor). Slow start ends if at least half the limit was in flight: with most of
+//!    it idle, the engines are full of other traffic (other replicas, a restart into a busy
+//!    fleet), which says nothing about where this budget's knee is, and the budget should
+//!    climb back fast once they have room. TTFT lags the KV-cache knee by seconds: sequences
 //!    admitted under the knee keep growing their KV as they decode, and the latency shows
 //!    only once the engine preempts. Without a leading signal, slow start doubled past the
 //!    knee in that gap and the cold start's overshoot was the run's p99 (docs/lab.md). The
@@ -88,8 +91,8 @@ pub struct AimdConfig {
     /// "In flight near the limit": increase only if `peak_in_flight >= ceil(limit ×
     /// demand_fraction)` (or something queued).
     pub demand_fraction: f64,
-    /// Until the first decrease with at least half the limit in flight, an increase doubles the
-    /// limit (TCP's slow start) instead of adding `increase_step`.
+    /// Until the first decrease or engine saturation with at least half the limit in flight, an
+    /// increase doubles the limit (TCP's slow start) instead of adding `increase_step`.
     pub slow_start: bool,
     /// Fewer samples than this in the window: no opinion (`Hold::NoSamples`).
     pub min_samples: u64,
@@ -388,10 +391,13 @@ impl Aimd {
         Action::Decrease
     }
 
-    /// The engines are full: whatever the latency says yet, the budget has found the knee, so
-    /// slow start ends and no headroom is left above what is in flight.
+    /// The engines are full: whatever the latency says yet, no headroom is left above what is
+    /// in flight, and if this budget was in real use it has found the knee (slow start ends,
+    /// as for a breach).
     fn clamp(&mut self, config: &AimdConfig, peak_in_flight: u32) -> Action {
-        self.slow_start = false;
+        if peak_in_flight.saturating_mul(2) >= self.limit {
+            self.slow_start = false;
+        }
         let in_use = peak_in_flight.max(config.floor);
         if self.limit > in_use {
             self.limit = in_use;

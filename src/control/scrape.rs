@@ -10,6 +10,7 @@
 //! (`tollgate_engine_scrapes_total`), so a wrong URL shows on the dashboard rather than as a
 //! controller that silently ignores the engines.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -130,7 +131,7 @@ async fn scrape_url(
     let name = host.trim_start_matches('[').trim_end_matches(']');
     let addresses =
         match tokio::time::timeout_at(deadline, tokio::net::lookup_host((name, port))).await {
-            Ok(Ok(addresses)) => addresses.collect::<Vec<_>>(),
+            Ok(Ok(addresses)) => engines(addresses),
             Ok(Err(error)) => return vec![Err(format!("cannot resolve {name}: {error}"))],
             Err(_) => return vec![Err(late())],
         };
@@ -151,6 +152,23 @@ async fn scrape_url(
             .map_err(|error| format!("{address}: {error}"))
     }))
     .await
+}
+
+/// The engines behind a name's addresses: each address once, and only those of the family
+/// the resolver lists first. A dual-stack headless Service lists every pod under both
+/// families; scraping both would count each pod twice, or half of them as failures where the
+/// engine listens on one family only.
+fn engines(addresses: impl Iterator<Item = SocketAddr>) -> Vec<SocketAddr> {
+    let mut engines: Vec<SocketAddr> = Vec::new();
+    for address in addresses {
+        let same_family = engines
+            .first()
+            .is_none_or(|first| first.is_ipv4() == address.is_ipv4());
+        if same_family && !engines.contains(&address) {
+            engines.push(address);
+        }
+    }
+    engines
 }
 
 /// GET `url` (an address), as `authority` (the name the engine was configured by).
@@ -194,6 +212,10 @@ pub fn uri(url: &str) -> Result<Uri, String> {
     if uri.scheme_str() != Some("http") || uri.host().is_none_or(str::is_empty) {
         return Err(FORM.to_owned());
     }
+    // It would be sent on as the Host header, and the engines' metrics take no credentials.
+    if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+        return Err(format!("{FORM}, without credentials"));
+    }
     Ok(uri)
 }
 
@@ -225,31 +247,55 @@ mod tests {
         let host = format!("localhost:{port}");
         serve(v4, host.clone(), 0.5);
         // Where the machine has IPv6 loopback, an engine there too, on the same port.
-        if let Ok(v6) = tokio::net::TcpListener::bind(("::1", port)).await {
-            serve(v6, host.clone(), 0.7);
-        }
+        let v6_served = match tokio::net::TcpListener::bind(("::1", port)).await {
+            Ok(v6) => {
+                serve(v6, host.clone(), 0.7);
+                true
+            }
+            Err(_) => false,
+        };
         let config = EngineMetricsConfig {
             metrics_urls: vec![format!("http://{host}/metrics")],
+            // Generous: this test is about which addresses are asked, not about time.
+            scrape_timeout_ms: 5_000,
             ..EngineMetricsConfig::default()
         };
         let mut scraper = Scraper::new(&config).unwrap();
-        let addresses: Vec<_> = tokio::net::lookup_host(("localhost", port))
-            .await
-            .unwrap()
-            .collect();
+        let expected = engines(tokio::net::lookup_host(("localhost", port)).await.unwrap());
+        assert!(!expected.is_empty());
         let scrape = scraper.scrape().await;
-        // One engine per address, each asked once; 127.0.0.1 always answers. (An address
-        // with nobody listening is a failure, not a silent gap.)
+        // One engine per address of the first family, each asked once; every one with a
+        // server behind it answers, which it does only when asked as `localhost:PORT`.
         assert_eq!(
             scrape.loads.len() + scrape.failures,
-            addresses.len(),
-            "{addresses:?}"
+            expected.len(),
+            "{expected:?}"
         );
-        assert!(scrape.loads.contains(&EngineLoad {
-            kv_cache_usage: Some(0.5),
-            waiting: None
-        }));
-        assert!(scraper.failing[0] == (scrape.failures > 0));
+        let served = expected.iter().filter(|a| a.is_ipv4() || v6_served).count();
+        assert_eq!(scrape.loads.len(), served, "{expected:?}: {scrape:?}");
+        assert_eq!(scraper.failing[0], scrape.failures > 0);
+    }
+
+    #[test]
+    fn a_dual_stack_name_is_read_once_per_engine_in_the_first_family() {
+        let address = |text: &str| text.parse::<SocketAddr>().unwrap();
+        let resolved = [
+            "[fd00::1]:8000",
+            "10.0.0.1:8000",
+            "[fd00::2]:8000",
+            "[fd00::1]:8000",
+            "10.0.0.2:8000",
+        ]
+        .map(address);
+        assert_eq!(
+            engines(resolved.into_iter()),
+            [address("[fd00::1]:8000"), address("[fd00::2]:8000")]
+        );
+        assert_eq!(
+            engines(resolved[1..].iter().copied()),
+            [address("10.0.0.1:8000"), address("10.0.0.2:8000")]
+        );
+        assert!(engines(std::iter::empty()).is_empty());
     }
 
     #[tokio::test]
@@ -289,6 +335,7 @@ mod tests {
         }
         for bad in [
             "https://vllm/metrics",
+            "http://user:secret@vllm:8000/metrics",
             "vllm:8000/metrics",
             "/metrics",
             "http://",

@@ -281,6 +281,19 @@ fn saturated_engines_end_slow_start_and_take_the_headroom_above_what_is_in_fligh
             (seen(FAST, 40, 0), INCREASE, config.floor + 1),
         ],
     );
+    // Saturated by other traffic, with this budget mostly idle (a replica restarted into a
+    // busy fleet): the headroom goes, but slow start stays, to climb back fast.
+    trace(
+        &config,
+        128,
+        &[
+            (engine(1.2, seen(FAST, 40, 0)), CLAMP, 40),
+            (engine(0.5, seen(FAST, 40, 2)), INCREASE, 80),
+            // With the budget in real use, saturation ends slow start.
+            (engine(1.0, seen(FAST, 70, 0)), CLAMP, 70),
+            (engine(0.5, seen(FAST, 70, 2)), INCREASE, 71),
+        ],
+    );
     // The clamp never goes under the floor, and never above the limit.
     trace(
         &config,

@@ -70,7 +70,10 @@ pub async fn run(
         // First, so the latency and the peak in flight below are read after it, as fresh.
         let engine_saturation = match &mut scraper {
             Some(scraper) => {
-                let scrape = scraper.scrape().await;
+                let scrape = tokio::select! {
+                    scrape = scraper.scrape() => scrape,
+                    () = reached(&mut lifecycle, Lifecycle::Draining) => return,
+                };
                 let saturation = engine::saturation(&scrape.loads, scraper.signal());
                 metrics.engine_scrape(&scrape, saturation);
                 saturation
