@@ -34,7 +34,7 @@ use crate::admission::{self, Admission, BodyVerdict};
 use crate::budget::ledger::{Grant, Hold, Ledger};
 use crate::config::{ControlSignal, FairnessCost};
 use crate::observe::response::{ResponseEnd, ResponseObserver};
-use crate::observe::window::{LatencyWindow, Pending};
+use crate::observe::window::{self, LatencyWindow, Pending};
 use crate::observe::{
     GaugeGuard, Metrics, ProtocolError, RequestOutcome, SchedulerOutcome, TokenKind, TokenStage,
 };
@@ -793,11 +793,7 @@ impl Watched {
             let seconds = now.duration_since(started).as_secs_f64();
             match self.awaiting_first_token.take() {
                 Some(pending) => pending.answered(now, seconds),
-                None => shared
-                    .ttft_window
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner())
-                    .record_started(now, started, seconds),
+                None => window::lock(&shared.ttft_window).record_started(now, started, seconds),
             }
         }
         if body.end_of_stream {

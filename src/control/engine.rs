@@ -10,22 +10,10 @@
 //! and tollgate uses it the same way, as a roofline: an engine is saturated when either ratio
 //! reaches 1.
 //!
-//! Pure: `parse` reads one scrape's text, `saturation` combines the engines' loads. The
-//! scraping is `control::scrape`'s.
+//! Pure: `parse` reads one scrape's text, `saturation` combines the engines' loads, both by
+//! the names and thresholds of `control.engine`. The scraping is `control::scrape`'s.
 
-/// Which series to read and where saturation starts.
-#[derive(Clone, Debug, PartialEq)]
-pub struct EngineSignal {
-    /// KV-cache usage (0 to 1) metric names, first one present wins: vLLM V1's name, then the
-    /// deprecated one older vLLM serves.
-    pub kv_cache_usage_metrics: Vec<String>,
-    /// Waiting-request gauges, first one present wins.
-    pub waiting_metrics: Vec<String>,
-    /// KV-cache usage at which an engine counts as saturated.
-    pub kv_cache_threshold: f64,
-    /// Requests waiting inside one engine at which it counts as saturated.
-    pub queue_depth_threshold: u32,
-}
+use crate::config::EngineMetricsConfig;
 
 /// One engine's load, as one scrape reported it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -40,7 +28,7 @@ pub struct EngineLoad {
 /// per served model, say) add up for the waiting queue, and the fullest counts for the KV
 /// cache. An error when the text names neither metric: the operator pointed tollgate at the
 /// wrong endpoint, or at an engine whose names the configuration does not list.
-pub fn parse(text: &str, signal: &EngineSignal) -> Result<EngineLoad, String> {
+pub fn parse(text: &str, signal: &EngineMetricsConfig) -> Result<EngineLoad, String> {
     let kv_cache_usage = first_present(text, &signal.kv_cache_usage_metrics, f64::max);
     let waiting = first_present(text, &signal.waiting_metrics, |a, b| a + b);
     if kv_cache_usage.is_none() && waiting.is_none() {
@@ -100,7 +88,7 @@ fn labels_end(text: &str) -> Option<usize> {
 /// is saturated. The mean because one budget feeds every engine through Envoy's load
 /// balancer: the budget moves all of them together, so it should stop growing when they are
 /// full on the whole, not when the unluckiest one is. None when no engine answered.
-pub fn saturation(loads: &[EngineLoad], signal: &EngineSignal) -> Option<f64> {
+pub fn saturation(loads: &[EngineLoad], signal: &EngineMetricsConfig) -> Option<f64> {
     let per_engine = loads.iter().map(|load| {
         let kv = load
             .kv_cache_usage
@@ -118,15 +106,13 @@ pub fn saturation(loads: &[EngineLoad], signal: &EngineSignal) -> Option<f64> {
 mod tests {
     use super::*;
 
-    fn vllm() -> EngineSignal {
-        EngineSignal {
-            kv_cache_usage_metrics: vec![
-                "vllm:kv_cache_usage_perc".to_owned(),
-                "vllm:gpu_cache_usage_perc".to_owned(),
-            ],
-            waiting_metrics: vec!["vllm:num_requests_waiting".to_owned()],
+    /// vLLM's names; thresholds KV 0.9, 5 waiting (the defaults, spelled out: the tables
+    /// below depend on them).
+    fn vllm() -> EngineMetricsConfig {
+        EngineMetricsConfig {
             kv_cache_threshold: 0.9,
             queue_depth_threshold: 5,
+            ..EngineMetricsConfig::default()
         }
     }
 
@@ -185,7 +171,7 @@ mod tests {
             "{error}"
         );
         // Another engine's names, once configured, are read the same way.
-        let tgi = EngineSignal {
+        let tgi = EngineMetricsConfig {
             kv_cache_usage_metrics: vec![],
             waiting_metrics: vec!["tgi_queue_size".to_owned()],
             ..vllm()

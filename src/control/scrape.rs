@@ -22,7 +22,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::time::Instant;
 
-use super::engine::{self, EngineLoad, EngineSignal};
+use super::engine::{self, EngineLoad};
 use crate::config::EngineMetricsConfig;
 
 /// vLLM serves about 100 KB of metrics with its histograms; a body past this is not an
@@ -42,7 +42,7 @@ pub struct Scraper {
     client: Client<HttpConnector, Empty<Bytes>>,
     urls: Vec<Uri>,
     timeout: Duration,
-    signal: EngineSignal,
+    config: EngineMetricsConfig,
     /// Per URL: whether its last scrape failed, so a run of failures is logged once.
     failing: Vec<bool>,
 }
@@ -69,17 +69,18 @@ impl Scraper {
             failing: vec![false; urls.len()],
             urls,
             timeout: Duration::from_millis(config.scrape_timeout_ms),
-            signal: signal(config),
+            config: config.clone(),
         })
     }
 
-    pub fn signal(&self) -> &EngineSignal {
-        &self.signal
+    /// The names and thresholds the scrapes are read by.
+    pub fn config(&self) -> &EngineMetricsConfig {
+        &self.config
     }
 
     /// Every engine, concurrently, within the timeout.
     pub async fn scrape(&mut self) -> Scrape {
-        let (client, signal, timeout) = (&self.client, &self.signal, self.timeout);
+        let (client, signal, timeout) = (&self.client, &self.config, self.timeout);
         let deadline = Instant::now() + timeout;
         let results = futures_util::future::join_all(
             self.urls
@@ -120,7 +121,7 @@ impl Scraper {
 async fn scrape_url(
     client: &Client<HttpConnector, Empty<Bytes>>,
     url: &Uri,
-    signal: &EngineSignal,
+    signal: &EngineMetricsConfig,
     deadline: Instant,
     timeout: Duration,
 ) -> Vec<Result<EngineLoad, String>> {
@@ -192,16 +193,6 @@ async fn fetch(
         .map_err(|e| e.to_string())?
         .to_bytes();
     String::from_utf8(body.into()).map_err(|_| "the body is not UTF-8".to_owned())
-}
-
-/// The engine signal's settings from the configuration.
-pub fn signal(config: &EngineMetricsConfig) -> EngineSignal {
-    EngineSignal {
-        kv_cache_usage_metrics: config.kv_cache_usage_metrics.clone(),
-        waiting_metrics: config.waiting_metrics.clone(),
-        kv_cache_threshold: config.kv_cache_threshold,
-        queue_depth_threshold: config.queue_depth_threshold,
-    }
 }
 
 /// A metrics URL, checked: plain `http://` with a host (the engines' metrics are served

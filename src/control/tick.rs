@@ -13,7 +13,7 @@ use super::{Action, Aimd, AimdConfig, Decrease, Observation, engine};
 use crate::config::{ControlConfig, ControlSignal};
 use crate::extproc::{Lifecycle, reached};
 use crate::observe::Metrics;
-use crate::observe::window::LatencyWindow;
+use crate::observe::window::{self, LatencyWindow};
 use crate::scheduler::Scheduler;
 
 /// The pure controller's settings from the configuration.
@@ -74,7 +74,7 @@ pub async fn run(
                     scrape = scraper.scrape() => scrape,
                     () = reached(&mut lifecycle, Lifecycle::Draining) => return,
                 };
-                let saturation = engine::saturation(&scrape.loads, scraper.signal());
+                let saturation = engine::saturation(&scrape.loads, scraper.config());
                 metrics.engine_scrape(&scrape, saturation);
                 saturation
             }
@@ -84,10 +84,8 @@ pub async fn run(
         // A request already waiting longer than the breach threshold is a breach, whenever it
         // answers: counting it now is what lets the controller see a saturated upstream
         // before the requests stuck in its queue come out.
-        let (p99, samples) = ttft_window
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .quantile_counting_overdue(now, 0.99, breach_threshold);
+        let (p99, samples) =
+            window::lock(&ttft_window).quantile_counting_overdue(now, 0.99, breach_threshold);
         let observation = Observation {
             p99_ttft_seconds: p99,
             peak_in_flight: scheduler.take_peak_in_flight(),
@@ -102,10 +100,7 @@ pub async fn run(
             // signal keeps seed 001's cooldown instead: its samples include queue wait, which
             // a cut lengthens, so an epoch would hear the cut's side effect as a new breach
             // at once.)
-            ttft_window
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .restart(now);
+            window::lock(&ttft_window).restart(now);
         }
         scheduler.set_limit(aimd.limit());
         metrics.controller_tick(action, p99);

@@ -136,10 +136,6 @@ impl LatencyWindow {
 
     /// A request counted by `start` ended without a latency: it stops counting.
     pub fn abandon(&mut self, started: Instant) {
-        self.end_pending(started);
-    }
-
-    fn end_pending(&mut self, started: Instant) {
         if let Some(count) = self.pending.get_mut(&started) {
             *count -= 1;
             if *count == 0 {
@@ -178,7 +174,7 @@ impl LatencyWindow {
     /// The request counted by `start(started)` answered after `seconds`: it stops being pending
     /// and its latency is recorded (as `record_started`).
     pub fn answered(&mut self, now: Instant, started: Instant, seconds: f64) {
-        self.end_pending(started);
+        self.abandon(started);
         self.record_started(now, started, seconds);
     }
 
@@ -224,7 +220,7 @@ impl LatencyWindow {
         q: f64,
         overdue_after: Duration,
     ) -> (Option<f64>, u64) {
-        let mut overdue = vec![0u64; BUCKETS];
+        let mut overdue = [0u64; BUCKETS];
         let mut count = 0;
         for (&started, &n) in &self.pending {
             let age = now.saturating_duration_since(started);
@@ -319,11 +315,6 @@ impl Pending {
         }
     }
 
-    /// When the request started.
-    pub fn started(&self) -> Instant {
-        self.started
-    }
-
     /// The request answered after `seconds`: recorded, and no longer pending.
     pub fn answered(mut self, now: Instant, seconds: f64) {
         lock(&self.window).answered(now, self.started, seconds);
@@ -339,9 +330,9 @@ impl Drop for Pending {
     }
 }
 
-/// A poisoned lock only means another thread panicked mid-update; the counters are still
-/// counters.
-fn lock(window: &Mutex<LatencyWindow>) -> std::sync::MutexGuard<'_, LatencyWindow> {
+/// The shared window, locked. A poisoned lock only means another thread panicked mid-update;
+/// the counters are still counters.
+pub fn lock(window: &Mutex<LatencyWindow>) -> std::sync::MutexGuard<'_, LatencyWindow> {
     window
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())

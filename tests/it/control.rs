@@ -238,15 +238,9 @@ impl FakeEngine {
     }
 }
 
-/// Polls the limit until it is `want`, for up to 3 s.
+/// Polls the limit until it is `want`.
 async fn limit_becomes(server: &TestServer, want: f64) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-    let mut last = limit(server).await;
-    while last != want && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(25)).await;
-        last = limit(server).await;
-    }
-    assert_eq!(last, want, "the limit did not become {want}");
+    crate::grpc::wait_for_metric(server, "tollgate_inflight_limit", &[], want).await;
 }
 
 /// Ticks and scrapes for the engine tests: slow enough that a scrape cannot miss its timeout
