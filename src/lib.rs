@@ -133,6 +133,9 @@ where
     IE: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
     let policy = Arc::new(Policy::from_config(&config)?);
+    for warning in policy.warnings() {
+        tracing::warn!("configuration: {warning}");
+    }
     // Build the BPE tables now, off the async workers, so no request pays for them.
     let encodings = [tokens::Encoding::Cl100kBase, tokens::Encoding::O200kBase];
     let _ = tokio::task::spawn_blocking(move || encodings.iter().for_each(|e| e.warm_up())).await;

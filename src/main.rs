@@ -69,6 +69,12 @@ fn main() -> ExitCode {
     match cli.command {
         Some(Command::CheckConfig { file }) => {
             println!("{}: ok", file.display());
+            // Valid, so the policy builds; what it warns of does not change the exit status.
+            if let Ok(policy) = Policy::from_config(&config) {
+                for warning in policy.warnings() {
+                    println!("warning: {warning}");
+                }
+            }
             ExitCode::SUCCESS
         }
         Some(Command::PrintConfig) => {

@@ -311,6 +311,23 @@ impl Policy {
     }
 
     /// The limits that apply to `tenant` in `tier`: the tier's, or the tenant's override of it.
+    /// Settings that are valid but do nothing in this configuration, each named with why: a
+    /// configuration someone believes is in force and is not deserves a word at start-up and
+    /// from `check-config`, though not a refusal (turning the controller off for a while
+    /// should not mean deleting its settings).
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        if !self.control.enabled && !self.control.engine.metrics_urls.is_empty() {
+            warnings.push(
+                "control.engine.metrics_urls is set but control.enabled is false: the \
+                 controller's tick is what scrapes the engines, so they are not read and the \
+                 in-flight budget stays at scheduler.initial_limit"
+                    .to_owned(),
+            );
+        }
+        warnings
+    }
+
     pub fn tier_for(&self, tenant: &str, tier: TierId) -> &Tier {
         match self.overrides.get(tenant) {
             Some(tiers) => &tiers[tier],

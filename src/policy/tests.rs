@@ -812,3 +812,42 @@ fn encoding_rules_from_the_config_come_before_the_built_in_table() {
     assert_eq!(policy.encoding_for("gpt-4"), Encoding::Cl100kBase);
     assert_eq!(policy.encoding_for("mistral"), Encoding::Cl100kBase);
 }
+
+#[test]
+fn settings_that_do_nothing_are_warned_of_not_refused() {
+    let engines = |c: &mut Config| {
+        c.control.engine.metrics_urls = vec!["http://10.0.0.7:8000/metrics".to_owned()];
+    };
+    type Case = (&'static str, fn(&mut Config), &'static [&'static str]);
+    let cases: [Case; 4] = [
+        ("defaults", |_| {}, &[]),
+        ("engines read by the controller", engines, &[]),
+        (
+            "controller off, no engines",
+            |c| c.control.enabled = false,
+            &[],
+        ),
+        (
+            "controller off, engines set",
+            |c| {
+                c.control.enabled = false;
+                c.control.engine.metrics_urls = vec!["http://vllm:8000/metrics".to_owned()];
+            },
+            &["control.engine.metrics_urls", "control.enabled is false"],
+        ),
+    ];
+    for (name, edit, expected) in cases {
+        let warnings = check_valid(edit).warnings();
+        if expected.is_empty() {
+            assert!(warnings.is_empty(), "{name}: {warnings:?}");
+        } else {
+            assert_eq!(warnings.len(), 1, "{name}: {warnings:?}");
+            for part in expected {
+                assert!(
+                    warnings[0].contains(part),
+                    "{name}: {part:?} in {warnings:?}"
+                );
+            }
+        }
+    }
+}

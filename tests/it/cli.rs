@@ -35,6 +35,29 @@ fn check_config_accepts_a_valid_file() {
 }
 
 #[test]
+fn check_config_warns_of_settings_that_do_nothing_and_still_exits_0() {
+    let file = write_config(
+        "control:\n  enabled: false\n  engine:\n    metrics_urls: [\"http://127.0.0.1:8000/metrics\"]\n",
+    );
+    let output = tollgate(&["check-config", file.path().to_str().unwrap()], &[]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains(": ok"), "{stdout}");
+    assert!(
+        stdout.contains("warning: control.engine.metrics_urls is set but control.enabled is false"),
+        "{stdout}"
+    );
+    let quiet = write_config("control:\n  enabled: false\n");
+    let output = tollgate(&["check-config", quiet.path().to_str().unwrap()], &[]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(
+        !String::from_utf8_lossy(&output.stdout).contains("warning"),
+        "{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+}
+
+#[test]
 fn a_broken_config_names_the_field_and_value_and_exits_2() {
     let cases = [
         (
