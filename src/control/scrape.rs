@@ -9,8 +9,17 @@
 //! The first failure of a run of failures is logged, and every scrape is counted
 //! (`tollgate_engine_scrapes_total`), so a wrong URL shows on the dashboard rather than as a
 //! controller that silently ignores the engines.
+//!
+//! Name lookups go through the system resolver on tokio's blocking pool, and a lookup cannot
+//! be cancelled: one that outlives its tick keeps its thread until the resolver gives up,
+//! which with an unreachable DNS server and a cluster's search domains can take a minute. So
+//! each URL has at most one lookup in flight; a tick that finds the last one still running
+//! waits for it (within the tick's timeout) instead of starting another. Otherwise every tick
+//! would add a stuck thread per URL to the pool that also counts large request bodies.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -20,6 +29,7 @@ use hyper::{Request, Uri};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::engine::{self, EngineLoad};
@@ -38,6 +48,19 @@ pub struct Scrape {
     pub failures: usize,
 }
 
+/// A host name lookup: every address `(name, port)` resolves to.
+type Lookup = Pin<Box<dyn Future<Output = std::io::Result<Vec<SocketAddr>>> + Send>>;
+type Resolver = fn(String, u16) -> Lookup;
+
+/// The system resolver, through tokio (IP literals are parsed, not looked up).
+fn system_resolver(name: String, port: u16) -> Lookup {
+    Box::pin(async move {
+        Ok(tokio::net::lookup_host((name.as_str(), port))
+            .await?
+            .collect())
+    })
+}
+
 pub struct Scraper {
     client: Client<HttpConnector, Empty<Bytes>>,
     urls: Vec<Uri>,
@@ -45,6 +68,9 @@ pub struct Scraper {
     config: EngineMetricsConfig,
     /// Per URL: whether its last scrape failed, so a run of failures is logged once.
     failing: Vec<bool>,
+    resolver: Resolver,
+    /// Per URL: its lookup, while one is in flight (at most one each; see the module docs).
+    lookups: Vec<Option<JoinHandle<std::io::Result<Vec<SocketAddr>>>>>,
 }
 
 impl Scraper {
@@ -67,6 +93,8 @@ impl Scraper {
                 .pool_max_idle_per_host(1)
                 .build(connector),
             failing: vec![false; urls.len()],
+            lookups: urls.iter().map(|_| None).collect(),
+            resolver: system_resolver,
             urls,
             timeout: Duration::from_millis(config.scrape_timeout_ms),
             config: config.clone(),
@@ -81,12 +109,11 @@ impl Scraper {
     /// Every engine, concurrently, within the timeout.
     pub async fn scrape(&mut self) -> Scrape {
         let (client, signal, timeout) = (&self.client, &self.config, self.timeout);
+        let resolver = self.resolver;
         let deadline = Instant::now() + timeout;
-        let results = futures_util::future::join_all(
-            self.urls
-                .iter()
-                .map(|url| scrape_url(client, url, signal, deadline, timeout)),
-        )
+        let results = futures_util::future::join_all(self.urls.iter().zip(&mut self.lookups).map(
+            |(url, lookup)| scrape_url(client, url, lookup, resolver, signal, deadline, timeout),
+        ))
         .await;
         let mut scrape = Scrape::default();
         for ((url, failing), results) in self.urls.iter().zip(&mut self.failing).zip(results) {
@@ -117,10 +144,12 @@ impl Scraper {
 }
 
 /// Every address `url`'s host resolves to: one result per engine, or one error if the name
-/// does not resolve.
+/// does not resolve. `lookup` is the URL's lookup in flight, if the last tick left one.
 async fn scrape_url(
     client: &Client<HttpConnector, Empty<Bytes>>,
     url: &Uri,
+    lookup: &mut Option<JoinHandle<std::io::Result<Vec<SocketAddr>>>>,
+    resolver: Resolver,
     signal: &EngineMetricsConfig,
     deadline: Instant,
     timeout: Duration,
@@ -130,12 +159,18 @@ async fn scrape_url(
     let port = url.port_u16().unwrap_or(80);
     // An IPv6 literal comes bracketed in the URL and must not be for the resolver.
     let name = host.trim_start_matches('[').trim_end_matches(']');
-    let addresses =
-        match tokio::time::timeout_at(deadline, tokio::net::lookup_host((name, port))).await {
-            Ok(Ok(addresses)) => engines(addresses),
-            Ok(Err(error)) => return vec![Err(format!("cannot resolve {name}: {error}"))],
-            Err(_) => return vec![Err(late())],
-        };
+    let running = lookup.get_or_insert_with(|| tokio::spawn(resolver(name.to_owned(), port)));
+    let resolved = match tokio::time::timeout_at(deadline, running).await {
+        // Still running: it stays in `lookup` for the next tick to wait on.
+        Err(_) => return vec![Err(format!("resolving {name}: {}", late()))],
+        Ok(resolved) => resolved,
+    };
+    *lookup = None;
+    let addresses = match resolved {
+        Ok(Ok(addresses)) => engines(addresses.into_iter()),
+        Ok(Err(error)) => return vec![Err(format!("cannot resolve {name}: {error}"))],
+        Err(error) => return vec![Err(format!("resolving {name}: {error}"))],
+    };
     if addresses.is_empty() {
         // A headless Service with no ready pod: no engine to read, and worth saying so.
         return vec![Err(format!("{name} resolves to no address"))];
@@ -313,6 +348,59 @@ mod tests {
             started.elapsed()
         );
         drop(hung);
+    }
+
+    static LOOKUPS_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+    /// A resolver that takes 250 ms (in paused time) and finds no address.
+    fn slow_resolver(_name: String, _port: u16) -> Lookup {
+        LOOKUPS_STARTED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            Ok(Vec::new())
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lookup_that_outlives_its_tick_is_waited_on_not_started_again() {
+        let config = EngineMetricsConfig {
+            metrics_urls: vec!["http://vllm-engines:8000/metrics".to_owned()],
+            scrape_timeout_ms: 100,
+            ..EngineMetricsConfig::default()
+        };
+        let mut scraper = Scraper::new(&config).unwrap();
+        scraper.resolver = slow_resolver;
+        let started = || LOOKUPS_STARTED.load(std::sync::atomic::Ordering::SeqCst);
+        let late = "resolving vllm-engines: no answer within 100ms";
+        // Each row is one tick: how many lookups were ever started after it, and its error.
+        let ticks = [
+            (1, late),
+            (1, late),
+            // The first lookup ends 250 ms in, during this tick, which takes its answer.
+            (1, "vllm-engines resolves to no address"),
+            // That lookup is over, so this tick starts the second.
+            (2, late),
+        ];
+        for (tick, (lookups, error)) in ticks.into_iter().enumerate() {
+            let results = scrape_url(
+                &scraper.client,
+                &scraper.urls[0],
+                &mut scraper.lookups[0],
+                scraper.resolver,
+                &scraper.config,
+                Instant::now() + scraper.timeout,
+                scraper.timeout,
+            )
+            .await;
+            assert_eq!(started(), lookups, "tick {tick}");
+            assert_eq!(results.len(), 1, "tick {tick}");
+            assert_eq!(results[0].as_ref().unwrap_err(), error, "tick {tick}");
+        }
+        // `scrape` keeps the lookup in flight for its next tick too.
+        let scrape = scraper.scrape().await;
+        assert_eq!((scrape.loads.len(), scrape.failures), (0, 1));
+        assert!(scraper.lookups[0].is_some());
+        assert_eq!(started(), 2);
     }
 
     #[test]
