@@ -25,7 +25,8 @@
 //! cache from a shared pool for every piece, and it allocates a fresh backtracking encoder for
 //! every piece, even a word that is a single vocabulary entry. [`Counter`] keeps one search cache
 //! per thread and answers a piece that is a whole vocabulary entry with 1, which is what
-//! tiktoken's own `encode_ordinary` does for such a piece before it merges anything.
+//! tiktoken's own `encode_ordinary` does for such a piece before it merges anything. On ASCII
+//! text it cuts pieces without the regex (`ascii`), which was half of what remained.
 //!
 //! This module is pure: no I/O, no clocks, no async.
 
@@ -38,6 +39,7 @@ use regex_automata::{Anchored, Input};
 use rustc_hash::FxHashSet;
 use serde::{Deserialize, Serialize};
 
+mod ascii;
 #[cfg(test)]
 mod tests;
 
@@ -188,6 +190,8 @@ thread_local! {
 /// encoder, except pieces that are a single vocabulary entry.
 struct Counter {
     tokenizer: &'static Tokenizer,
+    /// Cuts ASCII text without the regex (`ascii`), to the same pieces.
+    flavor: ascii::Flavor,
     splitter: Regex,
     /// Every vocabulary entry's bytes, borrowed from the `'static` tokenizer.
     whole_tokens: FxHashSet<&'static [u8]>,
@@ -203,6 +207,10 @@ impl Counter {
             .collect();
         Counter {
             tokenizer,
+            flavor: match encoding {
+                Encoding::Cl100kBase => ascii::Flavor::Cl100k,
+                Encoding::O200kBase => ascii::Flavor::O200k,
+            },
             splitter: Regex::new_many(patterns).expect("the pre-tokenisation patterns compile"),
             whole_tokens,
             slot: encoding as usize,
@@ -238,6 +246,14 @@ impl Counter {
     /// The piece of `text` that starts at byte `at`, as `bpe-openai`'s splitter cuts it.
     fn next_piece<'t>(&self, cache: &mut Cache, text: &'t str, at: usize) -> &'t [u8] {
         let rest = &text[at..];
+        match ascii::piece_len(self.flavor, rest.as_bytes()) {
+            Some(len) => &rest.as_bytes()[..len],
+            None => self.regex_piece(cache, rest),
+        }
+    }
+
+    /// The piece at the start of `rest`, found by the pre-tokenisation regex.
+    fn regex_piece<'t>(&self, cache: &mut Cache, rest: &'t str) -> &'t [u8] {
         let found = self
             .splitter
             .search_with(cache, &Input::new(rest).anchored(Anchored::Yes));

@@ -756,3 +756,45 @@ fn whole_vocabulary_entries_count_one() {
         }
     }
 }
+
+/// The ASCII fast path (`ascii::piece_len`) cuts exactly where the regex does. Random text
+/// from an alphabet that crosses every class boundary the patterns draw: both letter cases
+/// and contractions, digits, each kind of ASCII white space, symbols, control bytes, and the
+/// non-ASCII characters that could continue or end an ASCII piece (letters of each case,
+/// titlecase and modifier letters, a combining mark, `ſ`, which `(?i)s` matches, a digit of
+/// another script, non-ASCII spaces and symbols).
+#[test]
+fn ascii_fast_path_cuts_where_the_regex_does() {
+    const ALPHABET: &[&str] = &[
+        "a", "z", "A", "Z", "s", "S", "t", "T", "r", "R", "e", "E", "v", "l", "L", "m", "d", "D",
+        "x", "'", "'", "0", "7", " ", " ", "\t", "\n", "\r", "\x0b", "\x0c", "/", "!", ".", "-",
+        "_", "\x00", "\x1f", "\x7f", "é", "É", "ſ", "\u{301}", "ǅ", "ʰ", "日", "٣", "\u{a0}",
+        "\u{3000}", "\u{85}", "€", "😀",
+    ];
+    let mut rng = Lcg(11);
+    for encoding in ENCODINGS {
+        let counter = encoding.counter();
+        let mut cache = counter.splitter.create_cache();
+        let mut fast_pieces = 0;
+        for _ in 0..40_000 {
+            let len = 1 + rng.below(16);
+            let text: String = (0..len).map(|_| rng.pick(ALPHABET)).collect();
+            let mut at = 0;
+            while at < text.len() {
+                let rest = &text[at..];
+                let expected = counter.regex_piece(&mut cache, rest);
+                if let Some(len) = ascii::piece_len(counter.flavor, rest.as_bytes()) {
+                    assert_eq!(
+                        &rest.as_bytes()[..len],
+                        expected,
+                        "{encoding:?}: piece at byte {at} of {text:?}"
+                    );
+                    fast_pieces += 1;
+                }
+                at += expected.len();
+            }
+        }
+        // The fast path must actually have answered, or the comparison proves nothing.
+        assert!(fast_pieces > 50_000, "{encoding:?}: {fast_pieces}");
+    }
+}
