@@ -109,7 +109,8 @@ impl ResponseObserver {
         self
     }
 
-    /// Tokens of generated text seen so far (0 unless `counting_output`).
+    /// Tokens of generated text seen so far (0 unless `counting_output`; 0 too for a JSON body
+    /// that reports `usage`, which is what gets charged then).
     pub fn output_tokens(&self) -> u64 {
         self.output_tokens
     }
@@ -145,7 +146,11 @@ impl ResponseObserver {
             BodyFormat::Json if self.is_success() && !self.overflowed => {
                 if let Ok(doc) = serde_json::from_slice::<Value>(&self.pending) {
                     self.usage = usage_of(&doc);
-                    self.count_output(&doc);
+                    // The count only stands in for missing usage (a settle charges usage when
+                    // there is one), and it runs before Envoy gets its answer to the last chunk.
+                    if self.usage.is_none() {
+                        self.count_output(&doc);
+                    }
                 }
                 self.pending = Vec::new();
             }

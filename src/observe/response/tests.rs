@@ -563,7 +563,15 @@ fn generated_text_is_counted_when_asked() {
 
 #[test]
 fn generated_text_of_a_json_body_is_counted_at_the_end() {
+    // A body that reports usage is charged by it; counting its text would be wasted work.
     let (a, b) = JSON_BODY.split_at(50);
+    check_output_tokens(JSON, &[a, b], 0);
+    let without_usage = JSON_BODY.replace(
+        r#","usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}"#,
+        "",
+    );
+    assert_ne!(without_usage, JSON_BODY);
+    let (a, b) = without_usage.split_at(50);
     check_output_tokens(JSON, &[a, b], o200k(&["Hi"]));
     let chat = r#"{"choices":[{"message":{"role":"assistant","content":"The sky is blue because of Rayleigh scattering."}}]}"#;
     check_output_tokens(
