@@ -134,7 +134,7 @@ where
 {
     let policy = Arc::new(Policy::from_config(&config)?);
     for warning in policy.warnings() {
-        tracing::warn!("configuration: {warning}");
+        tracing::warn!(%warning, "configuration has no effect");
     }
     // Build the BPE tables now, off the async workers, so no request pays for them.
     let encodings = [tokens::Encoding::Cl100kBase, tokens::Encoding::O200kBase];

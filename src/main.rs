@@ -59,8 +59,8 @@ fn main() -> ExitCode {
         Some(Command::CheckConfig { file }) => Some(file.clone()),
         _ => cli.config.clone(),
     };
-    let config = match effective_config(&cli, file.as_deref()) {
-        Ok(config) => config,
+    let (config, warnings) = match effective_config(&cli, file.as_deref()) {
+        Ok(checked) => checked,
         Err(e) => {
             eprintln!("tollgate: invalid configuration:\n{e}");
             return ExitCode::from(EXIT_CONFIG);
@@ -69,11 +69,9 @@ fn main() -> ExitCode {
     match cli.command {
         Some(Command::CheckConfig { file }) => {
             println!("{}: ok", file.display());
-            // Valid, so the policy builds; what it warns of does not change the exit status.
-            if let Ok(policy) = Policy::from_config(&config) {
-                for warning in policy.warnings() {
-                    println!("warning: {warning}");
-                }
+            // What it warns of does not change the exit status.
+            for warning in warnings {
+                println!("warning: {warning}");
             }
             ExitCode::SUCCESS
         }
@@ -115,10 +113,11 @@ fn check_password_file(store: &config::StoreConfig) -> Result<(), config::Config
     }
 }
 
+/// The configuration from every layer, and what its validated policy warns of.
 fn effective_config(
     cli: &Cli,
     file: Option<&std::path::Path>,
-) -> Result<Config, config::ConfigError> {
+) -> Result<(Config, Vec<String>), config::ConfigError> {
     let mut config = config::load(file, std::env::vars())?;
     if let Some(addr) = cli.grpc_addr {
         config.listen.grpc_addr = addr.to_string();
@@ -129,8 +128,8 @@ fn effective_config(
     if let Some(url) = &cli.redis_url {
         config.store.redis_url = Some(url.clone());
     }
-    Policy::from_config(&config)?;
-    Ok(config)
+    let warnings = Policy::from_config(&config)?.warnings();
+    Ok((config, warnings))
 }
 
 fn serve(config: Config) -> ExitCode {

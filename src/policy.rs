@@ -310,7 +310,6 @@ impl Policy {
         })
     }
 
-    /// The limits that apply to `tenant` in `tier`: the tier's, or the tenant's override of it.
     /// Settings that are valid but do nothing in this configuration, each named with why: a
     /// configuration someone believes is in force and is not deserves a word at start-up and
     /// from `check-config`, though not a refusal (turning the controller off for a while
@@ -328,6 +327,7 @@ impl Policy {
         warnings
     }
 
+    /// The limits that apply to `tenant` in `tier`: the tier's, or the tenant's override of it.
     pub fn tier_for(&self, tenant: &str, tier: TierId) -> &Tier {
         match self.overrides.get(tenant) {
             Some(tiers) => &tiers[tier],

@@ -110,7 +110,7 @@ impl Encoding {
     /// limit, not by the body. Otherwise encoding stops at the piece
     /// (pre-tokenisation chunk) where the limit is crossed, and inside it as
     /// soon as the running count is clearly past it. The piece that crosses the
-    /// limit is still scanned to its end by the pre-tokenisation regex, and a
+    /// limit is still scanned to its end by the pre-tokeniser, and a
     /// text that stays under the limit costs as much as [`Encoding::count`].
     ///
     /// Exactness at the boundary relies on `bpe`'s internal slack: its

@@ -815,9 +815,9 @@ fn encoding_rules_from_the_config_come_before_the_built_in_table() {
 
 #[test]
 fn settings_that_do_nothing_are_warned_of_not_refused() {
-    let engines = |c: &mut Config| {
+    fn engines(c: &mut Config) {
         c.control.engine.metrics_urls = vec!["http://10.0.0.7:8000/metrics".to_owned()];
-    };
+    }
     type Case = (&'static str, fn(&mut Config), &'static [&'static str]);
     let cases: [Case; 4] = [
         ("defaults", |_| {}, &[]),
@@ -830,8 +830,8 @@ fn settings_that_do_nothing_are_warned_of_not_refused() {
         (
             "controller off, engines set",
             |c| {
+                engines(c);
                 c.control.enabled = false;
-                c.control.engine.metrics_urls = vec!["http://vllm:8000/metrics".to_owned()];
             },
             &["control.engine.metrics_urls", "control.enabled is false"],
         ),

@@ -105,7 +105,7 @@ fn contraction(text: &[u8], at: usize) -> Result<Option<usize>, ()> {
 }
 
 /// The length of the piece at the start of `text`, if deciding it took ASCII bytes only;
-/// `None` sends the caller to the regex. `text` is not empty.
+/// `None` sends the caller to the regex (also for an empty `text`).
 pub fn piece_len(flavor: Flavor, text: &[u8]) -> Option<usize> {
     piece(flavor, text).ok().flatten()
 }
@@ -191,6 +191,6 @@ fn piece(flavor: Flavor, text: &[u8]) -> Result<Option<usize>, ()> {
     if run == text.len() || run == 1 {
         return Ok(Some(run));
     }
-    // Give the last space back to the piece that follows (tiktoken's ` word`).
+    // Give the last white-space byte back to the piece that follows (tiktoken's ` word`).
     Ok(Some(run - 1))
 }
