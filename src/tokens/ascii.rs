@@ -114,37 +114,32 @@ fn piece(flavor: Flavor, text: &[u8]) -> Result<Option<usize>, ()> {
     let Some(first) = class(text, 0)? else {
         return Ok(None);
     };
-    // The optional leading character of the letter patterns: anything but a letter, a digit
-    // or a newline.
+    // The letter patterns: an optional leading character (anything but a letter, a digit or a
+    // newline), then letters; where the letters start, if these patterns can match at all.
     let may_lead = !is_letter(first) && first != Class::Digit && first != Class::Newline;
+    let letters_from = if is_letter(first) {
+        Some(0)
+    } else if may_lead && class(text, 1)?.is_some_and(is_letter) {
+        Some(1)
+    } else {
+        None
+    };
     match flavor {
         Flavor::Cl100k => {
+            // The contractions come first, on their own.
             if let Some(len) = contraction(text, 0)? {
                 return Ok(Some(len));
             }
             // `[^\r\n\p{L}\p{N}]?\p{L}+`
-            let letters_from = if is_letter(first) {
-                Some(0)
-            } else if may_lead && class(text, 1)?.is_some_and(is_letter) {
-                Some(1)
-            } else {
-                None
-            };
             if let Some(from) = letters_from {
                 return Ok(Some(run_end(text, from, is_letter)?));
             }
         }
         Flavor::O200k => {
-            let word_from = if is_letter(first) {
-                Some(0)
-            } else if may_lead && class(text, 1)?.is_some_and(is_letter) {
-                Some(1)
-            } else {
-                None
-            };
-            if let Some(from) = word_from {
+            if let Some(from) = letters_from {
                 // upper* lower+ | upper+ lower*: ASCII letters are one case or the other, so
-                // both alternatives end where the lower-case run after the upper-case run ends.
+                // both alternatives end where the lower-case run after the upper-case run ends,
+                // and either may take a contraction after it.
                 let upper_end = run_end(text, from, |c| c == Class::Upper)?;
                 let end = run_end(text, upper_end, |c| c == Class::Lower)?;
                 let suffix = contraction(text, end)?.unwrap_or(0);
