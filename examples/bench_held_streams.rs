@@ -185,7 +185,7 @@ async fn bench(args: &Args) -> Result<bool> {
             command.env_remove(name);
         }
     }
-    let mut tollgate = Proc::spawn(
+    let tollgate = Proc::spawn(
         "tollgate",
         command.stdout(Stdio::null()),
         dir.path().join("tollgate.log"),
@@ -196,7 +196,7 @@ async fn bench(args: &Args) -> Result<bool> {
         .timeout(Duration::from_secs(5))
         .build()
         .context("build the admin HTTP client")?;
-    wait_ready(&mut tollgate, &http, admin).await?;
+    wait_ready(&tollgate, &http, admin).await?;
     let pid = tollgate.pid();
     let idle = Snapshot::take(pid)?;
 
@@ -378,7 +378,7 @@ fn config_yaml(args: &Args) -> String {
     yaml
 }
 
-async fn wait_ready(tollgate: &mut Proc, http: &reqwest::Client, admin: SocketAddr) -> Result<()> {
+async fn wait_ready(tollgate: &Proc, http: &reqwest::Client, admin: SocketAddr) -> Result<()> {
     let started = Instant::now();
     let url = format!("http://{admin}/readyz");
     loop {

@@ -606,14 +606,14 @@ impl Stack {
         };
         let echo = if needs(&[Config::E, Config::Q]) {
             let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
-            let mut proc = Proc::spawn(
+            let proc = Proc::spawn(
                 "echo",
                 Command::new(&binaries.echo)
                     .args(["--addr", &addr.to_string()])
                     .stdout(Stdio::null()),
                 dir.path().join("echo.log"),
             )?;
-            wait_until(&mut proc, || async move {
+            wait_until(&proc, || async move {
                 tokio::net::TcpStream::connect(addr).await.is_ok()
             })
             .await?;
@@ -753,8 +753,8 @@ async fn start_tollgate(
             command.env_remove(variable);
         }
     }
-    let mut proc = Proc::spawn(name, &mut command, dir.join(format!("{name}.log")))?;
-    wait_until(&mut proc, || {
+    let proc = Proc::spawn(name, &mut command, dir.join(format!("{name}.log")))?;
+    wait_until(&proc, || {
         let client = admin_client.clone();
         async move {
             client
@@ -772,7 +772,7 @@ async fn start_tollgate(
 /// waits until it answers PING. Returns it and its URL.
 async fn start_redis(redis_server: &Path, dir: &Path) -> Result<(Proc, String)> {
     let port = free_port()?;
-    let mut proc = Proc::spawn(
+    let proc = Proc::spawn(
         "redis",
         Command::new(redis_server)
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
@@ -788,7 +788,7 @@ async fn start_redis(redis_server: &Path, dir: &Path) -> Result<(Proc, String)> 
             redis_server.display()
         )
     })?;
-    wait_until(&mut proc, || async move { redis_answers_ping(port).await }).await?;
+    wait_until(&proc, || async move { redis_answers_ping(port).await }).await?;
     Ok((proc, format!("redis://127.0.0.1:{port}")))
 }
 
@@ -815,7 +815,7 @@ async fn start_envoy(
     let config_path = dir.join(format!("{file_stem}.yaml"));
     std::fs::write(&config_path, render_config(text, ports)?)
         .with_context(|| format!("write {}", config_path.display()))?;
-    let mut proc = Proc::spawn(
+    let proc = Proc::spawn(
         config.envoy_key(),
         Command::new(&binaries.envoy)
             .arg("-c")
@@ -830,7 +830,7 @@ async fn start_envoy(
         dir.join(format!("{file_stem}.log")),
     )?;
     let admin = SocketAddr::from((Ipv4Addr::LOCALHOST, ports.admin));
-    wait_until(&mut proc, || {
+    wait_until(&proc, || {
         let client = admin_client.clone();
         async move {
             match client.get(format!("http://{admin}/ready")).send().await {
@@ -851,7 +851,7 @@ async fn start_envoy(
 }
 
 /// Polls `ready` until it says yes, failing early (with the log) if the process exits.
-async fn wait_until<F, Fut>(proc: &mut Proc, mut ready: F) -> Result<()>
+async fn wait_until<F, Fut>(proc: &Proc, mut ready: F) -> Result<()>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -1651,27 +1651,27 @@ impl RateSummary {
     /// shared machine one run's median can fall on either side of a target that sits inside
     /// the rounds' spread.
     fn verdicts(&self, config: Config) -> Vec<String> {
-        let over_a_p50 = self.added_per_round(config, |l| l.p50);
-        let over_a_p99 = self.added_per_round(config, |l| l.p99);
+        let over_a_p50 = PerRound::new(self.added_per_round(config, |l| l.p50));
+        let over_a_p99 = PerRound::new(self.added_per_round(config, |l| l.p99));
         let mut lines = vec![format!(
             "{}: over A p50 {} {} {}; p99 {} {}",
             config.name(),
-            spread(&over_a_p50),
-            target_verdict(&over_a_p50, 1.0),
-            target_verdict(&over_a_p50, P50_OVER_ENVOY_TARGET_MS),
-            spread(&over_a_p99),
-            target_verdict(&over_a_p99, 1.5),
+            over_a_p50.spread(),
+            over_a_p50.verdict(1.0),
+            over_a_p50.verdict(P50_OVER_ENVOY_TARGET_MS),
+            over_a_p99.spread(),
+            over_a_p99.verdict(1.5),
         )];
         if let Some(echo) = config.echo_baseline()
             && self.configs.contains(&echo)
         {
-            let over_echo_p50 = self.added_over_per_round(config, echo, |l| l.p50);
+            let over_echo_p50 = PerRound::new(self.added_over_per_round(config, echo, |l| l.p50));
             lines.push(format!(
                 "{}: over {} p50 {} {}; p99 {:+.3} ms",
                 config.name(),
                 echo.name(),
-                spread(&over_echo_p50),
-                target_verdict(&over_echo_p50, 0.25),
+                over_echo_p50.spread(),
+                over_echo_p50.verdict(0.25),
                 self.added_over(config, echo, |l| l.p99),
             ));
         }
@@ -1693,16 +1693,15 @@ impl RateSummary {
     /// ext_proc service with its phases on this machine, which the over-A target must leave
     /// room above for the service's own work.
     fn floor(&self, config: Config) -> String {
-        let over_a = self.added_per_round(config, |l| l.p50);
-        let floor = median(&mut over_a.clone());
+        let over_a = PerRound::new(self.added_per_round(config, |l| l.p50));
         // Medians of differences do not add up exactly, hence "about".
-        let room = P50_OVER_ENVOY_TARGET_MS - floor;
+        let room = P50_OVER_ENVOY_TARGET_MS - over_a.median;
         format!(
             "{}: an ext_proc that does nothing adds p50 {} over A; under the \
              {P50_OVER_ENVOY_TARGET_MS} ms target that leaves about {room:+.3} ms for everything \
              tollgate does with these phases",
             config.name(),
-            spread(&over_a),
+            over_a.spread(),
         )
     }
 
@@ -2151,23 +2150,43 @@ fn overall_table(summaries: &[RateSummary], machine: &Machine, args: &Args) -> S
 /// The load lab's p50 target over Envoy alone, in ms.
 const P50_OVER_ENVOY_TARGET_MS: f64 = 0.5;
 
-/// A median with the range it was taken from: `+0.300 ms (rounds +0.250 to +0.380)`.
-fn spread(per_round: &[f64]) -> String {
-    let median = median(&mut per_round.to_vec());
-    let low = per_round.iter().copied().fold(f64::INFINITY, f64::min);
-    let high = per_round.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    format!("{median:+.3} ms (rounds {low:+.3} to {high:+.3})")
+/// One figure's per-round differences, and their median.
+struct PerRound {
+    values: Vec<f64>,
+    median: f64,
 }
 
-/// `per_round` held to `< target` ms: the median's verdict, and in how many rounds it held.
-/// "met"/"NOT met" is the median's, as before; "k/n rounds" says whether that verdict would
-/// survive another run: a target met in some rounds only sits inside the machine's noise.
-fn target_verdict(per_round: &[f64], target: f64) -> String {
-    let median = median(&mut per_round.to_vec());
-    let under = per_round.iter().filter(|&&v| v < target).count();
-    format!(
-        "[< {target} ms: {}, {under}/{} rounds]",
-        if median < target { "met" } else { "NOT met" },
-        per_round.len()
-    )
+impl PerRound {
+    fn new(values: Vec<f64>) -> PerRound {
+        let median = median(&mut values.clone());
+        PerRound { values, median }
+    }
+
+    /// The median with the range it was taken from: `+0.300 ms (rounds +0.250 to +0.380)`.
+    fn spread(&self) -> String {
+        let low = self.values.iter().copied().fold(f64::INFINITY, f64::min);
+        let high = self
+            .values
+            .iter()
+            .copied()
+            .fold(f64::NEG_INFINITY, f64::max);
+        format!("{:+.3} ms (rounds {low:+.3} to {high:+.3})", self.median)
+    }
+
+    /// Held to `< target` ms: the median's verdict, and in how many rounds it held.
+    /// "met"/"NOT met" is the median's, as before; "k/n rounds" says whether that verdict
+    /// would survive another run: a target met in some rounds only sits inside the machine's
+    /// noise.
+    fn verdict(&self, target: f64) -> String {
+        let under = self.values.iter().filter(|&&v| v < target).count();
+        format!(
+            "[< {target} ms: {}, {under}/{} rounds]",
+            if self.median < target {
+                "met"
+            } else {
+                "NOT met"
+            },
+            self.values.len()
+        )
+    }
 }

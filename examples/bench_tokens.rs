@@ -154,7 +154,7 @@ fn run(args: &Args) -> Result<(), String> {
                 best_time(ADVERSARIAL_RUNS, || reference.encode_ordinary(&body).len());
             if tokens != reference_tokens {
                 return Err(format!(
-                    "{name} on {input}: bpe-openai counted {tokens} tokens, tiktoken-rs \
+                    "{name} on {input}: tollgate counted {tokens} tokens, tiktoken-rs \
                      {reference_tokens}"
                 ));
             }
@@ -171,8 +171,8 @@ fn run(args: &Args) -> Result<(), String> {
                 "tokens": tokens,
                 "limit": ADVERSARIAL_LIMIT,
                 "count_till_limit": limited,
-                "bpe_openai_count_till_limit_ms": limited_seconds * 1e3,
-                "bpe_openai_count_ms": count_seconds * 1e3,
+                "tollgate_count_till_limit_ms": limited_seconds * 1e3,
+                "tollgate_count_ms": count_seconds * 1e3,
                 "tiktoken_rs_ms": reference_seconds * 1e3,
             }));
         }
@@ -233,10 +233,10 @@ fn print_tables(report: &Value) {
             row["input"].as_str().unwrap_or_default(),
             row["encoding"].as_str().unwrap_or_default(),
             row["tokens"],
-            row["bpe_openai_count_till_limit_ms"]
+            row["tollgate_count_till_limit_ms"]
                 .as_f64()
                 .unwrap_or_default(),
-            row["bpe_openai_count_ms"].as_f64().unwrap_or_default(),
+            row["tollgate_count_ms"].as_f64().unwrap_or_default(),
             row["tiktoken_rs_ms"].as_f64().unwrap_or_default(),
         );
     }

@@ -48,8 +48,8 @@ RUST_LABELS = {
     "tiktoken-rs": "tiktoken-rs 0.12",
 }
 RUST_ADVERSARIAL_FIELDS = (
-    "bpe_openai_count_till_limit_ms",
-    "bpe_openai_count_ms",
+    "tollgate_count_till_limit_ms",
+    "tollgate_count_ms",
     "tiktoken_rs_ms",
 )
 
@@ -178,15 +178,13 @@ def print_tables(results: Results, rounds: int, loads: list[str]) -> None:
     print(f"Adversarial 1 MiB bodies without whitespace, milliseconds; `count_till_limit` is "
           f"against a {ADVERSARIAL_LIMIT}-token limit (None for all of these bodies).")
     print()
-    # tollgate::tokens::Encoding is what these columns time (its own loop on bpe-openai's
-    # encoder), not bpe-openai's Tokenizer.
     print("| body | encoding | tokens | tollgate count_till_limit | tollgate count "
           "| tiktoken-rs | tiktoken-py |")
     print("|---|---|---:|---:|---:|---:|---:|")
     worst_ms = {"count_till_limit": 0.0, "count": 0.0}
     for (body_name, name), row in results.adversarial.items():
-        limited_ms = row["bpe_openai_count_till_limit_ms"]
-        count_ms = row["bpe_openai_count_ms"]
+        limited_ms = row["tollgate_count_till_limit_ms"]
+        count_ms = row["tollgate_count_ms"]
         if body_name in TARGETED_ADVERSARIAL:
             worst_ms["count_till_limit"] = max(worst_ms["count_till_limit"], limited_ms)
             worst_ms["count"] = max(worst_ms["count"], count_ms)

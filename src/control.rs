@@ -361,13 +361,7 @@ impl Aimd {
             // Nothing was cut, so there are no stale samples to wait out: no cooldown.
             return Action::Hold(Hold::AtFloor);
         }
-        // A breach with the budget in real use ends slow start: the limit has found the knee's
-        // neighbourhood, and doubling from here would go straight back past it. One with most
-        // of it idle (a single slow request at light load) says little about where the knee
-        // is.
-        if peak_in_flight.saturating_mul(2) >= self.limit {
-            self.slow_start = false;
-        }
+        self.end_slow_start_if_in_use(peak_in_flight);
         // Cut from what is in use, when that is less than the limit: a limit far above the
         // traffic (at start-up, or after slow start) cut by 10% would still not hold back the
         // requests that are overloading the upstream now. But from no less than half the
@@ -395,15 +389,23 @@ impl Aimd {
     /// in flight, and if this budget was in real use it has found the knee (slow start ends,
     /// as for a breach).
     fn clamp(&mut self, config: &AimdConfig, peak_in_flight: u32) -> Action {
-        if peak_in_flight.saturating_mul(2) >= self.limit {
-            self.slow_start = false;
-        }
+        self.end_slow_start_if_in_use(peak_in_flight);
         let in_use = peak_in_flight.max(config.floor);
         if self.limit > in_use {
             self.limit = in_use;
             Action::Clamp
         } else {
             Action::Hold(Hold::EngineSaturated)
+        }
+    }
+
+    /// A breach or saturation with the budget in real use (at least half of it in flight) ends
+    /// slow start: the limit has found the knee's neighbourhood, and doubling from here would
+    /// go straight back past it. One with most of it idle (a single slow request at light
+    /// load, or engines filled by other traffic) says little about where the knee is.
+    fn end_slow_start_if_in_use(&mut self, peak_in_flight: u32) {
+        if peak_in_flight.saturating_mul(2) >= self.limit {
+            self.slow_start = false;
         }
     }
 

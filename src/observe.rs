@@ -17,6 +17,7 @@ use metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder, 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::control::Action;
+use crate::control::engine::EngineLoad;
 use crate::policy::{Policy, TierId};
 use crate::reply::Reason;
 use response::ResponseEnd;
@@ -711,21 +712,25 @@ impl Metrics {
         inner.engine_scrapes[0].increment(scrape.loads.len() as u64);
         inner.engine_scrapes[1].increment(scrape.failures as u64);
         inner.engine_saturation.set(saturation.unwrap_or(f64::NAN));
-        let kv: Vec<f64> = scrape
-            .loads
-            .iter()
-            .filter_map(|l| l.kv_cache_usage)
-            .collect();
-        inner.engine_kv_cache_usage.set(if kv.is_empty() {
+        // Sum and count of one figure over the engines that reported it; NaN from none.
+        let over_engines = |figure: fn(&EngineLoad) -> Option<f64>| {
+            scrape
+                .loads
+                .iter()
+                .filter_map(figure)
+                .fold((0.0, 0u32), |(sum, n), value| (sum + value, n + 1))
+        };
+        let (kv_sum, kv_engines) = over_engines(|load| load.kv_cache_usage);
+        inner.engine_kv_cache_usage.set(if kv_engines == 0 {
             f64::NAN
         } else {
-            kv.iter().sum::<f64>() / kv.len() as f64
+            kv_sum / f64::from(kv_engines)
         });
-        let waiting: Vec<f64> = scrape.loads.iter().filter_map(|l| l.waiting).collect();
-        inner.engine_waiting.set(if waiting.is_empty() {
+        let (waiting, waiting_engines) = over_engines(|load| load.waiting);
+        inner.engine_waiting.set(if waiting_engines == 0 {
             f64::NAN
         } else {
-            waiting.iter().sum()
+            waiting
         });
     }
 

@@ -180,7 +180,7 @@ static O200K: LazyLock<Counter> =
     LazyLock::new(|| Counter::new(Encoding::O200kBase, &O200K_PATTERNS));
 
 thread_local! {
-    /// One regex search cache per thread and encoding (indexed by `Counter::slot`): the lazy
+    /// One regex search cache per thread and encoding (indexed by the encoding): the lazy
     /// DFA it holds warms up once per thread instead of being taken from and returned to a
     /// shared pool for every piece.
     static SEARCH_CACHES: RefCell<[Option<Cache>; 2]> = const { RefCell::new([None, None]) };
@@ -190,12 +190,12 @@ thread_local! {
 /// encoder, except pieces that are a single vocabulary entry.
 struct Counter {
     tokenizer: &'static Tokenizer,
-    /// Cuts ASCII text without the regex (`ascii`), to the same pieces.
-    flavor: ascii::Flavor,
+    /// Which patterns `ascii` follows to cut ASCII text without the regex, and which of the
+    /// thread's search caches is this counter's.
+    encoding: Encoding,
     splitter: Regex,
     /// Every vocabulary entry's bytes, borrowed from the `'static` tokenizer.
     whole_tokens: FxHashSet<&'static [u8]>,
-    slot: usize,
 }
 
 impl Counter {
@@ -207,13 +207,9 @@ impl Counter {
             .collect();
         Counter {
             tokenizer,
-            flavor: match encoding {
-                Encoding::Cl100kBase => ascii::Flavor::Cl100k,
-                Encoding::O200kBase => ascii::Flavor::O200k,
-            },
+            encoding,
             splitter: Regex::new_many(patterns).expect("the pre-tokenisation patterns compile"),
             whole_tokens,
-            slot: encoding as usize,
         }
     }
 
@@ -222,7 +218,8 @@ impl Counter {
     fn count_till_limit(&self, text: &str, limit: usize) -> Option<usize> {
         SEARCH_CACHES.with(|caches| {
             let mut caches = caches.borrow_mut();
-            let cache = caches[self.slot].get_or_insert_with(|| self.splitter.create_cache());
+            let cache =
+                caches[self.encoding as usize].get_or_insert_with(|| self.splitter.create_cache());
             let mut total = 0usize;
             let mut at = 0;
             while at < text.len() {
@@ -246,7 +243,7 @@ impl Counter {
     /// The piece of `text` that starts at byte `at`, as `bpe-openai`'s splitter cuts it.
     fn next_piece<'t>(&self, cache: &mut Cache, text: &'t str, at: usize) -> &'t [u8] {
         let rest = &text[at..];
-        match ascii::piece_len(self.flavor, rest.as_bytes()) {
+        match ascii::piece_len(self.encoding, rest.as_bytes()) {
             Some(len) => &rest.as_bytes()[..len],
             None => self.regex_piece(cache, rest),
         }

@@ -136,9 +136,9 @@ impl Stack {
                     command.env_remove(name);
                 }
             }
-            let mut proc = Proc::spawn("tollgate", &mut command, dir.path().join("tollgate.log"))?;
+            let proc = Proc::spawn("tollgate", &mut command, dir.path().join("tollgate.log"))?;
             let url = format!("http://{admin}/readyz");
-            wait_until(&mut proc, client, &url, |_| true).await?;
+            wait_until(&proc, client, &url, |_| true).await?;
             tollgate = Some(proc);
             tollgate_admin = Some(admin);
             grpc_port = Some(grpc.port());
@@ -158,7 +158,7 @@ impl Stack {
         };
         let config_path = dir.path().join("envoy.yaml");
         std::fs::write(&config_path, render_config(&text, &ports)?)?;
-        let mut envoy = Proc::spawn(
+        let envoy = Proc::spawn(
             "envoy",
             Command::new(&binaries.envoy)
                 .arg("-c")
@@ -170,7 +170,7 @@ impl Stack {
             dir.path().join("envoy.log"),
         )?;
         let url = format!("http://127.0.0.1:{admin}/ready");
-        wait_until(&mut envoy, client, &url, |body| body.trim() == "LIVE").await?;
+        wait_until(&envoy, client, &url, |body| body.trim() == "LIVE").await?;
 
         Ok(Stack {
             envoy_listen: SocketAddr::from((Ipv4Addr::LOCALHOST, listen)),
@@ -212,7 +212,7 @@ fn with_upstream(config: &Value, base_url: &str) -> Value {
 }
 
 async fn wait_until(
-    proc: &mut Proc,
+    proc: &Proc,
     client: &reqwest::Client,
     url: &str,
     body_ok: impl Fn(&str) -> bool,

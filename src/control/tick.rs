@@ -74,7 +74,7 @@ pub async fn run(
                     scrape = scraper.scrape() => scrape,
                     () = reached(&mut lifecycle, Lifecycle::Draining) => return,
                 };
-                let saturation = engine::saturation(&scrape.loads, scraper.config());
+                let saturation = engine::saturation(&scrape.loads, &control.engine);
                 metrics.engine_scrape(&scrape, saturation);
                 saturation
             }

@@ -22,12 +22,7 @@
 //! | ` ?[^\s\p{L}\p{N}]+[\r\n]*` | ` ?[^\s\p{L}\p{N}]+[\r\n/]*` |
 //! | `\s*[\r\n]+`, `\s+$`, then `\s+(?!\S)`, then `\s+` | the same |
 
-/// Which encoding's patterns to follow.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Flavor {
-    Cl100k,
-    O200k,
-}
+use super::Encoding;
 
 /// What an ASCII byte is to the patterns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,10 +57,6 @@ fn class(text: &[u8], i: usize) -> Result<Option<Class>, ()> {
 
 fn is_letter(class: Class) -> bool {
     matches!(class, Class::Upper | Class::Lower)
-}
-
-fn is_white(class: Class) -> bool {
-    matches!(class, Class::Newline | Class::Space)
 }
 
 /// Where the run of bytes of `in_run` classes starting at `from` ends. `Err` if it ends at a
@@ -106,11 +97,11 @@ fn contraction(text: &[u8], at: usize) -> Result<Option<usize>, ()> {
 
 /// The length of the piece at the start of `text`, if deciding it took ASCII bytes only;
 /// `None` sends the caller to the regex (also for an empty `text`).
-pub fn piece_len(flavor: Flavor, text: &[u8]) -> Option<usize> {
-    piece(flavor, text).ok().flatten()
+pub fn piece_len(encoding: Encoding, text: &[u8]) -> Option<usize> {
+    piece(encoding, text).ok().flatten()
 }
 
-fn piece(flavor: Flavor, text: &[u8]) -> Result<Option<usize>, ()> {
+fn piece(encoding: Encoding, text: &[u8]) -> Result<Option<usize>, ()> {
     let Some(first) = class(text, 0)? else {
         return Ok(None);
     };
@@ -124,8 +115,8 @@ fn piece(flavor: Flavor, text: &[u8]) -> Result<Option<usize>, ()> {
     } else {
         None
     };
-    match flavor {
-        Flavor::Cl100k => {
+    match encoding {
+        Encoding::Cl100kBase => {
             // The contractions come first, on their own.
             if let Some(len) = contraction(text, 0)? {
                 return Ok(Some(len));
@@ -135,7 +126,7 @@ fn piece(flavor: Flavor, text: &[u8]) -> Result<Option<usize>, ()> {
                 return Ok(Some(run_end(text, from, is_letter)?));
             }
         }
-        Flavor::O200k => {
+        Encoding::O200kBase => {
             if let Some(from) = letters_from {
                 // upper* lower+ | upper+ lower*: ASCII letters are one case or the other, so
                 // both alternatives end where the lower-case run after the upper-case run ends,
@@ -169,7 +160,7 @@ fn piece(flavor: Flavor, text: &[u8]) -> Result<Option<usize>, ()> {
     };
     if let Some(from) = symbols_from {
         let end = run_end(text, from, |c| c == Class::Other)?;
-        let slash_too = flavor == Flavor::O200k;
+        let slash_too = encoding == Encoding::O200kBase;
         let trailing = text[end..]
             .iter()
             .take_while(|&&b| b == b'\r' || b == b'\n' || (slash_too && b == b'/'))
@@ -178,10 +169,19 @@ fn piece(flavor: Flavor, text: &[u8]) -> Result<Option<usize>, ()> {
     }
     // White space: `\s*[\r\n]+`, `\s+$`, `\s+(?!\S)`, `\s+`. The whole run must be known: a
     // non-ASCII space (U+00A0, U+3000, ...) would extend it.
-    debug_assert!(is_white(first));
-    let run = run_end(text, 0, is_white)?;
-    if let Some(last_newline) = text[..run].iter().rposition(|&b| b == b'\r' || b == b'\n') {
-        return Ok(Some(last_newline + 1));
+    debug_assert!(matches!(first, Class::Newline | Class::Space));
+    let mut run = 0;
+    let mut past_last_newline = None;
+    while let Some(class) = class(text, run)? {
+        match class {
+            Class::Newline => past_last_newline = Some(run + 1),
+            Class::Space => {}
+            _ => break,
+        }
+        run += 1;
+    }
+    if past_last_newline.is_some() {
+        return Ok(past_last_newline);
     }
     if run == text.len() || run == 1 {
         return Ok(Some(run));

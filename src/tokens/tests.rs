@@ -783,7 +783,7 @@ fn ascii_fast_path_cuts_where_the_regex_does() {
             while at < text.len() {
                 let rest = &text[at..];
                 let expected = counter.regex_piece(&mut cache, rest);
-                if let Some(len) = ascii::piece_len(counter.flavor, rest.as_bytes()) {
+                if let Some(len) = ascii::piece_len(counter.encoding, rest.as_bytes()) {
                     assert_eq!(
                         &rest.as_bytes()[..len],
                         expected,

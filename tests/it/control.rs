@@ -271,12 +271,9 @@ async fn saturated_engines_take_the_headroom_above_what_is_in_flight_and_give_it
     // without samples the controller would not grow the budget back.
     config.control.window_ms = 60_000;
     let server = TestServer::start(config).await;
-    let mut admitted = Vec::new();
-    for user in ["a", "b", "c", "d"] {
-        let (mut stream, answer) = submit(&server, user, true).await;
-        assert!(is_admitted(&answer), "{answer:?}");
-        first_token(&mut stream).await;
-        admitted.push(stream);
+    let mut admitted = admit_four(&server, true).await;
+    for stream in &mut admitted {
+        first_token(stream).await;
     }
     // Half full, fast first tokens, four of eight slots used (no demand): nothing to do.
     tokio::time::sleep(Duration::from_millis(300)).await;
