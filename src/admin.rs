@@ -11,7 +11,7 @@ use tokio::sync::watch;
 
 use std::sync::Arc;
 
-use crate::extproc::Lifecycle;
+use crate::lifecycle::Lifecycle;
 use crate::observe::Metrics;
 use crate::scheduler::Scheduler;
 

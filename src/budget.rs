@@ -33,7 +33,6 @@
 //! and is only meaningful to the same store's `settle`.
 
 pub mod breaker;
-pub mod headers;
 pub mod ledger;
 pub mod memory;
 pub mod redis;

@@ -4,7 +4,7 @@
 //! Netflix's concurrency-limits split: the algorithm *computes* a number, the enforcer (the
 //! scheduler) *applies* it. `Aimd::step` is a pure function of its state, the configuration
 //! and one `Observation` per tick (p99 TTFT over the sliding window, see
-//! `observe::window`, how busy the budget was and, if scraped, how full the engines are, see
+//! `window`, how busy the budget was and, if scraped, how full the engines are, see
 //! `engine`); it reads no clock and does no I/O, so a
 //! test drives it tick by tick from a table. `tick` is the task that feeds it from the live
 //! window and scheduler and hands the limit to the scheduler.
@@ -67,6 +67,7 @@
 pub mod engine;
 pub mod scrape;
 pub mod tick;
+pub mod window;
 
 use std::fmt;
 

@@ -7,13 +7,17 @@
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms, clippy::disallowed_methods, clippy::disallowed_types)]
 
+#[cfg(test)]
+mod architecture;
 pub mod admin;
 pub mod admission;
 pub mod budget;
 pub mod config;
 pub mod control;
 pub mod extproc;
+pub mod lifecycle;
 pub mod observe;
+pub mod pipeline;
 pub mod policy;
 pub mod reply;
 pub mod request;
@@ -29,9 +33,10 @@ use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
 
 use crate::config::Config;
-use crate::extproc::{ExtProcService, Lifecycle, OpenStreams, Shared};
+use crate::extproc::{ExtProcService, OpenStreams, Shared};
+use crate::lifecycle::Lifecycle;
 use crate::observe::Metrics;
-use crate::observe::window::LatencyWindow;
+use crate::control::window::LatencyWindow;
 use crate::policy::Policy;
 use crate::scheduler::Scheduler;
 
@@ -156,13 +161,15 @@ where
     let ledger = budget::ledger::Ledger::new(store, policy.store.clone(), metrics.clone());
     let renewer = tokio::spawn(ledger.clone().renew_leases());
     let shared = Arc::new(Shared {
-        policy: policy.clone(),
-        metrics: metrics.clone(),
+        pipeline: pipeline::Pipeline {
+            policy: policy.clone(),
+            metrics: metrics.clone(),
+            scheduler: scheduler.clone(),
+            ledger,
+            ttft_window: ttft_window.clone(),
+        },
         lifecycle: lifecycle.clone(),
         open_streams: OpenStreams::default(),
-        scheduler: scheduler.clone(),
-        ledger,
-        ttft_window: ttft_window.clone(),
     });
     if policy.control.enabled {
         let control = &policy.control;

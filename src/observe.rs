@@ -9,7 +9,6 @@
 //! counts.
 
 pub mod response;
-pub mod window;
 
 use std::sync::Arc;
 

@@ -98,6 +98,20 @@ pub const ENVOY_TIMEOUT_MARGIN: Duration = Duration::from_millis(500);
 /// Weights above this make one tenant's share indistinguishable from all of it.
 const MAX_WEIGHT: u32 = 10_000;
 
+impl Tier {
+    /// The windows a request for `model` counts against: the tier's own, then those of the
+    /// model limits whose glob matches.
+    pub fn windows_for(&self, model: &str) -> Vec<WindowLimit> {
+        let mut windows = self.windows.clone();
+        for (pattern, extra) in &self.model_windows {
+            if crate::tokens::glob_match(pattern, model) {
+                windows.extend(extra.iter().cloned());
+            }
+        }
+        windows
+    }
+}
+
 /// Token ceilings above this are almost certainly a typo (no model takes or generates ten
 /// million tokens in one request) and would make budget arithmetic meaningless.
 const MAX_SANE_TOKENS: u32 = 10_000_000;

@@ -5,6 +5,8 @@
 //! parse it like any upstream error and operators can grep for the rule. A refusal is a value
 //! (`LocalReply`), not an error: the code that decides returns it, the adapter sends it.
 
+pub mod rate_limit;
+
 /// Why a request was refused. The wire names (`as_str`) are a stable interface: they appear in
 /// the `x-tollgate-reason` header and as the `reason` metric label, pre-created for all values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -60,56 +62,57 @@ impl Reason {
         Reason::ShuttingDown,
     ];
 
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::MissingIdentity => "missing_identity",
-            Reason::InvalidApiKey => "invalid_api_key",
-            Reason::UnknownTier => "unknown_tier",
-            Reason::MissingBody => "missing_body",
-            Reason::InvalidContentType => "invalid_content_type",
-            Reason::UnsupportedContentEncoding => "unsupported_content_encoding",
-            Reason::BodyTooLarge => "body_too_large",
-            Reason::IncompleteBody => "incomplete_body",
-            Reason::MalformedJson => "malformed_json",
-            Reason::InvalidRequest => "invalid_request",
-            Reason::InvalidMaxTokens => "invalid_max_tokens",
-            Reason::InputTokensExceeded => "input_tokens_exceeded",
-            Reason::OutputTokensExceeded => "output_tokens_exceeded",
-            Reason::TokenBudgetExhausted => "token_budget_exhausted",
-            Reason::RequestRateExceeded => "request_rate_exceeded",
-            Reason::ConcurrencyLimitReached => "concurrency_limit_reached",
-            Reason::RequestExceedsBudget => "request_exceeds_budget",
-            Reason::BudgetStoreUnavailable => "budget_store_unavailable",
-            Reason::QueueFull => "queue_full",
-            Reason::QueueBytesFull => "queue_bytes_full",
-            Reason::QueueTimeout => "queue_timeout",
-            Reason::ShuttingDown => "shutting_down",
+    /// The one table of refusals: every rule's wire name, HTTP status, and the headers it
+    /// always carries. Headers that depend on the request (a 429's computed `retry-after` and
+    /// rate-limit headers) travel in `LocalReply::headers`.
+    const fn rule(self) -> Rule {
+        // Overload clears by itself within moments: every 503 tells clients to come back soon.
+        const RETRY_SOON: &[(&str, &str)] = &[("retry-after", "1")];
+        const NONE: &[(&str, &str)] = &[];
+        let (name, status, headers) = match self {
+            Reason::MissingIdentity => ("missing_identity", 401, NONE),
+            Reason::InvalidApiKey => ("invalid_api_key", 401, NONE),
+            Reason::UnknownTier => ("unknown_tier", 401, NONE),
+            Reason::MissingBody => ("missing_body", 400, NONE),
+            Reason::InvalidContentType => ("invalid_content_type", 400, NONE),
+            Reason::UnsupportedContentEncoding => ("unsupported_content_encoding", 415, NONE),
+            Reason::BodyTooLarge => ("body_too_large", 413, NONE),
+            Reason::IncompleteBody => ("incomplete_body", 413, NONE),
+            Reason::MalformedJson => ("malformed_json", 400, NONE),
+            Reason::InvalidRequest => ("invalid_request", 400, NONE),
+            Reason::InvalidMaxTokens => ("invalid_max_tokens", 400, NONE),
+            Reason::InputTokensExceeded => ("input_tokens_exceeded", 400, NONE),
+            Reason::OutputTokensExceeded => ("output_tokens_exceeded", 400, NONE),
+            Reason::TokenBudgetExhausted => ("token_budget_exhausted", 429, NONE),
+            Reason::RequestRateExceeded => ("request_rate_exceeded", 429, NONE),
+            Reason::ConcurrencyLimitReached => ("concurrency_limit_reached", 429, NONE),
+            Reason::RequestExceedsBudget => ("request_exceeds_budget", 429, NONE),
+            Reason::BudgetStoreUnavailable => ("budget_store_unavailable", 503, RETRY_SOON),
+            Reason::QueueFull => ("queue_full", 503, RETRY_SOON),
+            Reason::QueueBytesFull => ("queue_bytes_full", 503, RETRY_SOON),
+            Reason::QueueTimeout => ("queue_timeout", 503, RETRY_SOON),
+            Reason::ShuttingDown => ("shutting_down", 503, RETRY_SOON),
+        };
+        Rule {
+            name,
+            status,
+            headers,
         }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        self.rule().name
     }
 
     /// The HTTP status this rule answers with.
     pub fn status(self) -> u16 {
-        match self {
-            Reason::MissingIdentity | Reason::InvalidApiKey | Reason::UnknownTier => 401,
-            Reason::BodyTooLarge | Reason::IncompleteBody => 413,
-            Reason::UnsupportedContentEncoding => 415,
-            Reason::TokenBudgetExhausted
-            | Reason::RequestRateExceeded
-            | Reason::ConcurrencyLimitReached
-            | Reason::RequestExceedsBudget => 429,
-            Reason::QueueFull
-            | Reason::QueueBytesFull
-            | Reason::QueueTimeout
-            | Reason::ShuttingDown
-            | Reason::BudgetStoreUnavailable => 503,
-            Reason::MissingBody
-            | Reason::InvalidContentType
-            | Reason::MalformedJson
-            | Reason::InvalidRequest
-            | Reason::InvalidMaxTokens
-            | Reason::InputTokensExceeded
-            | Reason::OutputTokensExceeded => 400,
-        }
+        self.rule().status
+    }
+
+    /// The headers every reply for this rule carries, besides content-type and
+    /// `x-tollgate-reason`.
+    pub fn fixed_headers(self) -> &'static [(&'static str, &'static str)] {
+        self.rule().headers
     }
 
     /// OpenAI's `error.type`: for rate limits, which quantity ran out.
@@ -140,6 +143,13 @@ impl Reason {
     }
 }
 
+/// One row of `Reason::rule`.
+struct Rule {
+    name: &'static str,
+    status: u16,
+    headers: &'static [(&'static str, &'static str)],
+}
+
 /// A complete local reply: what Envoy sends the client instead of forwarding the request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LocalReply {
@@ -148,7 +158,8 @@ pub struct LocalReply {
     pub message: String,
     /// The request field at fault, if any (`error.param`).
     pub param: Option<&'static str>,
-    /// Extra response headers (e.g. `retry-after`) besides content-type and x-tollgate-reason.
+    /// Headers computed for this request (a 429's `retry-after` and rate-limit headers); the
+    /// reason's fixed ones are in `Reason::fixed_headers`, and `all_headers` yields both.
     pub headers: Vec<(&'static str, String)>,
 }
 
@@ -176,6 +187,13 @@ impl LocalReply {
         self.reason.status()
     }
 
+    /// Every header of the reply besides content-type and `x-tollgate-reason`: the reason's
+    /// fixed ones, then this request's.
+    pub fn all_headers(&self) -> impl Iterator<Item = (&'static str, &str)> {
+        let fixed = self.reason.fixed_headers().iter().copied();
+        fixed.chain(self.headers.iter().map(|(name, value)| (*name, value.as_str())))
+    }
+
     /// The OpenAI-shaped JSON body.
     pub fn body(&self) -> Vec<u8> {
         let body = serde_json::json!({
@@ -200,6 +218,20 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), Reason::ALL.len());
+    }
+
+    #[test]
+    fn every_503_and_only_a_503_says_retry_soon() {
+        for reason in Reason::ALL {
+            let soon = reason.fixed_headers().contains(&("retry-after", "1"));
+            assert_eq!(soon, reason.status() == 503, "{reason:?}");
+        }
+        let reply = LocalReply::new(Reason::QueueFull, "full").with_header("x-extra", "1");
+        assert_eq!(
+            reply.all_headers().collect::<Vec<_>>(),
+            [("retry-after", "1"), ("x-extra", "1")],
+            "the table's headers first, then the request's"
+        );
     }
 
     #[test]

@@ -14,13 +14,12 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::breaker::{Breaker, BreakerState, Permission};
-use super::headers;
-use super::{Granted, LeaseRef, Reservation, Reserve, Settlement, Store, StoreError, WindowLimit};
+use super::{
+    Denied, Granted, LeaseRef, Reservation, Reserve, Settlement, Store, StoreError, WindowLimit,
+    WindowState,
+};
 use crate::config::{FailMode, StoreConfig};
 use crate::observe::{DegradedControl, GaugeGuard, Metrics, StoreOp};
-use crate::policy::Tier;
-use crate::reply::{LocalReply, Reason};
-use crate::tokens::glob_match;
 
 pub struct Ledger {
     store: Store,
@@ -36,11 +35,45 @@ pub struct Ledger {
     metrics: Metrics,
 }
 
-/// A granted request's claim: what to add to its headers, and the hold to settle at its end.
+/// What reserving a request's budgets answers. A "no" is a value: `Err` is not used for it, and
+/// what the client is told is decided by `reply`, not here.
+pub enum Reserved {
+    Granted(Grant),
+    Denied(Denial),
+}
+
+/// A granted request's claim: the hold to settle at its end, and its budgets' state after it.
 pub struct Grant {
     pub hold: Hold,
-    /// `x-ratelimit-*` and `RateLimit*` describing the budgets after this request.
-    pub headers: Vec<(&'static str, String)>,
+    /// The budgets after this request, for the client's `x-ratelimit-*` and `RateLimit*`
+    /// headers; `None` when nothing was checked (no budgets, or the store failing open).
+    pub budgets: Option<BudgetState>,
+}
+
+/// A tenant's budgets as one reservation left them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BudgetState {
+    pub windows: Vec<WindowLimit>,
+    /// Each window's state, in the order of `windows`.
+    pub states: Vec<WindowState>,
+    /// Live leases including this request, and the limit, when concurrency is limited.
+    pub concurrency: Option<(u32, u32)>,
+}
+
+/// Why a reservation was refused; nothing was taken.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Denial {
+    /// A budget window or the concurrency limit has no room for the request.
+    Limit {
+        windows: Vec<WindowLimit>,
+        denied: Denied,
+        max_concurrent: Option<u32>,
+    },
+    /// The store cannot be reached and `store.budgets_on_error` fails closed.
+    StoreUnavailable,
+    /// The store cannot be reached and this replica already admits `cap` requests of the
+    /// tenant (`store.concurrency_on_error: fail_closed`).
+    ReplicaConcurrencyCap { cap: u32 },
 }
 
 impl Ledger {
@@ -65,21 +98,21 @@ impl Ledger {
         self.store.kind()
     }
 
-    /// Reserves `tokens` and a concurrency lease for a request of `tenant` under `tier`'s
-    /// budgets (plus those of `model`). One store round trip, or none when the tier has no
+    /// Reserves `tokens` against `windows` and, if `max_concurrent` is set, a concurrency lease
+    /// for a request of `tenant` (policy decides which windows and limits a request counts
+    /// against: `policy::Tier::windows_for`). One store round trip, or none when there are no
     /// budgets or the circuit is open.
     pub async fn reserve(
         self: &Arc<Self>,
         tenant: &str,
-        tier: &Tier,
-        model: &str,
+        windows: Vec<WindowLimit>,
+        max_concurrent: Option<u32>,
         tokens: u64,
-    ) -> Result<Grant, LocalReply> {
-        let windows = windows_for(tier, model);
-        if windows.is_empty() && tier.max_concurrent.is_none() {
-            return Ok(Grant {
+    ) -> Reserved {
+        if windows.is_empty() && max_concurrent.is_none() {
+            return Reserved::Granted(Grant {
                 hold: Hold::none(),
-                headers: Vec::new(),
+                budgets: None,
             });
         }
         let lease_id = format!(
@@ -92,7 +125,7 @@ impl Ledger {
             lease_id: &lease_id,
             tokens,
             windows: &windows,
-            max_concurrent: tier.max_concurrent,
+            max_concurrent,
             lease_ttl_ms: self.config.lease_ttl_ms,
         };
         let answer = match self.permission() {
@@ -104,25 +137,35 @@ impl Ledger {
         };
         match answer {
             Ok(Reserve::Granted(granted)) => {
-                let headers = headers::rate_limit_headers(
-                    &windows,
-                    &granted.windows,
-                    tier.max_concurrent
-                        .map(|limit| (granted.concurrent.unwrap_or(0), limit)),
-                );
-                Ok(Grant {
-                    hold: self.recorded(tenant, tier, lease_id, windows, tokens, &granted),
-                    headers,
+                let concurrency =
+                    max_concurrent.map(|limit| (granted.concurrent.unwrap_or(0), limit));
+                let hold = self.recorded(tenant, lease_id, windows.clone(), tokens, &granted);
+                Reserved::Granted(Grant {
+                    hold,
+                    budgets: Some(BudgetState {
+                        windows,
+                        states: granted.windows,
+                        concurrency,
+                    }),
                 })
             }
-            Ok(Reserve::Denied(denied)) => Err(headers::refusal(
-                &windows,
-                &denied,
-                tier.max_concurrent,
-                &tier.name,
-            )),
-            Err(_) => self.degraded_decision(tenant, tier, &windows),
+            Ok(Reserve::Denied(denied)) => Reserved::Denied(Denial::Limit {
+                windows,
+                denied,
+                max_concurrent,
+            }),
+            Err(_) => self.degraded_decision(tenant, &windows, max_concurrent),
         }
+    }
+
+    /// A tenant's usage of `windows` and its live leases, changing nothing: for tests, and for
+    /// operators asking why a tenant is refused.
+    pub async fn usage(
+        &self,
+        tenant: &str,
+        windows: &[WindowLimit],
+    ) -> Result<super::Usage, StoreError> {
+        self.store.usage(tenant, windows).await
     }
 
     /// Settles `hold` with what the request really cost.
@@ -168,7 +211,6 @@ impl Ledger {
     fn recorded(
         self: &Arc<Self>,
         tenant: &str,
-        tier: &Tier,
         lease_id: String,
         windows: Vec<WindowLimit>,
         tokens: u64,
@@ -183,7 +225,6 @@ impl Ledger {
                 windows,
                 reserved_at_ms: granted.at_ms,
                 reserved_tokens: tokens,
-                tier: tier.name.clone(),
                 _lease: self.metrics.hold_lease(),
             })),
         }
@@ -207,30 +248,25 @@ impl Ledger {
                 .call(StoreOp::Settle, self.store.settle(&settlement))
                 .await;
         }
-        tracing::trace!(tier = %recorded.tier, actual_tokens, "settled");
+        tracing::trace!(actual_tokens, "settled");
     }
 
     /// The store failed or the circuit is open: take the fail modes.
     fn degraded_decision(
         self: &Arc<Self>,
         tenant: &str,
-        tier: &Tier,
         windows: &[WindowLimit],
-    ) -> Result<Grant, LocalReply> {
+        max_concurrent: Option<u32>,
+    ) -> Reserved {
         if !windows.is_empty() {
             let mode = self.config.budgets_on_error;
             self.metrics.degraded(DegradedControl::Budgets, mode);
             if mode == FailMode::FailClosed {
-                return Err(LocalReply::new(
-                    Reason::BudgetStoreUnavailable,
-                    "token budgets cannot be checked right now (the budget store is unavailable); \
-                     retry shortly",
-                )
-                .with_header("retry-after", "1"));
+                return Reserved::Denied(Denial::StoreUnavailable);
             }
         }
         let mut local = None;
-        if tier.max_concurrent.is_some() {
+        if max_concurrent.is_some() {
             let mode = self.config.concurrency_on_error;
             self.metrics.degraded(DegradedControl::Concurrency, mode);
             if mode == FailMode::FailClosed {
@@ -238,21 +274,13 @@ impl Ledger {
                 let mut counts = lock(&self.degraded);
                 let count = counts.entry(tenant.to_owned()).or_insert(0);
                 if *count >= cap {
-                    return Err(LocalReply::new(
-                        Reason::ConcurrencyLimitReached,
-                        format!(
-                            "Rate limit reached for concurrent requests: the budget store is \
-                             unavailable, so this replica allows {cap} at a time per tenant. \
-                             Please try again in 1s."
-                        ),
-                    )
-                    .with_header("retry-after", "1"));
+                    return Reserved::Denied(Denial::ReplicaConcurrencyCap { cap });
                 }
                 *count += 1;
                 local = Some(tenant.to_owned());
             }
         }
-        Ok(Grant {
+        Reserved::Granted(Grant {
             hold: Hold {
                 kind: local.map(|tenant| HoldKind::Degraded {
                     _release: Degraded {
@@ -261,7 +289,7 @@ impl Ledger {
                     },
                 }),
             },
-            headers: Vec::new(),
+            budgets: None,
         })
     }
 
@@ -308,17 +336,6 @@ impl Ledger {
     }
 }
 
-/// The windows a request counts against: its tier's, and those of model limits it matches.
-fn windows_for(tier: &Tier, model: &str) -> Vec<WindowLimit> {
-    let mut windows = tier.windows.clone();
-    for (pattern, extra) in &tier.model_windows {
-        if glob_match(pattern, model) {
-            windows.extend(extra.iter().cloned());
-        }
-    }
-    windows
-}
-
 /// A request's claim on the budgets, to settle once at its end.
 pub struct Hold {
     kind: Option<HoldKind>,
@@ -338,7 +355,6 @@ struct Recorded {
     windows: Vec<WindowLimit>,
     reserved_at_ms: u64,
     reserved_tokens: u64,
-    tier: String,
     _lease: GaugeGuard,
 }
 

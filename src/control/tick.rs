@@ -11,9 +11,9 @@ use tokio::time::{Instant, MissedTickBehavior};
 use super::scrape::Scraper;
 use super::{Action, Aimd, AimdConfig, Decrease, Observation, engine};
 use crate::config::{ControlConfig, ControlSignal};
-use crate::extproc::{Lifecycle, reached};
+use crate::lifecycle::{Lifecycle, reached};
 use crate::observe::Metrics;
-use crate::observe::window::{self, LatencyWindow};
+use super::window::{self, LatencyWindow};
 use crate::scheduler::Scheduler;
 
 /// The pure controller's settings from the configuration.

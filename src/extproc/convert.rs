@@ -9,27 +9,116 @@ use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
-    ProcessingRequest, ProcessingResponse, TrailersResponse, body_mutation,
-    processing_response::Response,
+    TrailersResponse, body_mutation, processing_response::Response,
 };
+/// Envoy's message and tollgate's answer, as the stream loop passes them through unread.
+pub use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 
-use crate::admission::Admission;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
+
+use crate::pipeline::Forward;
 use crate::reply::LocalReply;
 use crate::request::Header;
 
-/// Borrows Envoy's header map as tollgate `Header`s. Envoy sends values in `raw_value` (bytes);
-/// older versions used `value`, so fall back to it when `raw_value` is empty.
-/// Whether Envoy will send this stream's response body, from the filter configuration it
-/// reports in the first message (`protocol_config`); `None` on later messages, or from an
-/// Envoy that does not report it.
-pub fn sends_response_body(message: &ProcessingRequest) -> Option<bool> {
-    let config = message.protocol_config.as_ref()?;
-    // The raw value, not prost's getter, which reads a mode newer than this build as NONE.
-    Some(config.response_body_mode != BodySendMode::None as i32)
+/// One of Envoy's messages, in tollgate's terms.
+pub enum Inbound {
+    RequestHeaders {
+        headers: EnvoyHeaders,
+        end_of_stream: bool,
+    },
+    RequestBody {
+        body: Vec<u8>,
+        end_of_stream: bool,
+    },
+    RequestTrailers,
+    ResponseHeaders {
+        headers: EnvoyHeaders,
+        end_of_stream: bool,
+    },
+    ResponseBody {
+        body: Vec<u8>,
+        end_of_stream: bool,
+    },
+    ResponseTrailers,
+    /// A `ProcessingRequest` that carries none of the above.
+    Empty,
 }
 
-pub fn headers(map: Option<&HeaderMap>) -> Vec<Header<'_>> {
+impl Inbound {
+    /// The message's name in Envoy's protocol, for errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Inbound::RequestHeaders { .. } => "request_headers",
+            Inbound::RequestBody { .. } => "request_body",
+            Inbound::RequestTrailers => "request_trailers",
+            Inbound::ResponseHeaders { .. } => "response_headers",
+            Inbound::ResponseBody { .. } => "response_body",
+            Inbound::ResponseTrailers => "response_trailers",
+            Inbound::Empty => "an empty ProcessingRequest",
+        }
+    }
+}
+
+/// Reads one of Envoy's messages, and whether Envoy will send this stream's response body,
+/// from the filter configuration it reports in the first message (`protocol_config`): `None`
+/// on later messages, or from an Envoy that does not report it.
+pub fn inbound(message: ProcessingRequest) -> (Inbound, Option<bool>) {
+    // The raw value, not prost's getter, which reads a mode newer than this build as NONE.
+    let sends_response_body = message
+        .protocol_config
+        .as_ref()
+        .map(|config| config.response_body_mode != BodySendMode::None as i32);
+    let inbound = match message.request {
+        Some(Message::RequestHeaders(headers)) => Inbound::RequestHeaders {
+            end_of_stream: headers.end_of_stream,
+            headers: EnvoyHeaders(headers.headers),
+        },
+        Some(Message::RequestBody(body)) => Inbound::RequestBody {
+            body: body.body,
+            end_of_stream: body.end_of_stream,
+        },
+        Some(Message::RequestTrailers(_)) => Inbound::RequestTrailers,
+        Some(Message::ResponseHeaders(headers)) => Inbound::ResponseHeaders {
+            end_of_stream: headers.end_of_stream,
+            headers: EnvoyHeaders(headers.headers),
+        },
+        Some(Message::ResponseBody(body)) => Inbound::ResponseBody {
+            body: body.body,
+            end_of_stream: body.end_of_stream,
+        },
+        Some(Message::ResponseTrailers(_)) => Inbound::ResponseTrailers,
+        None => Inbound::Empty,
+    };
+    (inbound, sends_response_body)
+}
+
+/// Envoy's header map, read through tollgate's `Header`.
+pub struct EnvoyHeaders(Option<HeaderMap>);
+
+impl EnvoyHeaders {
+    /// Every header, borrowed.
+    pub fn list(&self) -> Vec<Header<'_>> {
+        headers(self.0.as_ref())
+    }
+
+    /// One header's value.
+    pub fn get(&self, name: &str) -> Option<&[u8]> {
+        header(self.0.as_ref(), name)
+    }
+
+    /// The HTTP status of a response's headers; 0 if it is missing or not a number.
+    pub fn status(&self) -> u16 {
+        self.get(":status")
+            .and_then(|s| std::str::from_utf8(s).ok())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+/// Borrows Envoy's header map as tollgate `Header`s. Envoy sends values in `raw_value` (bytes);
+/// older versions used `value`, so fall back to it when `raw_value` is empty.
+fn headers(map: Option<&HeaderMap>) -> Vec<Header<'_>> {
     map.map(|m| {
         m.headers
             .iter()
@@ -47,7 +136,7 @@ pub fn headers(map: Option<&HeaderMap>) -> Vec<Header<'_>> {
 }
 
 /// Looks one header up in Envoy's header map.
-pub fn header<'a>(map: Option<&'a HeaderMap>, name: &str) -> Option<&'a [u8]> {
+fn header<'a>(map: Option<&'a HeaderMap>, name: &str) -> Option<&'a [u8]> {
     map?.headers.iter().find(|h| h.key == name).map(|h| {
         if h.raw_value.is_empty() {
             h.value.as_bytes()
@@ -90,18 +179,13 @@ pub fn request_headers_pass_through() -> ProcessingResponse {
 
 /// CONTINUE on the request body with tollgate's upstream headers (the admission's and the
 /// budget's) and the rewritten body, if there is one.
-pub fn request_body_admit(
-    admission: &Admission,
-    new_body: Option<Vec<u8>>,
-    budget_headers: &[(&'static str, String)],
-) -> ProcessingResponse {
-    let mut set_headers: Vec<HeaderValueOption> = admission
-        .upstream_headers
+pub fn request_body_admit(forward: Forward) -> ProcessingResponse {
+    let mut set_headers: Vec<HeaderValueOption> = forward
+        .headers
         .iter()
-        .chain(budget_headers)
         .map(|(name, value)| set_header(name, value.as_bytes()))
         .collect();
-    let body_mutation = new_body.map(|body| {
+    let body_mutation = forward.body.map(|body| {
         // The rewritten body has a new length; a stale content-length would make the upstream
         // read too little or wait for bytes that never come.
         set_headers.push(set_header(
@@ -149,8 +233,7 @@ pub fn immediate(reply: &LocalReply) -> ProcessingResponse {
     ];
     set_headers.extend(
         reply
-            .headers
-            .iter()
+            .all_headers()
             .map(|(name, value)| set_header(name, value.as_bytes())),
     );
     respond(Response::ImmediateResponse(ImmediateResponse {
@@ -187,7 +270,6 @@ pub fn override_message_timeout(timeout: std::time::Duration) -> ProcessingRespo
 pub enum Phase {
     RequestBody,
     RequestTrailers,
-    ResponseHeaders,
     ResponseBody,
     ResponseTrailers,
 }
@@ -202,7 +284,6 @@ pub fn continue_unchanged(phase: Phase) -> ProcessingResponse {
     respond(match phase {
         Phase::RequestBody => Response::RequestBody(BodyResponse { response: common() }),
         Phase::ResponseBody => Response::ResponseBody(BodyResponse { response: common() }),
-        Phase::ResponseHeaders => Response::ResponseHeaders(HeadersResponse { response: common() }),
         Phase::RequestTrailers => Response::RequestTrailers(TrailersResponse::default()),
         Phase::ResponseTrailers => Response::ResponseTrailers(TrailersResponse::default()),
     })

@@ -4,8 +4,9 @@
 //!
 //! Pure: windows and their states in, header pairs and replies out.
 
-use super::{Denied, DeniedLimit, Quantity, WindowLimit, WindowState};
-use crate::reply::{LocalReply, Reason};
+use super::{LocalReply, Reason};
+use crate::budget::ledger::{BudgetState, Denial};
+use crate::budget::{Denied, DeniedLimit, Quantity, WindowLimit, WindowState};
 
 /// A `Retry-After` longer than this makes OpenAI's SDKs give up rather than wait (they honour up
 /// to 60 s, newer ones 120 s), and waiting that long for a request is rarely what a caller wants:
@@ -16,6 +17,35 @@ const RETRY_SOON_MS: u64 = 60_000;
 /// the store can only say when a lease would expire (its TTL, tens of seconds, and pessimistic
 /// for a live request). Clients are told to retry this soon instead.
 const CONCURRENCY_RETRY_MS: u64 = 1_000;
+
+/// The headers that tell an admitted request's client where its budgets stand.
+pub fn granted_headers(budgets: &BudgetState) -> Vec<(&'static str, String)> {
+    rate_limit_headers(&budgets.windows, &budgets.states, budgets.concurrency)
+}
+
+/// The reply to a reservation the ledger refused, for a request of tier `tier`.
+pub fn denial(denial: &Denial, tier: &str) -> LocalReply {
+    match denial {
+        Denial::Limit {
+            windows,
+            denied,
+            max_concurrent,
+        } => refusal(windows, denied, *max_concurrent, tier),
+        Denial::StoreUnavailable => LocalReply::new(
+            Reason::BudgetStoreUnavailable,
+            "token budgets cannot be checked right now (the budget store is unavailable); retry \
+             shortly",
+        ),
+        Denial::ReplicaConcurrencyCap { cap } => LocalReply::new(
+            Reason::ConcurrencyLimitReached,
+            format!(
+                "Rate limit reached for concurrent requests: the budget store is unavailable, so \
+                 this replica allows {cap} at a time per tenant. Please try again in 1s."
+            ),
+        )
+        .with_header("retry-after", "1"),
+    }
+}
 
 /// Headers describing `windows` (with their `states`, same order) and concurrency.
 pub fn rate_limit_headers(

@@ -1,0 +1,851 @@
+//! One request's life, free of any protocol: the admission pipeline the ext_proc adapter drives.
+//!
+//! A `RequestLife` goes through the phases of an HTTP request, one method each, over domain
+//! types: `head` (who, which route), `body` (the decision: admit, refuse with a reply, or wait
+//! for a slot), `wait` (in the tenant's queue), `response_headers` and `response_body`
+//! (observation: first token, usage, proper end), and `finish` (settle the budgets, free the
+//! slot), exactly once whichever way the request ended. Deciding steps take `now` as an
+//! argument; the pipeline is tested with the in-memory store and paused time, without gRPC
+//! (`pipeline/tests.rs`).
+//!
+//! A phase that comes out of order is answered with `OutOfOrder`, a value the adapter turns into
+//! its protocol's error; the request's state is left as it was.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::admission::{self, Admission, BodyVerdict};
+use crate::budget::ledger::{Denial, Grant, Hold, Ledger, Reserved};
+use crate::config::{ControlSignal, FairnessCost};
+use crate::control::window::{self, LatencyWindow, Pending};
+use crate::lifecycle::{Lifecycle, reached};
+use crate::observe::response::{ResponseEnd, ResponseObserver, Usage};
+use crate::observe::{GaugeGuard, Metrics, RequestOutcome, SchedulerOutcome, TokenKind, TokenStage};
+use crate::policy::{ENVOY_TIMEOUT_MARGIN, Policy, TierId};
+use crate::reply::{self, LocalReply, Reason};
+use crate::request::{self, HeadVerdict, Header, InferenceHead};
+use crate::scheduler::{Admit, FlowClass, Permit, Scheduler, Ticket};
+
+#[cfg(test)]
+mod tests;
+
+/// Bodies above this size are parsed and counted on the blocking pool, so a multi-megabyte
+/// prompt never stalls the async workers that every other stream shares.
+const INLINE_BODY_BYTES: usize = 256 * 1024;
+
+/// What every request's life shares: the policy, the budgets, the global slots and the
+/// controller's window.
+pub struct Pipeline {
+    pub policy: Arc<Policy>,
+    pub metrics: Metrics,
+    pub scheduler: Arc<Scheduler>,
+    pub ledger: Arc<Ledger>,
+    /// Time to first token over the controller's window, fed by every admitted response.
+    pub ttft_window: Arc<Mutex<LatencyWindow>>,
+}
+
+/// What the request headers lead to.
+#[derive(Debug, PartialEq, Eq)]
+pub enum HeadDecision {
+    /// An inference request: continue without the client's copies of these headers, and send
+    /// the body.
+    Continue { remove_headers: Vec<String> },
+    /// A route tollgate does not govern: let it through and send nothing more.
+    PassThrough,
+    Refuse(LocalReply),
+}
+
+/// What the request body leads to.
+#[derive(Debug, PartialEq, Eq)]
+pub enum BodyDecision {
+    Admit(Forward),
+    Refuse(LocalReply),
+    /// Queued for a slot: call `RequestLife::wait`. The protocol may be told how long to wait
+    /// for the answer (`envoy_timeout`, the queue deadline plus a margin, capped by
+    /// `scheduler.envoy_max_message_timeout`).
+    Wait { envoy_timeout: std::time::Duration },
+    /// A request already passed through (its route is not governed): continue unchanged.
+    PassThrough,
+}
+
+/// What an admitted request sends upstream besides its own headers.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Forward {
+    /// tollgate's upstream headers: the admission's `x-tollgate-*` and the budgets' state.
+    pub headers: Vec<(&'static str, String)>,
+    /// The rewritten body, if the admission changed it.
+    pub body: Option<Vec<u8>>,
+}
+
+/// How a wait in the queue ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Waited<M> {
+    Admit(Forward),
+    /// The queue deadline passed, or the server began shutting down.
+    Refuse(LocalReply),
+    /// The client went away: nothing was taken, and there is nobody to answer.
+    ClientGone,
+    /// The protocol delivered a message while the request was waiting for its answer: a
+    /// protocol violation, counted as an abandoned request. The message comes back to the
+    /// adapter to report.
+    Stray(M),
+}
+
+/// What trailers on the request lead to.
+#[derive(Debug, PartialEq, Eq)]
+pub enum TrailersDecision {
+    Continue,
+    /// Trailers before any body: a request with no body.
+    Refuse(LocalReply),
+}
+
+/// A phase arrived that the request's state does not allow; nothing changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutOfOrder {
+    /// What the request was doing, for the error message.
+    pub state: &'static str,
+}
+
+/// Where a request is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Nothing received yet; request headers must come first.
+    Start,
+    /// An inference request whose body has not arrived yet.
+    AwaitingBody,
+    /// A route tollgate does not govern, or one Envoy answered itself.
+    PassedThrough,
+    /// Answered with a local reply.
+    Refused,
+    /// Waiting in its tenant's queue for a slot.
+    Queued,
+    /// Let through; its response is being watched.
+    Admitted,
+}
+
+impl Phase {
+    /// Whether the request has been decided (answered, admitted or passed through).
+    pub fn is_decided(self) -> bool {
+        !matches!(self, Phase::Start | Phase::AwaitingBody | Phase::Queued)
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Phase::Start => "start (expecting request_headers)",
+            Phase::AwaitingBody => "awaiting request_body",
+            Phase::PassedThrough => "passed through",
+            Phase::Refused => "rejected (no further messages expected)",
+            Phase::Queued => "waiting in the queue for a slot",
+            Phase::Admitted => "admitted (expecting response messages)",
+        }
+    }
+}
+
+/// One HTTP request's life through the pipeline.
+pub struct RequestLife<'p> {
+    pipeline: &'p Pipeline,
+    state: State,
+    /// Whether the protocol will show the response body (`None`: it has not said). Unknown
+    /// counts as yes for charging, where assuming wrongly only charges the reserved output, and
+    /// as no for waiting on a first token, where waiting for one that never comes would read as
+    /// an ever slower request.
+    response_body_shown: Option<bool>,
+}
+
+#[derive(Default)]
+enum State {
+    #[default]
+    Start,
+    AwaitingBody {
+        head: InferenceHead,
+        arrived: Instant,
+    },
+    PassedThrough,
+    Refused,
+    Queued(Box<Queued>),
+    Admitted(Box<Watched>),
+}
+
+/// A request admitted by every check, waiting in its tenant's queue for a slot.
+struct Queued {
+    ticket: Ticket,
+    admission: Admission,
+    grant: Grant,
+    arrived: Instant,
+    enqueued: Instant,
+    deadline: Instant,
+    _queued: GaugeGuard,
+}
+
+struct Watched {
+    admission: Admission,
+    arrived: Instant,
+    /// When the request got its slot: the upstream's share of its TTFT starts here.
+    dispatched: Instant,
+    /// Pending in the controller's window until the first token, or the request's end
+    /// (`Pending` ends it on drop). None when no first token is expected.
+    awaiting_first_token: Option<Pending>,
+    response: Option<ResponseObserver>,
+    /// The request's slot in the global budget, freed when the response ends (or, at the
+    /// latest, when this drops with the request).
+    permit: Option<Permit>,
+    /// The request's budgets, settled with actual usage when the request ends.
+    hold: Hold,
+    /// Budget headers for the client's response.
+    budget_headers: Vec<(&'static str, String)>,
+}
+
+/// Why a queued request left the queue without a slot.
+enum Left<M> {
+    Stray(M),
+    ClientGone,
+    Deadline,
+    ShuttingDown,
+}
+
+impl<'p> RequestLife<'p> {
+    pub fn new(pipeline: &'p Pipeline) -> RequestLife<'p> {
+        RequestLife {
+            pipeline,
+            state: State::Start,
+            response_body_shown: None,
+        }
+    }
+
+    pub fn phase(&self) -> Phase {
+        match self.state {
+            State::Start => Phase::Start,
+            State::AwaitingBody { .. } => Phase::AwaitingBody,
+            State::PassedThrough => Phase::PassedThrough,
+            State::Refused => Phase::Refused,
+            State::Queued(_) => Phase::Queued,
+            State::Admitted(_) => Phase::Admitted,
+        }
+    }
+
+    /// Records whether the protocol will show this request's response body.
+    pub fn set_response_body_shown(&mut self, shown: bool) {
+        self.response_body_shown = Some(shown);
+    }
+
+    fn out_of_order(&self) -> OutOfOrder {
+        OutOfOrder {
+            state: self.phase().describe(),
+        }
+    }
+
+    /// The request headers: identity and route.
+    pub fn head(
+        &mut self,
+        headers: &[Header<'_>],
+        end_of_stream: bool,
+        now: Instant,
+    ) -> Result<HeadDecision, OutOfOrder> {
+        if !matches!(self.state, State::Start) {
+            return Err(self.out_of_order());
+        }
+        let pipeline = self.pipeline;
+        Ok(
+            match request::classify_head(&pipeline.policy, headers, end_of_stream) {
+                HeadVerdict::Inference(mut head) => {
+                    let remove_headers = std::mem::take(&mut head.spoofed_headers);
+                    self.state = State::AwaitingBody { head, arrived: now };
+                    HeadDecision::Continue { remove_headers }
+                }
+                HeadVerdict::PassThrough => {
+                    pipeline.metrics.request(RequestOutcome::PassedThrough);
+                    self.state = State::PassedThrough;
+                    HeadDecision::PassThrough
+                }
+                // The tier is known only if identity succeeded, which a head rejection means it
+                // did not, or did for a reason unrelated to tiers; count it tierless.
+                HeadVerdict::Reject(reply) => {
+                    HeadDecision::Refuse(self.refuse(reply, None, now))
+                }
+            },
+        )
+    }
+
+    /// The buffered request body (`complete`: all of it arrived in this one piece): parse,
+    /// count, check the hard limits, reserve the budgets (one store call), and ask for a slot.
+    pub async fn body(
+        &mut self,
+        body: Vec<u8>,
+        complete: bool,
+        now: Instant,
+    ) -> Result<BodyDecision, OutOfOrder> {
+        let (head, arrived) = match std::mem::take(&mut self.state) {
+            State::AwaitingBody { head, arrived } => (head, arrived),
+            State::PassedThrough => {
+                self.state = State::PassedThrough;
+                return Ok(BodyDecision::PassThrough);
+            }
+            other => {
+                self.state = other;
+                return Err(self.out_of_order());
+            }
+        };
+        let pipeline = self.pipeline;
+        let tier = head.identity.tier;
+        if !complete {
+            let reply = LocalReply::new(
+                Reason::IncompleteBody,
+                format!(
+                    "tollgate received a partial request body ({} bytes): the body is over Envoy's \
+                     buffer limit, the request carries trailers, or the ext_proc filter is not in \
+                     BUFFERED request body mode",
+                    body.len()
+                ),
+            );
+            return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
+        }
+        let received = body.len();
+        // The decoded body is freed once decided: what waits in the queue, or goes upstream, is
+        // the `Admission`, with its rewritten body if there is one.
+        let admission = match decide_body(pipeline, &head, body).await {
+            BodyVerdict::Admit(admission) => admission,
+            BodyVerdict::Reject(reply) => {
+                return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
+            }
+        };
+        let policy = &pipeline.policy;
+        let tenant = &admission.identity.tenant;
+        let tier_policy = policy.tier_for(tenant, tier);
+        let reserved = pipeline
+            .ledger
+            .reserve(
+                tenant,
+                tier_policy.windows_for(&admission.model),
+                tier_policy.max_concurrent,
+                admission.worst_case_tokens(),
+            )
+            .await;
+        let grant = match reserved {
+            Reserved::Granted(grant) => grant,
+            Reserved::Denied(denial) => {
+                let reply = refusal_for_denial(&denial, &tier_policy.name);
+                return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
+            }
+        };
+        let limit = pipeline.scheduler.load().limit;
+        let class = FlowClass {
+            weight: tier_policy.weight,
+            band: tier_policy.priority_band,
+            queue_max: tier_policy.queue_max,
+            reserved_slots: policy
+                .scheduling
+                .reservations
+                .get(tenant)
+                .map_or(0, |&percent| reserved_slots(limit, percent)),
+        };
+        let cost = match policy.scheduling.cost {
+            FairnessCost::Requests => 1,
+            FairnessCost::Tokens => admission.worst_case_tokens(),
+        };
+        let held_bytes = queued_body_bytes(received, &admission);
+        let metrics = &pipeline.metrics;
+        metrics.scheduler_submitted(tier);
+        match pipeline.scheduler.submit(tenant, class, cost, held_bytes) {
+            Admit::Now(permit) => {
+                metrics.scheduler_outcome(tier, SchedulerOutcome::AdmittedNow);
+                let forward = self.admit(admission, grant, arrived, permit);
+                metrics.decision_duration(Instant::now().duration_since(now).as_secs_f64());
+                Ok(BodyDecision::Admit(forward))
+            }
+            refused @ (Admit::Full | Admit::BytesFull) => {
+                let (outcome, reason, message) = if matches!(refused, Admit::Full) {
+                    (
+                        SchedulerOutcome::QueueFull,
+                        Reason::QueueFull,
+                        format!(
+                            "the service is at capacity and tenant {tenant:?} already has {} \
+                             requests waiting; retry shortly",
+                            tier_policy.queue_max
+                        ),
+                    )
+                } else {
+                    (
+                        SchedulerOutcome::QueueBytesFull,
+                        Reason::QueueBytesFull,
+                        "the service is at capacity and the requests already waiting hold as \
+                         many bytes of request bodies as it allows; retry shortly"
+                            .to_owned(),
+                    )
+                };
+                metrics.scheduler_outcome(tier, outcome);
+                // A refused request consumes nothing: give its reservation back.
+                pipeline.ledger.settle(grant.hold, 0, true).await;
+                let reply = LocalReply::new(reason, message);
+                Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)))
+            }
+            Admit::Queued(ticket) => {
+                let envoy_timeout = (tier_policy.queue_deadline + ENVOY_TIMEOUT_MARGIN)
+                    .min(policy.scheduling.envoy_max_message_timeout);
+                self.state = State::Queued(Box::new(Queued {
+                    ticket,
+                    deadline: now + tier_policy.queue_deadline,
+                    admission,
+                    grant,
+                    arrived,
+                    enqueued: now,
+                    _queued: metrics.hold_queued(tier),
+                }));
+                Ok(BodyDecision::Wait { envoy_timeout })
+            }
+        }
+    }
+
+    /// Waits in the queue for a slot, until one comes, the queue deadline passes (503), the
+    /// server starts draining (503), or `client` resolves: `None` when the client went away
+    /// (nothing taken), `Some(message)` when the protocol sent something while it should have
+    /// been waiting for the answer. Whichever way it leaves without a slot, the request's
+    /// reservation goes back whole.
+    pub async fn wait<M>(
+        &mut self,
+        client: impl Future<Output = Option<M>>,
+        lifecycle: &mut watch::Receiver<Lifecycle>,
+    ) -> Result<Waited<M>, OutOfOrder> {
+        if !matches!(self.state, State::Queued(_)) {
+            return Err(self.out_of_order());
+        }
+        let State::Queued(queued) = std::mem::take(&mut self.state) else {
+            unreachable!("checked just above");
+        };
+        let Queued {
+            mut ticket,
+            admission,
+            grant,
+            arrived,
+            enqueued,
+            deadline,
+            _queued,
+        } = *queued;
+        let pipeline = self.pipeline;
+        let metrics = &pipeline.metrics;
+        let tier = admission.identity.tier;
+        let outcome = tokio::select! {
+            biased;
+            permit = ticket.granted() => Ok(permit),
+            message = client => Err(match message {
+                Some(message) => Left::Stray(message),
+                None => Left::ClientGone,
+            }),
+            () = tokio::time::sleep_until(deadline) => Err(Left::Deadline),
+            () = reached(lifecycle, Lifecycle::Draining) => Err(Left::ShuttingDown),
+        };
+        drop(ticket);
+        let left = match outcome {
+            Ok(permit) => {
+                let now = Instant::now();
+                let waited = now.duration_since(enqueued).as_secs_f64();
+                metrics.queue_wait(tier, waited);
+                metrics.scheduler_outcome(tier, SchedulerOutcome::AdmittedAfterWait);
+                metrics.decision_duration(waited);
+                return Ok(Waited::Admit(self.admit(admission, grant, arrived, permit)));
+            }
+            Err(left) => left,
+        };
+        // Left the queue without a slot: it consumes nothing, so its reservation goes back.
+        // Boxed: this future waits as long as the request does, and the settle would otherwise
+        // make it larger for the whole wait.
+        Box::pin(pipeline.ledger.settle(grant.hold, 0, true)).await;
+        self.state = State::Refused;
+        let (outcome, reason, message) = match left {
+            // Like a client that went away, a stray message leaves without a decision: counted
+            // once, as abandoned, or the request would end with no outcome at all.
+            Left::Stray(message) => {
+                metrics.scheduler_outcome(tier, SchedulerOutcome::Cancelled);
+                metrics.request(RequestOutcome::Abandoned);
+                return Ok(Waited::Stray(message));
+            }
+            Left::ClientGone => {
+                metrics.scheduler_outcome(tier, SchedulerOutcome::Cancelled);
+                metrics.request(RequestOutcome::Abandoned);
+                return Ok(Waited::ClientGone);
+            }
+            Left::Deadline => (
+                SchedulerOutcome::QueueTimeout,
+                Reason::QueueTimeout,
+                format!(
+                    "the service is at capacity: no slot freed within the {} ms queue deadline; \
+                     retry shortly",
+                    pipeline
+                        .policy
+                        .tier_for(&admission.identity.tenant, tier)
+                        .queue_deadline
+                        .as_millis()
+                ),
+            ),
+            Left::ShuttingDown => (
+                SchedulerOutcome::ShuttingDown,
+                Reason::ShuttingDown,
+                "this tollgate replica is shutting down; retry shortly".to_owned(),
+            ),
+        };
+        metrics.scheduler_outcome(tier, outcome);
+        let reply = LocalReply::new(reason, message);
+        Ok(Waited::Refuse(self.refuse(reply, Some(tier), enqueued)))
+    }
+
+    /// Trailers on the request.
+    pub fn request_trailers(&mut self, now: Instant) -> Result<TrailersDecision, OutOfOrder> {
+        match std::mem::take(&mut self.state) {
+            State::Start => Err(self.out_of_order()),
+            // Trailers before any body: the request had no body (Envoy sends a buffered body
+            // before the trailers). Continuing would send it upstream undecided.
+            State::AwaitingBody { head, .. } => {
+                let reply = LocalReply::new(
+                    Reason::MissingBody,
+                    "the request ended with trailers and no body: send a JSON body",
+                );
+                let tier = head.identity.tier;
+                Ok(TrailersDecision::Refuse(self.refuse(reply, Some(tier), now)))
+            }
+            // Trailers carry nothing tollgate decides on; let them through wherever they come.
+            state => {
+                self.state = state;
+                Ok(TrailersDecision::Continue)
+            }
+        }
+    }
+
+    /// The response's headers: returns the headers to add for the client (the budgets' state).
+    /// `status` is the HTTP status (0 if unknown).
+    pub fn response_headers(
+        &mut self,
+        status: u16,
+        content_type: Option<&[u8]>,
+        end_of_stream: bool,
+    ) -> Result<&[(&'static str, String)], OutOfOrder> {
+        if matches!(self.state, State::AwaitingBody { .. } | State::PassedThrough) {
+            self.answered_by_envoy();
+            return Ok(&[]);
+        }
+        let wrong = self.out_of_order();
+        let State::Admitted(watched) = &mut self.state else {
+            return Err(wrong);
+        };
+        let mut observer = ResponseObserver::new(
+            status,
+            content_type,
+            self.pipeline.policy.max_buffered_json_bytes,
+        )
+        .counting_output(watched.admission.encoding);
+        if end_of_stream {
+            observer.on_end_of_stream();
+            watched.permit = None;
+            // A response without a body has no first token to wait for.
+            watched.awaiting_first_token = None;
+        }
+        watched.response = Some(observer);
+        Ok(&watched.budget_headers)
+    }
+
+    /// A piece of the response body, as it goes by to the client.
+    pub fn response_body(
+        &mut self,
+        chunk: &[u8],
+        end_of_stream: bool,
+        now: Instant,
+    ) -> Result<(), OutOfOrder> {
+        match &mut self.state {
+            State::Admitted(watched) => {
+                watched.on_response_body(self.pipeline, chunk, end_of_stream, now);
+                Ok(())
+            }
+            State::AwaitingBody { .. } | State::PassedThrough => {
+                self.answered_by_envoy();
+                Ok(())
+            }
+            _ => Err(self.out_of_order()),
+        }
+    }
+
+    /// Trailers on the response.
+    pub fn response_trailers(&self) -> Result<(), OutOfOrder> {
+        match self.state {
+            State::Admitted(_) | State::PassedThrough => Ok(()),
+            _ => Err(self.out_of_order()),
+        }
+    }
+
+    /// A response phase arrived before the request's body: Envoy answered the request itself
+    /// (e.g. its own 413 for a body over the buffer limit; since 1.40 that local reply goes
+    /// through the response phases). Nothing was decided or taken: let it through. Envoy also
+    /// ignores `mode_override` unless the filter allows it; then the later phases of a
+    /// passed-through request still arrive and are let through unchanged.
+    fn answered_by_envoy(&mut self) {
+        if matches!(self.state, State::AwaitingBody { .. }) {
+            self.pipeline
+                .metrics
+                .request(RequestOutcome::AnsweredByEnvoy);
+            self.state = State::PassedThrough;
+        }
+    }
+
+    /// Lets an admitted request through, holding `permit` until its response ends and its
+    /// budgets until the request ends.
+    fn admit(
+        &mut self,
+        mut admission: Admission,
+        grant: Grant,
+        arrived: Instant,
+        permit: Permit,
+    ) -> Forward {
+        let pipeline = self.pipeline;
+        let budget_headers = grant
+            .budgets
+            .as_ref()
+            .map(reply::rate_limit::granted_headers)
+            .unwrap_or_default();
+        // The rewritten body and the upstream headers go into the answer; nothing needs them
+        // after that, and an admitted request lives as long as its response.
+        let mut headers = std::mem::take(&mut admission.upstream_headers);
+        headers.extend(budget_headers.iter().cloned());
+        let forward = Forward {
+            headers,
+            body: admission.new_body.take(),
+        };
+        let tier = admission.identity.tier;
+        let metrics = &pipeline.metrics;
+        metrics.request(RequestOutcome::Admitted);
+        metrics.estimated_input_tokens(tier, admission.input_tokens);
+        let (input, output) = admission.reserved_tokens();
+        metrics.budget_tokens(tier, TokenKind::Input, TokenStage::Reserved, input);
+        metrics.budget_tokens(tier, TokenKind::Output, TokenStage::Reserved, output);
+        let dispatched = Instant::now();
+        // Only when the protocol has said it will show the response body: otherwise there may
+        // be no first token to wait for, and the request's age would read as a latency.
+        let awaiting_first_token = (self.response_body_shown == Some(true)).then(|| {
+            Pending::start(
+                &pipeline.ttft_window,
+                control_started(pipeline, arrived, dispatched),
+            )
+        });
+        self.state = State::Admitted(Box::new(Watched {
+            admission,
+            arrived,
+            dispatched,
+            awaiting_first_token,
+            response: None,
+            permit: Some(permit),
+            hold: grant.hold,
+            budget_headers,
+        }));
+        forward
+    }
+
+    fn refuse(&mut self, reply: LocalReply, tier: Option<TierId>, started: Instant) -> LocalReply {
+        let metrics = &self.pipeline.metrics;
+        metrics.request(if reply.status() == 503 {
+            RequestOutcome::Shed
+        } else {
+            RequestOutcome::Rejected
+        });
+        metrics.rejection(reply.reason, tier);
+        metrics.decision_duration(Instant::now().duration_since(started).as_secs_f64());
+        self.state = State::Refused;
+        reply
+    }
+
+    /// Ends the request's life: records how it ended and settles its budgets with what it
+    /// really cost, freeing its slot. Runs exactly once per request (it takes `self`), whatever
+    /// way the request ended: success, client gone, upstream error, shutdown.
+    pub async fn finish(self) {
+        let output_observed = self.response_body_shown != Some(false);
+        let pipeline = self.pipeline;
+        match self.state {
+            State::AwaitingBody { .. } => pipeline.metrics.request(RequestOutcome::Abandoned),
+            // Only if `wait` was never called: the request leaves the queue now, unanswered.
+            State::Queued(queued) => {
+                let Queued {
+                    ticket,
+                    admission,
+                    grant,
+                    ..
+                } = *queued;
+                drop(ticket);
+                let tier = admission.identity.tier;
+                pipeline
+                    .metrics
+                    .scheduler_outcome(tier, SchedulerOutcome::Cancelled);
+                pipeline.metrics.request(RequestOutcome::Abandoned);
+                pipeline.ledger.settle(grant.hold, 0, true).await;
+            }
+            State::Admitted(watched) => watched.finish(pipeline, output_observed).await,
+            State::Start | State::PassedThrough | State::Refused => {}
+        }
+    }
+}
+
+impl Watched {
+    fn on_response_body(&mut self, pipeline: &Pipeline, chunk: &[u8], end: bool, now: Instant) {
+        // Without response headers (header mode SKIP) the status is unknown: assume success and
+        // sniff nothing but usage from a JSON body.
+        let encoding = self.admission.encoding;
+        let observer = self.response.get_or_insert_with(|| {
+            ResponseObserver::new(200, None, pipeline.policy.max_buffered_json_bytes)
+                .counting_output(encoding)
+        });
+        if observer.on_chunk(chunk, end) {
+            let metrics = &pipeline.metrics;
+            let tier = self.admission.identity.tier;
+            let ttft = now.duration_since(self.arrived).as_secs_f64();
+            let upstream_ttft = now.duration_since(self.dispatched).as_secs_f64();
+            metrics.time_to_first_token(tier, ttft);
+            metrics.upstream_time_to_first_token(tier, upstream_ttft);
+            let started = control_started(pipeline, self.arrived, self.dispatched);
+            let seconds = now.duration_since(started).as_secs_f64();
+            match self.awaiting_first_token.take() {
+                Some(pending) => pending.answered(now, seconds),
+                None => window::lock(&pipeline.ttft_window).record_started(now, started, seconds),
+            }
+        }
+        if end {
+            // The upstream is done with this request: its slot is free for the next one.
+            self.permit = None;
+        }
+    }
+
+    async fn finish(self, pipeline: &Pipeline, output_observed: bool) {
+        let Watched {
+            admission,
+            arrived,
+            awaiting_first_token,
+            response,
+            permit,
+            hold,
+            ..
+        } = self;
+        drop(permit);
+        // Over without a first token (an error, a reset): no longer pending.
+        drop(awaiting_first_token);
+        let tier = admission.identity.tier;
+        let metrics = &pipeline.metrics;
+        let end = response
+            .as_ref()
+            .map_or(ResponseEnd::NoResponse, ResponseObserver::end);
+        metrics.stream_completion(end);
+        if end == ResponseEnd::Complete {
+            metrics.request_duration(tier, arrived.elapsed().as_secs_f64());
+        }
+        let usage = response.as_ref().and_then(ResponseObserver::usage);
+        if let Some(usage) = usage {
+            metrics.usage(tier, usage.prompt_tokens, usage.completion_tokens);
+        }
+        let spent = spent_tokens(&admission, end, usage, response.as_ref(), output_observed);
+        let (reserved_input, reserved_output) = admission.reserved_tokens();
+        for (kind, reserved, actual) in [
+            (TokenKind::Input, reserved_input, spent.input),
+            (TokenKind::Output, reserved_output, spent.output),
+        ] {
+            metrics.budget_tokens(tier, kind, TokenStage::Settled, actual);
+            metrics.budget_tokens(
+                tier,
+                kind,
+                TokenStage::Refunded,
+                reserved.saturating_sub(actual),
+            );
+        }
+        pipeline
+            .ledger
+            .settle(hold, spent.input + spent.output, spent.refund_request)
+            .await;
+    }
+}
+
+/// The reply for a budget refusal, with the tier named as the client's limits are.
+fn refusal_for_denial(denial: &Denial, tier: &str) -> LocalReply {
+    reply::rate_limit::denial(denial, tier)
+}
+
+/// Where the controller's time to first token starts for a request (`control.signal`).
+fn control_started(pipeline: &Pipeline, arrived: Instant, dispatched: Instant) -> Instant {
+    match pipeline.policy.control.signal {
+        ControlSignal::Upstream => dispatched,
+        ControlSignal::Gateway => arrived,
+    }
+}
+
+/// What a finished request really cost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Spent {
+    input: u64,
+    output: u64,
+    /// The upstream failed before answering: the request itself is not counted either.
+    refund_request: bool,
+}
+
+/// The settlement rules: the upstream's own usage when it reported one; else the counted input
+/// plus the output tokens that were streamed; nothing at all when the upstream failed. When
+/// the response body is not shown (`output_observed` false), the output cannot be counted, so
+/// what the request asked for is charged: its reserved output (its max tokens, after defaulting
+/// or clamping), the most it may have generated.
+fn spent_tokens(
+    admission: &Admission,
+    end: ResponseEnd,
+    usage: Option<Usage>,
+    response: Option<&ResponseObserver>,
+    output_observed: bool,
+) -> Spent {
+    let input = u64::from(admission.input_tokens);
+    match (end, usage) {
+        (ResponseEnd::UpstreamError, _) => Spent {
+            input: 0,
+            output: 0,
+            refund_request: true,
+        },
+        (_, Some(usage)) => Spent {
+            input: usage.prompt_tokens,
+            output: usage.completion_tokens,
+            refund_request: false,
+        },
+        (_, None) if !output_observed => Spent {
+            input,
+            output: admission.reserved_tokens().1,
+            refund_request: false,
+        },
+        // Complete without usage, truncated, or the client left before any response: the
+        // prompt was (or may have been) processed; charge it and what was generated.
+        _ => Spent {
+            input,
+            output: response.map_or(0, ResponseObserver::output_tokens),
+            refund_request: false,
+        },
+    }
+}
+
+/// The admission decision on a body, on the blocking pool if the body is large. Takes the body,
+/// so its bytes are freed as soon as the decision is made.
+async fn decide_body(pipeline: &Pipeline, head: &InferenceHead, body: Vec<u8>) -> BodyVerdict {
+    if body.len() <= INLINE_BODY_BYTES {
+        return admission::decide_body(&pipeline.policy, head, &body);
+    }
+    let policy = pipeline.policy.clone();
+    let head = head.clone();
+    match tokio::task::spawn_blocking(move || admission::decide_body(&policy, &head, &body)).await {
+        Ok(verdict) => verdict,
+        // Only a panic in counting gets here; refuse rather than pass unchecked.
+        Err(join_error) => BodyVerdict::Reject(LocalReply::new(
+            Reason::InvalidRequest,
+            format!("the request body could not be processed: {join_error}"),
+        )),
+    }
+}
+
+/// The body bytes a request keeps in memory while it waits for a slot, as counted against
+/// `scheduler.max_queued_body_bytes`: the body as received, which stays in the protocol's
+/// decode buffer for the life of the stream (tonic's `BytesMut` never shrinks), plus the
+/// rewritten body that will go upstream, if there is one.
+fn queued_body_bytes(received: usize, admission: &Admission) -> usize {
+    received + admission.new_body.as_ref().map_or(0, Vec::len)
+}
+
+/// Slots a tenant's reserved percentage is worth at `limit`, rounded up so a small reservation
+/// still guarantees one slot.
+fn reserved_slots(limit: u32, percent: u32) -> u32 {
+    (u64::from(limit) * u64::from(percent)).div_ceil(100) as u32
+}

@@ -1,0 +1,648 @@
+//! A request's life without gRPC: the in-memory store and paused time. Every ending settles the
+//! budgets and frees the slot exactly once; every refusal answers from the one table.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::*;
+use crate::budget::Store;
+use crate::budget::memory::MemoryStore;
+use crate::config::{Config, TierConfig};
+
+const TENANT: &str = "alice";
+const QUEUE_DEADLINE: Duration = Duration::from_millis(1000);
+
+/// One tier, `free`, with a token budget per minute, a concurrency limit and a short queue;
+/// one global slot unless `edit` says otherwise.
+fn pipeline_with(edit: impl FnOnce(&mut Config)) -> Pipeline {
+    let tier = TierConfig {
+        max_input_tokens: 1000,
+        max_output_tokens: 100,
+        default_output_tokens: Some(50),
+        tokens_per_minute: Some(10_000),
+        max_concurrent: Some(4),
+        queue_max: 2,
+        queue_deadline_ms: QUEUE_DEADLINE.as_millis() as u64,
+        ..TierConfig::default()
+    };
+    let mut config = Config {
+        default_tier: "free".to_owned(),
+        tiers: BTreeMap::from([("free".to_owned(), tier)]),
+        ..Config::default()
+    };
+    config.scheduler.initial_limit = 1;
+    edit(&mut config);
+    let policy = Arc::new(Policy::from_config(&config).expect("a valid test policy"));
+    let metrics = Metrics::new(&policy);
+    let scheduler = Scheduler::new(
+        policy.scheduling.initial_limit,
+        policy.scheduling.max_queued_body_bytes,
+    );
+    let ledger = Ledger::new(
+        Store::Memory(MemoryStore::new()),
+        policy.store.clone(),
+        metrics.clone(),
+    );
+    let ttft_window = Arc::new(Mutex::new(LatencyWindow::new(Duration::from_secs(10), 10)));
+    Pipeline {
+        policy,
+        metrics,
+        scheduler,
+        ledger,
+        ttft_window,
+    }
+}
+
+fn pipeline() -> Pipeline {
+    pipeline_with(|_| {})
+}
+
+fn chat_headers(user: &str) -> Vec<Header<'_>> {
+    vec![
+        Header {
+            name: ":method",
+            value: b"POST",
+        },
+        Header {
+            name: ":path",
+            value: b"/v1/chat/completions",
+        },
+        Header {
+            name: "content-type",
+            value: b"application/json",
+        },
+        Header {
+            name: "x-user-id",
+            value: user.as_bytes(),
+        },
+    ]
+}
+
+/// A streamed chat request asking for `max_tokens` output tokens.
+fn chat_body(max_tokens: u32) -> Vec<u8> {
+    format!(
+        r#"{{"model":"gpt-4o-mini","stream":true,"max_tokens":{max_tokens},"messages":[{{"role":"user","content":"hello there"}}]}}"#
+    )
+    .into_bytes()
+}
+
+/// Head and body of a request of `user` asking for `max_tokens`: the body's decision.
+async fn submit(life: &mut RequestLife<'_>, user: &str, max_tokens: u32) -> BodyDecision {
+    let now = Instant::now();
+    let head = life.head(&chat_headers(user), false, now).expect("in order");
+    assert!(
+        matches!(head, HeadDecision::Continue { .. }),
+        "head: {head:?}"
+    );
+    life.body(chat_body(max_tokens), true, now)
+        .await
+        .expect("in order")
+}
+
+/// A request of alice admitted at once, with Envoy showing it the response body.
+async fn admitted(pipeline: &Pipeline, max_tokens: u32) -> RequestLife<'_> {
+    let mut life = RequestLife::new(pipeline);
+    life.set_response_body_shown(true);
+    let decision = submit(&mut life, TENANT, max_tokens).await;
+    assert!(
+        matches!(decision, BodyDecision::Admit(_)),
+        "expected an admission, got {decision:?}"
+    );
+    life
+}
+
+/// Tokens alice has used this minute, and her live leases.
+async fn budget(pipeline: &Pipeline) -> (u64, u32) {
+    let tier = pipeline
+        .policy
+        .tier_for(TENANT, pipeline.policy.tier_named("free").unwrap());
+    let windows = tier.windows_for("gpt-4o-mini");
+    let usage = pipeline
+        .ledger
+        .usage(TENANT, &windows)
+        .await
+        .expect("the memory store answers");
+    (usage.windows[0].used, usage.leases)
+}
+
+/// The sum of a metric's series whose labels include every one of `labels`.
+fn metric(pipeline: &Pipeline, name: &str, labels: &[&str]) -> f64 {
+    pipeline
+        .metrics
+        .render()
+        .lines()
+        .filter(|line| {
+            line.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter(|line| labels.iter().all(|label| line.contains(label)))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn outcomes(pipeline: &Pipeline, outcome: &str) -> f64 {
+    metric(
+        pipeline,
+        crate::observe::REQUESTS,
+        &[&format!("outcome=\"{outcome}\"")],
+    )
+}
+
+fn in_flight(pipeline: &Pipeline) -> u32 {
+    pipeline.scheduler.load().in_flight
+}
+
+/// The tokens a test request reserves: its counted input plus the output it may generate.
+async fn reservation_of(max_tokens: u32) -> u64 {
+    let pipeline = pipeline();
+    let _life = admitted(&pipeline, max_tokens).await;
+    budget(&pipeline).await.0
+}
+
+const SSE: &[u8] = b"text/event-stream";
+
+fn sse_token(text: &str) -> Vec<u8> {
+    format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{text}\"}}}}]}}\n\n")
+        .into_bytes()
+}
+
+fn sse_usage(prompt: u64, completion: u64) -> Vec<u8> {
+    format!(
+        "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":{prompt},\"completion_tokens\":{completion}}}}}\n\n"
+    )
+    .into_bytes()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_complete_stream_is_settled_once_with_the_usage_it_reported() {
+    let pipeline = pipeline();
+    let mut life = admitted(&pipeline, 40).await;
+    let (reserved, leases) = budget(&pipeline).await;
+    assert_eq!(leases, 1);
+    assert!(reserved > 40, "input plus the output asked for: {reserved}");
+    assert_eq!(in_flight(&pipeline), 1);
+
+    let headers = life.response_headers(200, Some(SSE), false).unwrap();
+    assert!(
+        headers.iter().any(|(name, _)| *name == "x-ratelimit-remaining-tokens"),
+        "the budgets' state goes back to the client: {headers:?}"
+    );
+    let now = Instant::now() + Duration::from_millis(250);
+    life.response_body(&sse_token("hi"), false, now).unwrap();
+    life.response_body(&sse_usage(7, 3), false, now).unwrap();
+    life.response_body(b"data: [DONE]\n\n", true, now).unwrap();
+    assert_eq!(in_flight(&pipeline), 0, "the slot frees when the response ends");
+    life.finish().await;
+
+    assert_eq!(budget(&pipeline).await, (10, 0), "settled to the usage: 7 + 3");
+    assert_eq!(outcomes(&pipeline, "admitted"), 1.0);
+    assert_eq!(
+        metric(
+            &pipeline,
+            crate::observe::STREAM_COMPLETIONS,
+            &["complete"]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(&pipeline, crate::observe::BUDGET_TOKENS, &["settled"]),
+        10.0,
+        "settled exactly once"
+    );
+    assert_eq!(metric(&pipeline, crate::observe::ACTIVE_LEASES, &[]), 0.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_ending_of_an_admitted_request_settles_once_and_frees_its_slot() {
+    let full = reservation_of(40).await;
+    let input = full - 40;
+    // (ending, what the response did, tokens charged at the end)
+    struct Ending {
+        name: &'static str,
+        status: Option<u16>,
+        chunks: &'static [&'static str],
+        end: bool,
+        charged: u64,
+    }
+    let table = [
+        // The client (or Envoy, or a shutdown) ended the stream before any response: the
+        // prompt may have been processed; nothing was generated.
+        Ending {
+            name: "client gone before the response",
+            status: None,
+            chunks: &[],
+            end: false,
+            charged: input,
+        },
+        // Truncated: two tokens streamed, no usage, no [DONE]; the stream ended (client gone,
+        // Envoy timeout or tollgate shutting down all end it the same way).
+        Ending {
+            name: "truncated mid-stream",
+            status: Some(200),
+            chunks: &["a", "b"],
+            end: false,
+            charged: input + 2,
+        },
+        // The upstream failed: nothing is charged, the request's count is given back too.
+        Ending {
+            name: "upstream error",
+            status: Some(503),
+            chunks: &[],
+            end: true,
+            charged: 0,
+        },
+    ];
+    for ending in table {
+        let pipeline = pipeline();
+        let mut life = admitted(&pipeline, 40).await;
+        assert_eq!(budget(&pipeline).await, (full, 1), "{}", ending.name);
+        let now = Instant::now();
+        if let Some(status) = ending.status {
+            life.response_headers(status, Some(SSE), false).unwrap();
+            for text in ending.chunks {
+                life.response_body(&sse_token(text), false, now).unwrap();
+            }
+            if ending.end {
+                life.response_body(b"", true, now).unwrap();
+            }
+        }
+        life.finish().await;
+        assert_eq!(
+            budget(&pipeline).await,
+            (ending.charged, 0),
+            "{}: charged, and the lease released",
+            ending.name
+        );
+        assert_eq!(in_flight(&pipeline), 0, "{}: the slot is free", ending.name);
+        assert_eq!(outcomes(&pipeline, "admitted"), 1.0, "{}", ending.name);
+        assert_eq!(
+            metric(&pipeline, crate::observe::BUDGET_TOKENS, &["settled"]),
+            ending.charged as f64,
+            "{}: settled exactly once",
+            ending.name
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_the_response_body_the_reserved_output_is_charged() {
+    let pipeline = pipeline();
+    let mut life = RequestLife::new(&pipeline);
+    life.set_response_body_shown(false);
+    let decision = submit(&mut life, TENANT, 40).await;
+    assert!(matches!(decision, BodyDecision::Admit(_)));
+    let (reserved, _) = budget(&pipeline).await;
+    life.response_headers(200, Some(SSE), false).unwrap();
+    life.finish().await;
+    assert_eq!(budget(&pipeline).await, (reserved, 0));
+}
+
+/// A second request of alice while the only slot is taken: it waits.
+async fn queued<'p>(pipeline: &'p Pipeline) -> RequestLife<'p> {
+    let mut life = RequestLife::new(pipeline);
+    let decision = submit(&mut life, TENANT, 40).await;
+    let BodyDecision::Wait { envoy_timeout } = decision else {
+        panic!("expected a wait, got {decision:?}");
+    };
+    assert!(envoy_timeout > QUEUE_DEADLINE, "Envoy waits past the deadline");
+    assert_eq!(life.phase(), Phase::Queued);
+    life
+}
+
+/// A client that stays until `after`, then goes away.
+async fn client_leaving_after(after: Duration) -> Option<()> {
+    tokio::time::sleep(after).await;
+    None
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_queued_request_is_refused_at_its_deadline_and_gives_its_reservation_back() {
+    let pipeline = pipeline();
+    let first = admitted(&pipeline, 40).await;
+    let one = budget(&pipeline).await.0;
+    let mut second = queued(&pipeline).await;
+    assert_eq!(budget(&pipeline).await, (2 * one, 2), "both reserved");
+
+    let (_lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
+    let enqueued = Instant::now();
+    let waited = second
+        .wait(client_leaving_after(Duration::from_secs(60)), &mut lifecycle)
+        .await
+        .unwrap();
+    assert_eq!(
+        Instant::now().duration_since(enqueued),
+        QUEUE_DEADLINE,
+        "answered at the deadline, not a moment later"
+    );
+    let Waited::Refuse(reply) = waited else {
+        panic!("expected a 503, got {waited:?}");
+    };
+    assert_eq!((reply.status(), reply.reason), (503, Reason::QueueTimeout));
+    assert!(reply.all_headers().any(|h| h == ("retry-after", "1")));
+    assert_eq!(budget(&pipeline).await, (one, 1), "the refused one took nothing");
+    second.finish().await;
+    assert_eq!(budget(&pipeline).await, (one, 1), "and settles nothing more");
+    assert_eq!(outcomes(&pipeline, "shed"), 1.0);
+    drop(first);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_queued_request_whose_client_leaves_takes_nothing() {
+    let pipeline = pipeline();
+    let _first = admitted(&pipeline, 40).await;
+    let one = budget(&pipeline).await.0;
+    let mut second = queued(&pipeline).await;
+    let (_lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
+    let waited = second
+        .wait(
+            client_leaving_after(Duration::from_millis(300)),
+            &mut lifecycle,
+        )
+        .await
+        .unwrap();
+    assert_eq!(waited, Waited::ClientGone);
+    assert_eq!(budget(&pipeline).await, (one, 1));
+    second.finish().await;
+    assert_eq!(budget(&pipeline).await, (one, 1));
+    assert_eq!(outcomes(&pipeline, "abandoned"), 1.0);
+    assert_eq!(pipeline.scheduler.load().queued, 0, "its place is given up");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_queued_request_is_refused_when_the_server_drains() {
+    let pipeline = pipeline();
+    let _first = admitted(&pipeline, 40).await;
+    let one = budget(&pipeline).await.0;
+    let mut second = queued(&pipeline).await;
+    let (lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
+    let drain = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        lifecycle_tx.send(Lifecycle::Draining).unwrap();
+    };
+    let (waited, ()) = tokio::join!(
+        second.wait(client_leaving_after(Duration::from_secs(60)), &mut lifecycle),
+        drain
+    );
+    let Waited::Refuse(reply) = waited.unwrap() else {
+        panic!("expected a 503");
+    };
+    assert_eq!((reply.status(), reply.reason), (503, Reason::ShuttingDown));
+    assert!(reply.all_headers().any(|h| h == ("retry-after", "1")));
+    assert_eq!(budget(&pipeline).await, (one, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_queued_request_gets_the_slot_the_first_one_frees() {
+    let pipeline = pipeline();
+    let mut first = admitted(&pipeline, 40).await;
+    let mut second = queued(&pipeline).await;
+    second.set_response_body_shown(true);
+    let (_lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
+    let first_ends = async {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        first.response_headers(200, Some(SSE), false).unwrap();
+        first
+            .response_body(&sse_usage(7, 3), true, Instant::now())
+            .unwrap();
+        first.finish().await;
+    };
+    let (waited, ()) = tokio::join!(
+        second.wait(client_leaving_after(Duration::from_secs(60)), &mut lifecycle),
+        first_ends
+    );
+    assert!(matches!(waited.unwrap(), Waited::Admit(_)));
+    assert_eq!(second.phase(), Phase::Admitted);
+    assert_eq!(in_flight(&pipeline), 1);
+    second.finish().await;
+    assert_eq!(in_flight(&pipeline), 0);
+    assert_eq!(budget(&pipeline).await.1, 0);
+    assert_eq!(
+        metric(
+            &pipeline,
+            crate::observe::SCHEDULER_OUTCOMES,
+            &["admitted_after_wait"]
+        ),
+        1.0
+    );
+}
+
+/// One refusal per row: how the pipeline is set up, what the request asks for, and the
+/// answer's status, reason and a header it must carry.
+#[tokio::test(start_paused = true)]
+async fn refusals_come_from_the_one_table() {
+    struct Row {
+        name: &'static str,
+        edit: fn(&mut Config),
+        /// Requests of alice admitted (and kept) before the one refused.
+        before: usize,
+        max_tokens: u32,
+        status: u16,
+        reason: Reason,
+        header: &'static str,
+    }
+    let table = [
+        Row {
+            name: "token budget spent",
+            edit: |c| {
+                let free = c.tiers.get_mut("free").unwrap();
+                (free.max_input_tokens, free.max_output_tokens) = (100, 100);
+                free.tokens_per_minute = Some(200);
+                c.scheduler.initial_limit = 4;
+            },
+            before: 1,
+            max_tokens: 100,
+            status: 429,
+            reason: Reason::TokenBudgetExhausted,
+            header: "retry-after",
+        },
+        Row {
+            name: "concurrency limit",
+            edit: |c| {
+                c.tiers.get_mut("free").unwrap().max_concurrent = Some(1);
+                c.scheduler.initial_limit = 4;
+            },
+            before: 1,
+            max_tokens: 10,
+            status: 429,
+            reason: Reason::ConcurrencyLimitReached,
+            header: "retry-after",
+        },
+        Row {
+            name: "tenant's queue full",
+            edit: |c| c.tiers.get_mut("free").unwrap().queue_max = 0,
+            before: 1,
+            max_tokens: 10,
+            status: 503,
+            reason: Reason::QueueFull,
+            header: "retry-after",
+        },
+        Row {
+            name: "over the output ceiling",
+            edit: |_| {},
+            before: 0,
+            max_tokens: 1000,
+            status: 400,
+            reason: Reason::OutputTokensExceeded,
+            header: "",
+        },
+    ];
+    for row in table {
+        let pipeline = pipeline_with(row.edit);
+        let mut kept = Vec::new();
+        for _ in 0..row.before {
+            kept.push(admitted(&pipeline, row.max_tokens).await);
+        }
+        let taken = budget(&pipeline).await;
+        let mut life = RequestLife::new(&pipeline);
+        let decision = submit(&mut life, TENANT, row.max_tokens).await;
+        let BodyDecision::Refuse(reply) = decision else {
+            panic!("{}: expected a refusal, got {decision:?}", row.name);
+        };
+        assert_eq!(
+            (reply.status(), reply.reason),
+            (row.status, row.reason),
+            "{}: {}",
+            row.name,
+            reply.message
+        );
+        assert_eq!(reply.status(), reply.reason.status(), "{}", row.name);
+        if !row.header.is_empty() {
+            assert!(
+                reply.all_headers().any(|(name, _)| name == row.header),
+                "{}: no {} in {:?}",
+                row.name,
+                row.header,
+                reply.all_headers().collect::<Vec<_>>()
+            );
+        }
+        assert_eq!(life.phase(), Phase::Refused, "{}", row.name);
+        assert_eq!(
+            budget(&pipeline).await,
+            taken,
+            "{}: a refused request consumes nothing",
+            row.name
+        );
+        life.finish().await;
+        assert_eq!(budget(&pipeline).await, taken, "{}", row.name);
+        drop(kept);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn heads_are_refused_passed_through_or_continued() {
+    let pipeline = pipeline();
+    let now = Instant::now();
+
+    let mut anonymous = RequestLife::new(&pipeline);
+    let headers: Vec<Header<'_>> = chat_headers("")
+        .into_iter()
+        .filter(|h| h.name != "x-user-id")
+        .collect();
+    let HeadDecision::Refuse(reply) = anonymous.head(&headers, false, now).unwrap() else {
+        panic!("no identity must be refused");
+    };
+    assert_eq!((reply.status(), reply.reason), (401, Reason::MissingIdentity));
+
+    let mut models = RequestLife::new(&pipeline);
+    let get = [
+        Header {
+            name: ":method",
+            value: b"GET",
+        },
+        Header {
+            name: ":path",
+            value: b"/v1/models",
+        },
+    ];
+    assert_eq!(
+        models.head(&get, true, now).unwrap(),
+        HeadDecision::PassThrough
+    );
+    assert_eq!(models.phase(), Phase::PassedThrough);
+    assert!(
+        models.body(b"x".to_vec(), true, now).await.unwrap() == BodyDecision::PassThrough,
+        "a passed-through request's later phases are let through"
+    );
+    assert_eq!(outcomes(&pipeline, "passed_through"), 1.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn phases_out_of_order_are_values_and_change_nothing() {
+    let pipeline = pipeline();
+    let now = Instant::now();
+    let mut life = RequestLife::new(&pipeline);
+    let wrong = life.body(chat_body(10), true, now).await.unwrap_err();
+    assert_eq!(wrong.state, Phase::Start.describe());
+    assert_eq!(life.phase(), Phase::Start);
+    assert!(life.response_headers(200, None, false).is_err());
+    assert!(life.request_trailers(now).is_err());
+
+    life.head(&chat_headers(TENANT), false, now).unwrap();
+    assert!(life.head(&chat_headers(TENANT), false, now).is_err());
+    assert_eq!(life.phase(), Phase::AwaitingBody);
+    // Trailers where the body should be: a request with no body.
+    let TrailersDecision::Refuse(reply) = life.request_trailers(now).unwrap() else {
+        panic!("trailers before a body must be refused");
+    };
+    assert_eq!(reply.reason, Reason::MissingBody);
+    assert!(life.body(chat_body(10), true, now).await.is_err());
+    assert_eq!(budget(&pipeline).await, (0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_response_before_the_body_is_envoys_own_answer() {
+    let pipeline = pipeline();
+    let now = Instant::now();
+    let mut life = RequestLife::new(&pipeline);
+    life.head(&chat_headers(TENANT), false, now).unwrap();
+    assert_eq!(life.response_headers(413, None, false).unwrap(), &[]);
+    assert_eq!(life.phase(), Phase::PassedThrough);
+    life.response_body(b"too large", true, now).unwrap();
+    life.finish().await;
+    assert_eq!(outcomes(&pipeline, "answered_by_envoy"), 1.0);
+    assert_eq!(budget(&pipeline).await, (0, 0));
+}
+
+#[test]
+fn settlement_rules() {
+    // The pure part of finishing: `spent_tokens`, by ending.
+    let pipeline = pipeline();
+    let policy = &pipeline.policy;
+    let head = InferenceHead {
+        identity: request::Identity {
+            tenant: TENANT.to_owned(),
+            tier: policy.tier_named("free").unwrap(),
+        },
+        api: request::ApiKind::Chat,
+        spoofed_headers: Vec::new(),
+    };
+    let BodyVerdict::Admit(admission) =
+        admission::decide_body(policy, &head, &chat_body(40))
+    else {
+        panic!("a valid body");
+    };
+    let input = u64::from(admission.input_tokens);
+    let usage = Usage {
+        prompt_tokens: 9,
+        completion_tokens: 4,
+    };
+    let table = [
+        (ResponseEnd::UpstreamError, Some(usage), true, (0, 0, true)),
+        (ResponseEnd::Complete, Some(usage), true, (9, 4, false)),
+        (ResponseEnd::Truncated, Some(usage), false, (9, 4, false)),
+        (ResponseEnd::Complete, None, false, (input, 40, false)),
+        (ResponseEnd::NoResponse, None, true, (input, 0, false)),
+    ];
+    for (end, usage, observed, (i, o, refund)) in table {
+        let spent = spent_tokens(&admission, end, usage, None, observed);
+        assert_eq!(
+            spent,
+            Spent {
+                input: i,
+                output: o,
+                refund_request: refund
+            },
+            "{end:?} {usage:?} observed={observed}"
+        );
+    }
+}
