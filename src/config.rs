@@ -232,6 +232,18 @@ pub enum FailMode {
     FailClosed,
 }
 
+/// The `mode` label of `tollgate_degraded_decisions_total`: the configured spelling.
+impl crate::observe::LabelValue for FailMode {
+    const ALL: &'static [FailMode] = &[FailMode::FailOpen, FailMode::FailClosed];
+
+    fn label(self) -> &'static str {
+        match self {
+            FailMode::FailOpen => "fail_open",
+            FailMode::FailClosed => "fail_closed",
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OutputLimitPolicy {

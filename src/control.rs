@@ -70,6 +70,8 @@ pub mod tick;
 
 use std::fmt;
 
+use crate::observe::LabelValue;
+
 /// The controller's knobs. `validate` before use; `Default` is seed 001's final controller
 /// (tollgate's defaults are `config::ControlConfig`'s, mapped by `tick::aimd_config`).
 #[derive(Clone, Debug, PartialEq)]
@@ -282,6 +284,14 @@ impl Action {
             Action::Hold(Hold::AtFloor) => "hold_at_floor",
             Action::Hold(Hold::EngineSaturated) => "hold_engine_saturated",
         }
+    }
+}
+
+impl LabelValue for Action {
+    const ALL: &'static [Action] = &Action::ALL;
+
+    fn label(self) -> &'static str {
+        self.as_str()
     }
 }
 

@@ -15,6 +15,8 @@ use crate::config::{
     Config, ConfigError, ControlConfig, ControlSignal, FairnessCost, OutputLimitPolicy,
     StoreConfig, TierConfig,
 };
+use crate::observe::{LabelValue, MetricLabels};
+use crate::reply::Reason;
 use crate::tokens::{Encoding, EncodingRule};
 
 /// Index of a tier in `Policy::tiers`; also the index of its pre-created metric series.
@@ -341,6 +343,29 @@ impl Policy {
 
     pub fn encoding_for(&self, model: &str) -> Encoding {
         crate::tokens::encoding_for(model, &self.counting.encodings)
+    }
+}
+
+/// What the metrics are labelled by: this policy's tiers (a `TierId` is their index), and the
+/// service's bounded enums. `Metrics::new(&policy)`.
+impl MetricLabels for Policy {
+    type Reason = Reason;
+    type Action = crate::control::Action;
+    type FailMode = crate::config::FailMode;
+    type StoreError = crate::budget::StoreError;
+
+    fn tier_names(&self) -> Vec<&str> {
+        self.tiers.iter().map(|tier| tier.name.as_str()).collect()
+    }
+}
+
+/// `reason`'s values are the `x-tollgate-reason` names, `Reason::ALL` and `as_str`. (Here and
+/// not in `reply`, which stays free of the metrics.)
+impl LabelValue for Reason {
+    const ALL: &'static [Reason] = &Reason::ALL;
+
+    fn label(self) -> &'static str {
+        self.as_str()
     }
 }
 
