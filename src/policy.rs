@@ -552,6 +552,7 @@ fn store_problems(store: &StoreConfig) -> Vec<String> {
     problems
 }
 
+/// Every check of the controller's settings (`control::AimdConfig` has none of its own).
 fn control_problems(c: &ControlConfig) -> Vec<String> {
     let mut problems = Vec::new();
     let mut check = |ok: bool, field: &str, value: String, want: &str| {
@@ -648,6 +649,7 @@ fn control_problems(c: &ControlConfig) -> Vec<String> {
         c.window_ms.to_string(),
         "must be at least control.tick_ms",
     );
+    // band = 1 would put the increase threshold at 0: the budget could never grow.
     check(
         (0.0..1.0).contains(&c.band),
         "band",
