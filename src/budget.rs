@@ -40,6 +40,8 @@ pub mod window;
 
 use std::time::Duration;
 
+use crate::observe::{ErrorKind, LabelValue};
+
 /// What a window counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Quantity {
@@ -165,6 +167,42 @@ pub enum StoreError {
     Unavailable(String),
     #[error("the budget store answered unexpectedly: {0}")]
     Protocol(String),
+}
+
+/// What kind of failure a `StoreError` is: the `kind` label of `tollgate_store_errors_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreErrorKind {
+    Timeout,
+    Unavailable,
+    Protocol,
+}
+
+impl LabelValue for StoreErrorKind {
+    const ALL: &'static [StoreErrorKind] = &[
+        StoreErrorKind::Timeout,
+        StoreErrorKind::Unavailable,
+        StoreErrorKind::Protocol,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            StoreErrorKind::Timeout => "timeout",
+            StoreErrorKind::Unavailable => "unavailable",
+            StoreErrorKind::Protocol => "protocol",
+        }
+    }
+}
+
+impl ErrorKind for StoreError {
+    type Kind = StoreErrorKind;
+
+    fn kind(&self) -> StoreErrorKind {
+        match self {
+            StoreError::Timeout(_) => StoreErrorKind::Timeout,
+            StoreError::Unavailable(_) => StoreErrorKind::Unavailable,
+            StoreError::Protocol(_) => StoreErrorKind::Protocol,
+        }
+    }
 }
 
 /// The budget store: embedded or Redis. An enum rather than a trait object: there are exactly

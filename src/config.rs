@@ -232,6 +232,18 @@ pub enum FailMode {
     FailClosed,
 }
 
+/// The `mode` label of `tollgate_degraded_decisions_total`: the configured spelling.
+impl crate::observe::LabelValue for FailMode {
+    const ALL: &'static [FailMode] = &[FailMode::FailOpen, FailMode::FailClosed];
+
+    fn label(self) -> &'static str {
+        match self {
+            FailMode::FailOpen => "fail_open",
+            FailMode::FailClosed => "fail_closed",
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OutputLimitPolicy {
@@ -280,6 +292,10 @@ pub enum FairnessCost {
 }
 
 /// The AIMD controller that sizes the global budget against a p99 time-to-first-token target.
+///
+/// One place per concern: the defaults are `Default` below (the controller has none of its
+/// own), the checks `policy::control_problems`, and `control::AimdConfig::from` the typed
+/// form `Aimd::step` reads. A new knob is a field here, its default, and its check.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ControlConfig {
@@ -297,17 +313,20 @@ pub struct ControlConfig {
     pub window_ms: u64,
     /// Deadband: no action while p99 is within target x (1 ± band).
     pub band: f64,
+    /// Additive increase per tick (for a fixed budget, set floor = ceiling).
     pub increase_step: u32,
     /// Multiplicative decrease factor on a breach (0 < factor < 1)...
     pub decrease_factor: f64,
     /// ...or, if set, a subtractive step instead.
     pub decrease_step: Option<u32>,
+    /// The budget never goes below this...
     pub floor: u32,
+    /// ...nor above this.
     pub ceiling: u32,
     /// Ticks to hold after a decrease, while the window flushes samples from before it.
     pub cooldown_ticks: u32,
-    /// Demand gate: grow only while peak in-flight reached this fraction of the limit (or
-    /// requests are queued), so an idle system does not drift upward.
+    /// Demand gate: grow only while peak in-flight reached this fraction of the limit, rounded
+    /// up (or requests are queued), so an idle system does not drift upward.
     pub demand_fraction: f64,
     /// Until the first decrease (or engine saturation) with the budget in real use, each
     /// increase doubles the limit.
@@ -466,18 +485,43 @@ impl Default for ControlConfig {
         ControlConfig {
             enabled: true,
             signal: ControlSignal::Upstream,
+            // Seed 001's SLO and deadband.
             target_p99_ttft_ms: 2_000,
             upstream_target_p99_ttft_ms: 1_000,
             tick_ms: 1_000,
             window_ms: 10_000,
             band: 0.2,
             increase_step: 1,
+            // 0.9, not seed 001's original 0.5. Halving went 64 → 32 → 16 in three ticks,
+            // each tick reacting to the last overcorrection; the author's verdict was that the
+            // factor, not multiplication, was the problem, and that 0.8-0.9 would have worked.
+            // The gentle end because cuts come in pairs: p99 over a 30 s window keeps a breach
+            // visible for six 5 s ticks, so a 3-tick cooldown usually lets a second cut happen
+            // before the window has flushed; 0.9² ≈ 0.81 per breach lands in that range, where
+            // 0.8² ≈ 0.64 would be most of a halving again. It is also concurrency-limits'
+            // AIMD default backoff ratio. Multiplicative rather than a step because the budget
+            // spans an order of magnitude (floor to ceiling), and a cut should scale with it.
             decrease_factor: 0.9,
             decrease_step: None,
+            // Seed 001's floor was 16 per worker with 2 workers; the U-curve's left arm. It is
+            // hardware- and model-shaped: measure it.
             floor: 32,
             ceiling: 256,
+            // Seed 001: 3 ticks (15 s at a 5 s tick) after each decrease; here the window
+            // restarts at each cut instead.
             cooldown_ticks: 0,
+            // 0.8: climb only while the budget's busiest moment used at least 80% of it,
+            // i.e. keep the limit within about 1.25× (plus one step) of the concurrency the
+            // latency signal has actually vouched for. concurrency-limits uses 0.5, which lets
+            // the limit run to twice what traffic tested; past vLLM's KV-cache knee TTFT
+            // explodes, so a burst admitted into an untested 2× headroom lands in preemption.
+            // Not 1.0: the peak is sampled from a noisy arrival process and a tight queue is
+            // usually empty (seed 001 §3), so requiring the limit to be hit exactly would stall
+            // the climb just under the operating point. Anything queued counts as demand
+            // regardless.
             demand_fraction: 0.8,
+            // Seed 001's controller had neither; they come on together with the upstream
+            // signal they were measured with.
             slow_start: true,
             min_samples: 10,
             engine: EngineMetricsConfig::default(),

@@ -71,32 +71,23 @@ pub mod window;
 
 use std::fmt;
 
-/// The controller's knobs. `validate` before use; `Default` is seed 001's final controller
-/// (tollgate's defaults are `config::ControlConfig`'s, mapped by `tick::aimd_config`).
+use crate::config::{ControlConfig, ControlSignal};
+use crate::observe::LabelValue;
+
+/// The controller's settings, typed: `From<&ControlConfig>` is the only way to make them, so
+/// `ControlConfig`'s defaults are the only defaults and `Policy::from_config` (its
+/// `control_problems`) the only check. A knob `step` reads as configured is read from
+/// `control`; the two whose form changes are here.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AimdConfig {
-    /// The target: p99 TTFT, seconds, of whichever TTFT the controller is fed.
+    /// The target: p99 TTFT, seconds, of whichever TTFT the controller is fed
+    /// (`control.signal` picks `upstream_target_p99_ttft_ms` or `target_p99_ttft_ms`).
     pub target_p99_ttft_seconds: f64,
-    /// Deadband: no action while p99 is within ±`band` (a fraction) of the target.
-    pub band: f64,
-    /// Additive increase per tick.
-    pub increase_step: u32,
-    /// How to cut on a breach.
+    /// How to cut on a breach: `control.decrease_step` if set, else `control.decrease_factor`.
     pub decrease: Decrease,
-    /// The budget never goes below this.
-    pub floor: u32,
-    /// The budget never goes above this.
-    pub ceiling: u32,
-    /// Ticks to hold after a decrease (and only after a decrease).
-    pub cooldown_ticks: u32,
-    /// "In flight near the limit": increase only if `peak_in_flight >= ceil(limit ×
-    /// demand_fraction)` (or something queued).
-    pub demand_fraction: f64,
-    /// Until the first decrease or engine saturation with at least half the limit in flight, an
-    /// increase doubles the limit (TCP's slow start) instead of adding `increase_step`.
-    pub slow_start: bool,
-    /// Fewer samples than this in the window: no opinion (`Hold::NoSamples`).
-    pub min_samples: u64,
+    /// Every other knob, as configured: `band`, `increase_step`, `floor`, `ceiling`,
+    /// `cooldown_ticks`, `demand_fraction`, `slow_start`, `min_samples` (see `ControlConfig`).
+    pub control: ControlConfig,
 }
 
 /// How a breach cuts the budget.
@@ -109,100 +100,19 @@ pub enum Decrease {
     Step(u32),
 }
 
-impl Default for AimdConfig {
-    fn default() -> Self {
+impl From<&ControlConfig> for AimdConfig {
+    fn from(control: &ControlConfig) -> AimdConfig {
+        let target_ms = match control.signal {
+            ControlSignal::Upstream => control.upstream_target_p99_ttft_ms,
+            ControlSignal::Gateway => control.target_p99_ttft_ms,
+        };
         AimdConfig {
-            // Seed 001's SLO and deadband, the one operator knob.
-            target_p99_ttft_seconds: 2.0,
-            band: 0.2,
-            increase_step: 1,
-            // 0.9, not seed 001's original 0.5. Halving went 64 → 32 → 16 in three ticks,
-            // each tick reacting to the last overcorrection; the author's verdict was that the
-            // factor, not multiplication, was the problem, and that 0.8-0.9 would have worked.
-            // The gentle end because cuts come in pairs: p99 over a 30 s window keeps a breach
-            // visible for six 5 s ticks, so a 3-tick cooldown usually lets a second cut happen
-            // before the window has flushed; 0.9² ≈ 0.81 per breach lands in that range, where
-            // 0.8² ≈ 0.64 would be most of a halving again. It is also concurrency-limits'
-            // AIMD default backoff ratio. Multiplicative rather than a step because the budget
-            // spans an order of magnitude (floor to ceiling), and a cut should scale with it.
-            decrease: Decrease::Factor(0.9),
-            // Seed 001's floor was 16 per worker with 2 workers; the U-curve's left arm. It is
-            // hardware- and model-shaped: measure it.
-            floor: 32,
-            ceiling: 256,
-            // Seed 001: 3 ticks (15 s at a 5 s tick) after each decrease.
-            cooldown_ticks: 3,
-            // 0.8: climb only while the budget's busiest moment used at least 80% of it,
-            // i.e. keep the limit within about 1.25× (plus one step) of the concurrency the
-            // latency signal has actually vouched for. concurrency-limits uses 0.5, which lets
-            // the limit run to twice what traffic tested; past vLLM's KV-cache knee TTFT
-            // explodes, so a burst admitted into an untested 2× headroom lands in preemption.
-            // Not 1.0: the peak is sampled from a noisy arrival process and a tight queue is
-            // usually empty (seed 001 §3), so requiring the limit to be hit exactly would stall
-            // the climb just under the operating point. Anything queued counts as demand
-            // regardless.
-            demand_fraction: 0.8,
-            // Seed 001's controller had neither; `config::ControlConfig`'s defaults turn them
-            // on together with the upstream signal they were measured with.
-            slow_start: false,
-            min_samples: 1,
-        }
-    }
-}
-
-impl AimdConfig {
-    /// Checks every field; the error names each bad field and its value, one per line
-    /// (`field: problem`), so a caller can prefix its own path.
-    pub fn validate(&self) -> Result<(), String> {
-        let mut problems = Vec::new();
-        let target = self.target_p99_ttft_seconds;
-        if !(target.is_finite() && target > 0.0) {
-            problems.push(format!(
-                "target_p99_ttft_seconds: {target} must be a positive number of seconds"
-            ));
-        }
-        let band = self.band;
-        // band = 1 would put the increase threshold at 0: the budget could never grow.
-        if !(0.0..1.0).contains(&band) {
-            problems.push(format!("band: {band} must be in [0, 1)"));
-        }
-        if self.increase_step == 0 {
-            problems.push(
-                "increase_step: 0 must be at least 1 (for a fixed budget, set floor = ceiling)"
-                    .to_owned(),
-            );
-        }
-        match self.decrease {
-            Decrease::Factor(factor) if !(factor > 0.0 && factor < 1.0) => {
-                problems.push(format!(
-                    "decrease: factor {factor} must be strictly between 0 and 1"
-                ));
-            }
-            Decrease::Step(0) => {
-                problems.push("decrease: step 0 must be at least 1".to_owned());
-            }
-            _ => {}
-        }
-        if self.floor == 0 {
-            problems.push("floor: 0 must be at least 1 (a budget of 0 admits nothing)".to_owned());
-        }
-        if self.ceiling < self.floor {
-            problems.push(format!(
-                "ceiling: {} must be at least floor ({})",
-                self.ceiling, self.floor
-            ));
-        }
-        let fraction = self.demand_fraction;
-        if !(fraction > 0.0 && fraction <= 1.0) {
-            problems.push(format!("demand_fraction: {fraction} must be in (0, 1]"));
-        }
-        if self.min_samples == 0 {
-            problems.push("min_samples: 0 must be at least 1".to_owned());
-        }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(problems.join("\n"))
+            target_p99_ttft_seconds: target_ms as f64 / 1000.0,
+            decrease: match control.decrease_step {
+                Some(step) => Decrease::Step(step),
+                None => Decrease::Factor(control.decrease_factor),
+            },
+            control: control.clone(),
         }
     }
 }
@@ -286,6 +196,14 @@ impl Action {
     }
 }
 
+impl LabelValue for Action {
+    const ALL: &'static [Action] = &Action::ALL;
+
+    fn label(self) -> &'static str {
+        self.as_str()
+    }
+}
+
 impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -307,9 +225,11 @@ impl Aimd {
         Aimd {
             // Not `clamp`: it panics if floor > ceiling, and an unvalidated config should
             // give a wrong number, not a crash. Ceiling wins.
-            limit: initial.max(config.floor).min(config.ceiling),
+            limit: initial
+                .max(config.control.floor)
+                .min(config.control.ceiling),
             cooldown_left: 0,
-            slow_start: config.slow_start,
+            slow_start: config.control.slow_start,
         }
     }
 
@@ -328,9 +248,9 @@ impl Aimd {
         // empty window is.
         let p99 = observation
             .p99_ttft_seconds
-            .filter(|p| !p.is_nan() && observation.samples >= config.min_samples);
+            .filter(|p| !p.is_nan() && observation.samples >= config.control.min_samples);
         let target = config.target_p99_ttft_seconds;
-        if p99.is_some_and(|p99| p99 > target * (1.0 + config.band)) {
+        if p99.is_some_and(|p99| p99 > target * (1.0 + config.control.band)) {
             return self.decrease(config, observation.peak_in_flight);
         }
         if observation.engine_saturation.is_some_and(|s| s >= 1.0) {
@@ -339,26 +259,26 @@ impl Aimd {
         let Some(p99) = p99 else {
             return Action::Hold(Hold::NoSamples);
         };
-        if p99 < target * (1.0 - config.band) {
+        if p99 < target * (1.0 - config.control.band) {
             if !self.has_demand(config, observation) {
                 return Action::Hold(Hold::NoDemand);
             }
-            if self.limit >= config.ceiling {
+            if self.limit >= config.control.ceiling {
                 return Action::Hold(Hold::AtCeiling);
             }
             let step = if self.slow_start {
-                self.limit.max(config.increase_step)
+                self.limit.max(config.control.increase_step)
             } else {
-                config.increase_step
+                config.control.increase_step
             };
-            self.limit = self.limit.saturating_add(step).min(config.ceiling);
+            self.limit = self.limit.saturating_add(step).min(config.control.ceiling);
             return Action::Increase;
         }
         Action::Hold(Hold::InBand)
     }
 
     fn decrease(&mut self, config: &AimdConfig, peak_in_flight: u32) -> Action {
-        if self.limit <= config.floor {
+        if self.limit <= config.control.floor {
             // Nothing was cut, so there are no stale samples to wait out: no cooldown.
             return Action::Hold(Hold::AtFloor);
         }
@@ -381,8 +301,8 @@ impl Aimd {
         };
         // `as` saturates (NaN → 0); at least 1 less, or a factor near 1 would not cut.
         let cut = cut.min(self.limit - 1);
-        self.limit = cut.max(config.floor);
-        self.cooldown_left = config.cooldown_ticks;
+        self.limit = cut.max(config.control.floor);
+        self.cooldown_left = config.control.cooldown_ticks;
         Action::Decrease
     }
 
@@ -391,7 +311,7 @@ impl Aimd {
     /// as for a breach).
     fn clamp(&mut self, config: &AimdConfig, peak_in_flight: u32) -> Action {
         self.end_slow_start_if_in_use(peak_in_flight);
-        let in_use = peak_in_flight.max(config.floor);
+        let in_use = peak_in_flight.max(config.control.floor);
         if self.limit > in_use {
             self.limit = in_use;
             Action::Clamp
@@ -420,7 +340,7 @@ impl Aimd {
             queued,
             ..
         } = observation;
-        let near_limit = (f64::from(self.limit) * config.demand_fraction).ceil();
+        let near_limit = (f64::from(self.limit) * config.control.demand_fraction).ceil();
         queued > 0 || (peak_in_flight > 0 && f64::from(peak_in_flight) >= near_limit)
     }
 }

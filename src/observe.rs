@@ -1,5 +1,5 @@
-//! Metrics: every name, unit, bucket set and label value in one place, and every series created
-//! at start-up.
+//! Metrics: every name, unit, bucket set and label in one place, and every series created at
+//! start-up.
 //!
 //! Series that only appear on their first event break `rate()` over short windows (seed 000:
 //! the sparse 504 series rendered as flat zero), so `Metrics::new` registers every label
@@ -7,6 +7,13 @@
 //! formats a key. Labels are bounded sets (tier names from the config, rule names, outcomes),
 //! never a user. Each `run` owns its recorder, so servers in one test process do not share
 //! counts.
+//!
+//! The registry sits below the domain: it names no domain module. A domain enum that labels a
+//! series gives its own values (`LabelValue`, implemented next to the enum), `Metrics::new`
+//! learns which enum labels which metric and the tier names from `MetricLabels` (implemented by
+//! `Policy`), and figures it publishes arrive as its own types (`SchedulerGauges`,
+//! `EngineScrape`) or plain numbers. Enums that exist only as labels (`RequestOutcome`,
+//! `StoreOp`, ...) live here.
 
 pub mod response;
 
@@ -15,10 +22,6 @@ use std::sync::Arc;
 use metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::control::Action;
-use crate::control::engine::EngineLoad;
-use crate::policy::{Policy, TierId};
-use crate::reply::Reason;
 use response::ResponseEnd;
 
 pub const REQUESTS: &str = "tollgate_requests_total";
@@ -72,6 +75,84 @@ const STORE_BUCKETS: &[f64] = &[
 const TOKEN_BUCKETS: &[f64] = &[
     16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0,
 ];
+
+/// A bounded set of label values, every one of which gets its series at start-up. Implemented
+/// next to each enum that labels a metric, so the enum, not this registry, owns its values.
+pub trait LabelValue: Copy + PartialEq + 'static {
+    /// Every value, in the order their series are created.
+    const ALL: &'static [Self];
+
+    /// The label value; stable (dashboards and alerts select on it).
+    fn label(self) -> &'static str;
+
+    /// Where `self` is in `ALL`.
+    fn index(self) -> usize {
+        Self::ALL
+            .iter()
+            .position(|&v| v == self)
+            .expect("ALL lists every value")
+    }
+}
+
+/// An error counted by its kind, one of a bounded set.
+pub trait ErrorKind {
+    type Kind: LabelValue;
+
+    fn kind(&self) -> Self::Kind;
+}
+
+/// What `Metrics::new` creates series for beyond this module's own enums: the tiers, and which
+/// domain enum labels which metric. `Policy` implements it.
+pub trait MetricLabels {
+    /// `reason` of `tollgate_rejections_total` (the `x-tollgate-reason` rules).
+    type Reason: LabelValue;
+    /// `action` of `tollgate_controller_actions_total`.
+    type Action: LabelValue;
+    /// `mode` of `tollgate_degraded_decisions_total`.
+    type FailMode: LabelValue;
+    /// `kind` of `tollgate_store_errors_total`, by the store error's kind.
+    type StoreError: ErrorKind;
+
+    /// The tier names. A tier argument of `Metrics` is an index into them (`policy::TierId`).
+    fn tier_names(&self) -> Vec<&str>;
+}
+
+impl<T: MetricLabels + ?Sized> MetricLabels for Arc<T> {
+    type Reason = T::Reason;
+    type Action = T::Action;
+    type FailMode = T::FailMode;
+    type StoreError = T::StoreError;
+
+    fn tier_names(&self) -> Vec<&str> {
+        T::tier_names(self)
+    }
+}
+
+/// The scheduler's budget at one instant, as its gauges show it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedulerGauges {
+    pub limit: u32,
+    pub in_flight: u32,
+    pub queued_body_bytes: usize,
+}
+
+/// One controller tick's scrape of the engines, as the engine metrics read it.
+pub trait EngineScrape {
+    /// Engines that did not answer.
+    fn failures(&self) -> usize;
+
+    /// One reading per engine that answered.
+    fn loads(&self) -> impl Iterator<Item = EngineReading>;
+}
+
+/// One engine's load at a scrape.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EngineReading {
+    /// 0 to 1; None if the engine reported none.
+    pub kv_cache_usage: Option<f64>,
+    /// Requests waiting inside the engine; None if it reported none.
+    pub waiting: Option<f64>,
+}
 
 /// The route class and outcome of a request, as counted in `tollgate_requests_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -130,8 +211,8 @@ pub enum SchedulerOutcome {
     Cancelled,
 }
 
-impl SchedulerOutcome {
-    const ALL: [SchedulerOutcome; 7] = [
+impl LabelValue for SchedulerOutcome {
+    const ALL: &'static [SchedulerOutcome] = &[
         SchedulerOutcome::AdmittedNow,
         SchedulerOutcome::AdmittedAfterWait,
         SchedulerOutcome::QueueFull,
@@ -141,7 +222,7 @@ impl SchedulerOutcome {
         SchedulerOutcome::Cancelled,
     ];
 
-    fn as_str(self) -> &'static str {
+    fn label(self) -> &'static str {
         match self {
             SchedulerOutcome::AdmittedNow => "admitted_now",
             SchedulerOutcome::AdmittedAfterWait => "admitted_after_wait",
@@ -162,26 +243,15 @@ pub enum StoreOp {
     Renew,
 }
 
-impl StoreOp {
-    const ALL: [StoreOp; 3] = [StoreOp::Reserve, StoreOp::Settle, StoreOp::Renew];
+impl LabelValue for StoreOp {
+    const ALL: &'static [StoreOp] = &[StoreOp::Reserve, StoreOp::Settle, StoreOp::Renew];
 
-    fn as_str(self) -> &'static str {
+    fn label(self) -> &'static str {
         match self {
             StoreOp::Reserve => "reserve",
             StoreOp::Settle => "settle",
             StoreOp::Renew => "renew",
         }
-    }
-}
-
-/// Store failure kinds, as metric labels.
-const STORE_ERROR_KINDS: [&str; 3] = ["timeout", "unavailable", "protocol"];
-
-fn store_error_kind(error: &crate::budget::StoreError) -> &'static str {
-    match error {
-        crate::budget::StoreError::Timeout(_) => "timeout",
-        crate::budget::StoreError::Unavailable(_) => "unavailable",
-        crate::budget::StoreError::Protocol(_) => "protocol",
     }
 }
 
@@ -217,10 +287,10 @@ pub enum ProtocolError {
     EmptyMessage,
 }
 
-impl ProtocolError {
-    const ALL: [ProtocolError; 2] = [ProtocolError::OutOfOrder, ProtocolError::EmptyMessage];
+impl LabelValue for ProtocolError {
+    const ALL: &'static [ProtocolError] = &[ProtocolError::OutOfOrder, ProtocolError::EmptyMessage];
 
-    fn as_str(self) -> &'static str {
+    fn label(self) -> &'static str {
         match self {
             ProtocolError::OutOfOrder => "out_of_order",
             ProtocolError::EmptyMessage => "empty_message",
@@ -231,7 +301,8 @@ impl ProtocolError {
 /// Label value for rejections that happen before a tier is known (e.g. no identity).
 const NO_TIER: &str = "none";
 
-/// Pre-registered handles for every series.
+/// Pre-registered handles for every series. A `tier` argument is an index into
+/// `MetricLabels::tier_names` (a `policy::TierId`).
 #[derive(Clone)]
 pub struct Metrics {
     inner: Arc<Inner>,
@@ -242,6 +313,8 @@ struct Inner {
     requests: Vec<Counter>,
     /// `[tier or NO_TIER][reason]`; the last row is NO_TIER.
     rejections: Vec<Vec<Counter>>,
+    /// The `reason` of each column of `rejections`.
+    reasons: Vec<&'static str>,
     estimated_input_tokens: Vec<Histogram>,
     /// `[tier][prompt, completion]`.
     usage_tokens: Vec<[Counter; 2]>,
@@ -261,6 +334,8 @@ struct Inner {
     /// `[tier][SchedulerOutcome]`.
     scheduler_outcomes: Vec<Vec<Counter>>,
     controller_actions: Vec<Counter>,
+    /// The `action` of each of `controller_actions`.
+    actions: Vec<&'static str>,
     controller_p99: Gauge,
     /// `[ok, error]`.
     engine_scrapes: [Counter; 2],
@@ -272,14 +347,20 @@ struct Inner {
     store_duration: Vec<Histogram>,
     /// `[op][kind]`.
     store_errors: Vec<Vec<Counter>>,
+    /// The `kind` of each column of `store_errors`.
+    store_error_kinds: Vec<&'static str>,
     store_breaker: Gauge,
-    /// `[control][fail_open, fail_closed]`.
-    degraded: Vec<[Counter; 2]>,
+    /// `[control][mode]`.
+    degraded: Vec<Vec<Counter>>,
+    /// The `mode` of each column of `degraded`.
+    fail_modes: Vec<&'static str>,
     active_leases: Gauge,
 }
 
 impl Metrics {
-    pub fn new(policy: &Policy) -> Metrics {
+    /// Registers every series: per tier of `labels.tier_names()`, and per value of each enum
+    /// `labels` names.
+    pub fn new<L: MetricLabels + ?Sized>(labels: &L) -> Metrics {
         let builder = PrometheusBuilder::new();
         let builder = [
             (TTFT, LATENCY_BUCKETS),
@@ -460,7 +541,11 @@ impl Metrics {
             "Concurrency leases this replica holds in the store now.",
         );
 
-        let tier_names: Vec<&str> = policy.tiers.iter().map(|t| t.name.as_str()).collect();
+        let tier_names = labels.tier_names();
+        let reasons = label_set::<L::Reason>();
+        let actions = label_set::<L::Action>();
+        let fail_modes = label_set::<L::FailMode>();
+        let store_error_kinds = label_set::<<L::StoreError as ErrorKind>::Kind>();
         let per_tier = |f: &dyn Fn(&str) -> Histogram| tier_names.iter().map(|t| f(t)).collect();
         let inner = Inner {
             requests: RequestOutcome::ALL
@@ -472,14 +557,13 @@ impl Metrics {
                 .copied()
                 .chain([NO_TIER])
                 .map(|tier| {
-                    Reason::ALL
+                    reasons
                         .iter()
-                        .map(|reason| {
-                            r.counter(REJECTIONS, &[("reason", reason.as_str()), ("tier", tier)])
-                        })
+                        .map(|reason| r.counter(REJECTIONS, &[("reason", reason), ("tier", tier)]))
                         .collect()
                 })
                 .collect(),
+            reasons,
             estimated_input_tokens: per_tier(&|t| {
                 r.histogram(ESTIMATED_INPUT_TOKENS, &[("tier", t)])
             }),
@@ -495,15 +579,15 @@ impl Metrics {
             ttft: per_tier(&|t| r.histogram(TTFT, &[("tier", t)])),
             upstream_ttft: per_tier(&|t| r.histogram(UPSTREAM_TTFT, &[("tier", t)])),
             request_duration: per_tier(&|t| r.histogram(REQUEST_DURATION, &[("tier", t)])),
-            stream_completions: ResponseEnd::ALL
+            stream_completions: <ResponseEnd as LabelValue>::ALL
                 .iter()
-                .map(|e| r.counter(STREAM_COMPLETIONS, &[("result", e.as_str())]))
+                .map(|e| r.counter(STREAM_COMPLETIONS, &[("result", e.label())]))
                 .collect(),
             held_streams: r.gauge(HELD_STREAMS, &[]),
             decision_duration: r.histogram(DECISION_DURATION, &[]),
             protocol_errors: ProtocolError::ALL
                 .iter()
-                .map(|k| r.counter(PROTOCOL_ERRORS, &[("kind", k.as_str())]))
+                .map(|k| r.counter(PROTOCOL_ERRORS, &[("kind", k.label())]))
                 .collect(),
             inflight_limit: r.gauge(INFLIGHT_LIMIT, &[]),
             inflight: r.gauge(INFLIGHT, &[]),
@@ -523,15 +607,16 @@ impl Metrics {
                     SchedulerOutcome::ALL
                         .iter()
                         .map(|o| {
-                            r.counter(SCHEDULER_OUTCOMES, &[("tier", t), ("outcome", o.as_str())])
+                            r.counter(SCHEDULER_OUTCOMES, &[("tier", t), ("outcome", o.label())])
                         })
                         .collect()
                 })
                 .collect(),
-            controller_actions: Action::ALL
+            controller_actions: actions
                 .iter()
-                .map(|a| r.counter(CONTROLLER_ACTIONS, &[("action", a.as_str())]))
+                .map(|action| r.counter(CONTROLLER_ACTIONS, &[("action", action)]))
                 .collect(),
+            actions,
             controller_p99: r.gauge(CONTROLLER_P99, &[]),
             engine_scrapes: ["ok", "error"]
                 .map(|result| r.counter(ENGINE_SCRAPES, &[("result", result)])),
@@ -556,26 +641,31 @@ impl Metrics {
                 .collect(),
             store_duration: StoreOp::ALL
                 .iter()
-                .map(|op| r.histogram(STORE_DURATION, &[("op", op.as_str())]))
+                .map(|op| r.histogram(STORE_DURATION, &[("op", op.label())]))
                 .collect(),
             store_errors: StoreOp::ALL
                 .iter()
                 .map(|op| {
-                    STORE_ERROR_KINDS
+                    store_error_kinds
                         .iter()
-                        .map(|kind| r.counter(STORE_ERRORS, &[("op", op.as_str()), ("kind", kind)]))
+                        .map(|kind| r.counter(STORE_ERRORS, &[("op", op.label()), ("kind", kind)]))
                         .collect()
                 })
                 .collect(),
+            store_error_kinds,
             store_breaker: r.gauge(STORE_BREAKER, &[]),
-            degraded: [("budgets"), ("concurrency")]
+            degraded: ["budgets", "concurrency"]
                 .iter()
                 .map(|control| {
-                    ["fail_open", "fail_closed"].map(|mode| {
-                        r.counter(DEGRADED_DECISIONS, &[("control", control), ("mode", mode)])
-                    })
+                    fail_modes
+                        .iter()
+                        .map(|mode| {
+                            r.counter(DEGRADED_DECISIONS, &[("control", control), ("mode", mode)])
+                        })
+                        .collect()
                 })
                 .collect(),
+            fail_modes,
             active_leases: r.gauge(ACTIVE_LEASES, &[]),
             handle: recorder.handle(),
         };
@@ -611,43 +701,37 @@ impl Metrics {
         self.inner.requests[index].increment(1);
     }
 
-    pub fn rejection(&self, reason: Reason, tier: Option<TierId>) {
+    /// Counts a local reply by its rule (`MetricLabels::Reason`) and tier, if one was known.
+    pub fn rejection(&self, reason: impl LabelValue, tier: Option<usize>) {
         let row = tier.unwrap_or(self.inner.rejections.len() - 1);
-        let col = Reason::ALL
-            .iter()
-            .position(|&r| r == reason)
-            .expect("ALL lists every reason");
+        let col = column(&self.inner.reasons, reason);
         self.inner.rejections[row][col].increment(1);
     }
 
-    pub fn estimated_input_tokens(&self, tier: TierId, tokens: u32) {
+    pub fn estimated_input_tokens(&self, tier: usize, tokens: u32) {
         self.inner.estimated_input_tokens[tier].record(f64::from(tokens));
     }
 
-    pub fn usage(&self, tier: TierId, prompt_tokens: u64, completion_tokens: u64) {
+    pub fn usage(&self, tier: usize, prompt_tokens: u64, completion_tokens: u64) {
         let [prompt, completion] = &self.inner.usage_tokens[tier];
         prompt.increment(prompt_tokens);
         completion.increment(completion_tokens);
     }
 
-    pub fn time_to_first_token(&self, tier: TierId, seconds: f64) {
+    pub fn time_to_first_token(&self, tier: usize, seconds: f64) {
         self.inner.ttft[tier].record(seconds);
     }
 
-    pub fn upstream_time_to_first_token(&self, tier: TierId, seconds: f64) {
+    pub fn upstream_time_to_first_token(&self, tier: usize, seconds: f64) {
         self.inner.upstream_ttft[tier].record(seconds);
     }
 
-    pub fn request_duration(&self, tier: TierId, seconds: f64) {
+    pub fn request_duration(&self, tier: usize, seconds: f64) {
         self.inner.request_duration[tier].record(seconds);
     }
 
     pub fn stream_completion(&self, end: ResponseEnd) {
-        let index = ResponseEnd::ALL
-            .iter()
-            .position(|&e| e == end)
-            .expect("ALL lists every end");
-        self.inner.stream_completions[index].increment(1);
+        self.inner.stream_completions[end.index()].increment(1);
     }
 
     pub fn decision_duration(&self, seconds: f64) {
@@ -655,15 +739,12 @@ impl Metrics {
     }
 
     pub fn protocol_error(&self, kind: ProtocolError) {
-        let index = ProtocolError::ALL
-            .iter()
-            .position(|&k| k == kind)
-            .expect("ALL lists every kind");
-        self.inner.protocol_errors[index].increment(1);
+        self.inner.protocol_errors[kind.index()].increment(1);
     }
 
     /// Publishes the scheduler's budget, in-flight count and limit.
-    pub fn scheduler_load(&self, load: crate::scheduler::Load) {
+    pub fn scheduler_load(&self, load: impl Into<SchedulerGauges>) {
+        let load = load.into();
         self.inner.inflight_limit.set(f64::from(load.limit));
         self.inner.inflight.set(f64::from(load.in_flight));
         self.inner
@@ -671,34 +752,26 @@ impl Metrics {
             .set(load.queued_body_bytes as f64);
     }
 
-    pub fn scheduler_submitted(&self, tier: TierId) {
+    pub fn scheduler_submitted(&self, tier: usize) {
         self.inner.scheduler_submitted[tier].increment(1);
     }
 
-    pub fn scheduler_outcome(&self, tier: TierId, outcome: SchedulerOutcome) {
-        let index = SchedulerOutcome::ALL
-            .iter()
-            .position(|&o| o == outcome)
-            .expect("ALL lists every outcome");
-        self.inner.scheduler_outcomes[tier][index].increment(1);
+    pub fn scheduler_outcome(&self, tier: usize, outcome: SchedulerOutcome) {
+        self.inner.scheduler_outcomes[tier][outcome.index()].increment(1);
     }
 
-    pub fn queue_wait(&self, tier: TierId, seconds: f64) {
+    pub fn queue_wait(&self, tier: usize, seconds: f64) {
         self.inner.queue_wait[tier].record(seconds);
     }
 
     /// Counts a request of `tier` as queued until the returned guard drops.
-    pub fn hold_queued(&self, tier: TierId) -> GaugeGuard {
+    pub fn hold_queued(&self, tier: usize) -> GaugeGuard {
         GaugeGuard::new(self.inner.queued[tier].clone())
     }
 
-    /// Counts `bytes` of request body as held by a queued request until the guard drops.
-    /// Counts one controller tick by its action, and the p99 it saw.
-    pub fn controller_tick(&self, action: Action, p99_seconds: Option<f64>) {
-        let index = Action::ALL
-            .iter()
-            .position(|&a| a == action)
-            .expect("ALL lists every action");
+    /// Counts one controller tick by its action (`MetricLabels::Action`), and the p99 it saw.
+    pub fn controller_tick(&self, action: impl LabelValue, p99_seconds: Option<f64>) {
+        let index = column(&self.inner.actions, action);
         self.inner.controller_actions[index].increment(1);
         self.inner
             .controller_p99
@@ -706,16 +779,15 @@ impl Metrics {
     }
 
     /// One tick's scrape of the engines, and the saturation it came to.
-    pub fn engine_scrape(&self, scrape: &crate::control::scrape::Scrape, saturation: Option<f64>) {
+    pub fn engine_scrape(&self, scrape: &impl EngineScrape, saturation: Option<f64>) {
         let inner = &self.inner;
-        inner.engine_scrapes[0].increment(scrape.loads.len() as u64);
-        inner.engine_scrapes[1].increment(scrape.failures as u64);
+        inner.engine_scrapes[0].increment(scrape.loads().count() as u64);
+        inner.engine_scrapes[1].increment(scrape.failures() as u64);
         inner.engine_saturation.set(saturation.unwrap_or(f64::NAN));
         // Sum and count of one figure over the engines that reported it; NaN from none.
-        let over_engines = |figure: fn(&EngineLoad) -> Option<f64>| {
+        let over_engines = |figure: fn(EngineReading) -> Option<f64>| {
             scrape
-                .loads
-                .iter()
+                .loads()
                 .filter_map(figure)
                 .fold((0.0, 0u32), |(sum, n), value| (sum + value, n + 1))
         };
@@ -733,33 +805,29 @@ impl Metrics {
         });
     }
 
-    pub fn budget_tokens(&self, tier: TierId, kind: TokenKind, stage: TokenStage, tokens: u64) {
+    pub fn budget_tokens(&self, tier: usize, kind: TokenKind, stage: TokenStage, tokens: u64) {
         let index = (kind as usize) * 3 + stage as usize;
         self.inner.budget_tokens[tier][index].increment(tokens);
     }
 
-    pub fn store_call(&self, op: StoreOp, seconds: f64, error: Option<&crate::budget::StoreError>) {
-        let op_index = op as usize;
+    /// One store round trip, and its failure by kind (`MetricLabels::StoreError`) if it failed.
+    pub fn store_call<E: ErrorKind>(&self, op: StoreOp, seconds: f64, error: Option<&E>) {
+        let op_index = op.index();
         self.inner.store_duration[op_index].record(seconds);
         if let Some(error) = error {
-            let kind = store_error_kind(error);
-            let kind_index = STORE_ERROR_KINDS
-                .iter()
-                .position(|&k| k == kind)
-                .expect("every kind is listed");
+            let kind_index = column(&self.inner.store_error_kinds, error.kind());
             self.inner.store_errors[op_index][kind_index].increment(1);
         }
     }
 
-    pub fn breaker_state(&self, state: crate::budget::breaker::BreakerState) {
-        self.inner.store_breaker.set(f64::from(state as u8));
+    /// The store's circuit breaker, as its gauge value: 0 closed, 1 probing, 2 open.
+    pub fn breaker_state(&self, state: impl Into<u8>) {
+        self.inner.store_breaker.set(f64::from(state.into()));
     }
 
-    pub fn degraded(&self, control: DegradedControl, mode: crate::config::FailMode) {
-        let mode = match mode {
-            crate::config::FailMode::FailOpen => 0,
-            crate::config::FailMode::FailClosed => 1,
-        };
+    /// Counts a decision `control` took by its fail mode (`MetricLabels::FailMode`).
+    pub fn degraded(&self, control: DegradedControl, mode: impl LabelValue) {
+        let mode = column(&self.inner.fail_modes, mode);
         self.inner.degraded[control as usize][mode].increment(1);
     }
 
@@ -773,6 +841,24 @@ impl Metrics {
     pub fn hold_stream(&self) -> GaugeGuard {
         GaugeGuard::new(self.inner.held_streams.clone())
     }
+}
+
+/// The labels of a `MetricLabels` enum's series, in `ALL` order.
+fn label_set<T: LabelValue>() -> Vec<&'static str> {
+    T::ALL.iter().map(|value| value.label()).collect()
+}
+
+/// `value`'s column in a family created from `labels` (`label_set` of the enum `MetricLabels`
+/// named for that metric).
+fn column<T: LabelValue>(labels: &[&'static str], value: T) -> usize {
+    let index = value.index();
+    debug_assert_eq!(
+        labels.get(index).copied(),
+        Some(value.label()),
+        "{} is not the enum this metric's series were created for",
+        std::any::type_name::<T>()
+    );
+    index
 }
 
 /// Adds one (or `amount`) to a gauge while it lives.

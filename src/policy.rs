@@ -15,6 +15,8 @@ use crate::config::{
     Config, ConfigError, ControlConfig, ControlSignal, FairnessCost, OutputLimitPolicy,
     StoreConfig, TierConfig,
 };
+use crate::observe::{LabelValue, MetricLabels};
+use crate::reply::Reason;
 use crate::tokens::{Encoding, EncodingRule};
 
 /// Index of a tier in `Policy::tiers`; also the index of its pre-created metric series.
@@ -358,6 +360,29 @@ impl Policy {
     }
 }
 
+/// What the metrics are labelled by: this policy's tiers (a `TierId` is their index), and the
+/// service's bounded enums. `Metrics::new(&policy)`.
+impl MetricLabels for Policy {
+    type Reason = Reason;
+    type Action = crate::control::Action;
+    type FailMode = crate::config::FailMode;
+    type StoreError = crate::budget::StoreError;
+
+    fn tier_names(&self) -> Vec<&str> {
+        self.tiers.iter().map(|tier| tier.name.as_str()).collect()
+    }
+}
+
+/// `reason`'s values are the `x-tollgate-reason` names, `Reason::ALL` and `as_str`. (Here and
+/// not in `reply`, which stays free of the metrics.)
+impl LabelValue for Reason {
+    const ALL: &'static [Reason] = &Reason::ALL;
+
+    fn label(self) -> &'static str {
+        self.as_str()
+    }
+}
+
 impl IdentityPolicy {
     pub fn has_api_keys(&self) -> bool {
         !self.api_keys.is_empty()
@@ -541,6 +566,7 @@ fn store_problems(store: &StoreConfig) -> Vec<String> {
     problems
 }
 
+/// Every check of the controller's settings (`control::AimdConfig` has none of its own).
 fn control_problems(c: &ControlConfig) -> Vec<String> {
     let mut problems = Vec::new();
     let mut check = |ok: bool, field: &str, value: String, want: &str| {
@@ -637,6 +663,7 @@ fn control_problems(c: &ControlConfig) -> Vec<String> {
         c.window_ms.to_string(),
         "must be at least control.tick_ms",
     );
+    // band = 1 would put the increase threshold at 0: the budget could never grow.
     check(
         (0.0..1.0).contains(&c.band),
         "band",

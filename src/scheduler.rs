@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::oneshot;
 
+use crate::observe::SchedulerGauges;
 pub use fair::FlowClass;
 use fair::{EntryKey, FairQueue, FlowKey, Submit};
 
@@ -80,6 +81,16 @@ pub struct Load {
     pub queued: u32,
     /// Body bytes the queued requests hold, against `max_queued_body_bytes`.
     pub queued_body_bytes: usize,
+}
+
+impl From<Load> for SchedulerGauges {
+    fn from(load: Load) -> SchedulerGauges {
+        SchedulerGauges {
+            limit: load.limit,
+            in_flight: load.in_flight,
+            queued_body_bytes: load.queued_body_bytes,
+        }
+    }
 }
 
 impl Scheduler {

@@ -44,6 +44,13 @@ pub enum BreakerState {
     Open = 2,
 }
 
+/// The gauge value.
+impl From<BreakerState> for u8 {
+    fn from(state: BreakerState) -> u8 {
+        state as u8
+    }
+}
+
 impl Breaker {
     pub fn new(failures_to_open: u32, open_for: Duration) -> Breaker {
         Breaker {

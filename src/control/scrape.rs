@@ -34,6 +34,7 @@ use tokio::time::Instant;
 
 use super::engine::{self, EngineLoad};
 use crate::config::EngineMetricsConfig;
+use crate::observe::{EngineReading, EngineScrape};
 
 /// vLLM serves about 100 KB of metrics with its histograms; a body past this is not an
 /// engine's metrics page.
@@ -46,6 +47,19 @@ pub struct Scrape {
     pub loads: Vec<EngineLoad>,
     /// How many did not.
     pub failures: usize,
+}
+
+impl EngineScrape for Scrape {
+    fn failures(&self) -> usize {
+        self.failures
+    }
+
+    fn loads(&self) -> impl Iterator<Item = EngineReading> {
+        self.loads.iter().map(|load| EngineReading {
+            kv_cache_usage: load.kv_cache_usage,
+            waiting: load.waiting,
+        })
+    }
 }
 
 /// A host name lookup: every address `(name, port)` resolves to.

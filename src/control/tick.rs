@@ -9,34 +9,17 @@ use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use super::scrape::Scraper;
-use super::{Action, Aimd, AimdConfig, Decrease, Observation, engine};
+use super::{Action, Aimd, AimdConfig, Observation, engine};
 use crate::config::{ControlConfig, ControlSignal};
 use crate::lifecycle::{Lifecycle, reached};
 use crate::observe::Metrics;
 use super::window::{self, LatencyWindow};
 use crate::scheduler::Scheduler;
 
-/// The pure controller's settings from the configuration.
+/// The pure controller's settings from the configuration: `AimdConfig::from`, under the name
+/// `lib.rs` calls it by.
 pub fn aimd_config(control: &ControlConfig) -> AimdConfig {
-    let target_ms = match control.signal {
-        ControlSignal::Upstream => control.upstream_target_p99_ttft_ms,
-        ControlSignal::Gateway => control.target_p99_ttft_ms,
-    };
-    AimdConfig {
-        target_p99_ttft_seconds: target_ms as f64 / 1000.0,
-        band: control.band,
-        increase_step: control.increase_step,
-        decrease: match control.decrease_step {
-            Some(step) => Decrease::Step(step),
-            None => Decrease::Factor(control.decrease_factor),
-        },
-        floor: control.floor,
-        ceiling: control.ceiling,
-        cooldown_ticks: control.cooldown_ticks,
-        demand_fraction: control.demand_fraction,
-        slow_start: control.slow_start,
-        min_samples: control.min_samples,
-    }
+    AimdConfig::from(control)
 }
 
 /// Runs until the server starts draining (a draining server admits nothing new, so resizing
@@ -49,9 +32,9 @@ pub async fn run(
     metrics: Metrics,
     mut lifecycle: watch::Receiver<Lifecycle>,
 ) {
-    let config = aimd_config(&control);
+    let config = AimdConfig::from(&control);
     let breach_threshold =
-        Duration::from_secs_f64(config.target_p99_ttft_seconds * (1.0 + config.band));
+        Duration::from_secs_f64(config.target_p99_ttft_seconds * (1.0 + config.control.band));
     let mut aimd = Aimd::new(initial_limit, &config);
     let mut scraper = Scraper::new(&control.engine);
     scheduler.set_limit(aimd.limit());

@@ -48,6 +48,14 @@ impl ResponseEnd {
     }
 }
 
+impl super::LabelValue for ResponseEnd {
+    const ALL: &'static [ResponseEnd] = &ResponseEnd::ALL;
+
+    fn label(self) -> &'static str {
+        self.as_str()
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum BodyFormat {
     /// `text/event-stream`: usage in a `data:` chunk, end marked by `data: [DONE]`.

@@ -9,6 +9,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::*;
 use crate::config::Config;
+use crate::control::Action;
+use crate::policy::Policy;
+use crate::reply::Reason;
 
 /// A series: metric name and its labels, sorted.
 type Series = (String, BTreeMap<String, String>);
@@ -385,7 +388,7 @@ fn histograms_have_explicit_buckets_before_any_event() {
     }
     check_buckets(&scraped, DECISION_DURATION, &[], DECISION_BUCKETS, 0.0);
     for op in StoreOp::ALL {
-        let labels = [("op", op.as_str())];
+        let labels = [("op", op.label())];
         check_buckets(&scraped, STORE_DURATION, &labels, STORE_BUCKETS, 0.0);
     }
 }
@@ -672,4 +675,69 @@ fn labels_are_bounded_sets_never_a_user() {
         "unexpected labels: {:?}",
         keys.difference(&allowed)
     );
+}
+
+#[test]
+fn the_registry_names_no_domain_module() {
+    // The domain imports the registry, never the other way round: its enums give their own
+    // label values (`LabelValue`), and `MetricLabels` says which enum labels which metric.
+    let source = include_str!("../observe.rs");
+    for (number, line) in source.lines().enumerate() {
+        let code = line.split("//").next().unwrap_or_default();
+        // In observe.rs, `super` is the crate root.
+        for path in ["crate::", "super::"] {
+            for (at, _) in code.match_indices(path) {
+                let rest = &code[at + path.len()..];
+                assert!(
+                    path == "crate::" && rest.starts_with("observe"),
+                    "observe.rs:{}: {line:?} reaches outside observe",
+                    number + 1
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn store_events_move_their_series() {
+    use crate::budget::StoreError;
+    use crate::budget::breaker::BreakerState;
+    use crate::config::FailMode;
+    let metrics = Metrics::new(&default_policy());
+    let timeout = StoreError::Timeout(std::time::Duration::from_millis(50));
+    metrics.store_call(StoreOp::Settle, 0.05, Some(&timeout));
+    metrics.store_call(StoreOp::Settle, 0.001, None::<&StoreError>);
+    // As the ledger passes a call's outcome.
+    let refused: Result<(), StoreError> = Err(StoreError::Unavailable("refused".to_owned()));
+    metrics.store_call(StoreOp::Reserve, 0.002, refused.as_ref().err());
+    metrics.breaker_state(BreakerState::Open);
+    metrics.degraded(DegradedControl::Concurrency, FailMode::FailClosed);
+    let scraped = scrape(&metrics);
+    let errors = |op, kind| value(&scraped, STORE_ERRORS, &[("op", op), ("kind", kind)]);
+    assert_eq!(errors("settle", "timeout"), 1.0);
+    assert_eq!(errors("settle", "unavailable"), 0.0);
+    assert_eq!(errors("reserve", "unavailable"), 1.0);
+    let calls = |op| value(&scraped, &format!("{STORE_DURATION}_count"), &[("op", op)]);
+    assert_eq!(
+        (calls("settle"), calls("reserve"), calls("renew")),
+        (2.0, 1.0, 0.0)
+    );
+    assert_eq!(value(&scraped, STORE_BREAKER, &[]), 2.0);
+    let degraded = |control, mode| {
+        value(
+            &scraped,
+            DEGRADED_DECISIONS,
+            &[("control", control), ("mode", mode)],
+        )
+    };
+    assert_eq!(degraded("concurrency", "fail_closed"), 1.0);
+    assert_eq!(degraded("concurrency", "fail_open"), 0.0);
+    assert_eq!(degraded("budgets", "fail_closed"), 0.0);
+}
+
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "is not the enum this metric's series were created for")]
+fn a_value_of_another_enum_than_metric_labels_names_is_caught() {
+    Metrics::new(&default_policy()).rejection(Action::Increase, None);
 }

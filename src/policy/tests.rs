@@ -546,6 +546,30 @@ fn control_loop_settings_must_be_usable() {
         &["control.demand_fraction: 0 must be in (0, 1]"],
     );
     check_valid(|c| c.control.demand_fraction = 1.0);
+    // The checks the controller's typed settings once had of their own, here once.
+    check_problems(
+        |c| c.control.target_p99_ttft_ms = 0,
+        &[
+            "control.target_p99_ttft_ms: 0 must be positive",
+            "control.upstream_target_p99_ttft_ms: 1000 must be at most control.target_p99_ttft_ms (0)",
+        ],
+    );
+    check_problems(
+        |c| c.control.band = -0.1,
+        &["control.band: -0.1 must be in [0, 1)"],
+    );
+    check_problems(
+        |c| c.control.increase_step = 0,
+        &["control.increase_step: 0 must be positive"],
+    );
+    check_problems(
+        |c| c.control.decrease_factor = 0.0,
+        &["control.decrease_factor: 0 must be in (0, 1)"],
+    );
+    check_problems(
+        |c| c.control.demand_fraction = 1.5,
+        &["control.demand_fraction: 1.5 must be in (0, 1]"],
+    );
 }
 
 #[test]
