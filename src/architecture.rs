@@ -8,11 +8,12 @@ use std::path::{Path, PathBuf};
 /// The house, from the bottom up: a module may import modules on lower floors only. Modules on
 /// one floor do not import each other.
 const FLOORS: &[&[&str]] = &[
-    &["lifecycle", "tokens", "scheduler"],
-    &["observe", "config"],
-    &["budget", "control"],
+    &["lifecycle", "tokens"],
+    &["observe"],
+    &["config", "scheduler"],
+    &["budget"],
+    &["control", "reply"],
     &["policy"],
-    &["reply"],
     &["request"],
     &["admission"],
     &["pipeline"],

@@ -15,7 +15,7 @@ use crate::config::{
     Config, ConfigError, ControlConfig, ControlSignal, FairnessCost, OutputLimitPolicy,
     StoreConfig, TierConfig,
 };
-use crate::observe::{LabelValue, MetricLabels};
+use crate::observe::MetricLabels;
 use crate::reply::Reason;
 use crate::tokens::{Encoding, EncodingRule};
 
@@ -370,16 +370,6 @@ impl MetricLabels for Policy {
 
     fn tier_names(&self) -> Vec<&str> {
         self.tiers.iter().map(|tier| tier.name.as_str()).collect()
-    }
-}
-
-/// `reason`'s values are the `x-tollgate-reason` names, `Reason::ALL` and `as_str`. (Here and
-/// not in `reply`, which stays free of the metrics.)
-impl LabelValue for Reason {
-    const ALL: &'static [Reason] = &Reason::ALL;
-
-    fn label(self) -> &'static str {
-        self.as_str()
     }
 }
 

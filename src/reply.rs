@@ -143,6 +143,15 @@ impl Reason {
     }
 }
 
+/// `reason`'s label values are the `x-tollgate-reason` names.
+impl crate::observe::LabelValue for Reason {
+    const ALL: &'static [Reason] = &Reason::ALL;
+
+    fn label(self) -> &'static str {
+        self.as_str()
+    }
+}
+
 /// One row of `Reason::rule`.
 struct Rule {
     name: &'static str,
