@@ -86,16 +86,30 @@ pub async fn wait_for_metric(
     labels: &[&str],
     want: f64,
 ) -> Result<Metrics> {
+    wait_for_metrics(admin, |metrics| {
+        let last = metrics.find(name, labels);
+        (last == Some(want))
+            .then_some(())
+            .ok_or_else(|| format!("{name}{labels:?} never reached {want}; last {last:?}"))
+    })
+    .await
+}
+
+/// Scrapes `admin` every 20 ms until `ready` accepts a scrape, and returns that scrape; after
+/// 10 s fails with what `ready` said of the last one.
+pub async fn wait_for_metrics(
+    admin: SocketAddr,
+    ready: impl Fn(&Metrics) -> Result<(), String>,
+) -> Result<Metrics> {
     let deadline = tokio::time::Instant::now() + METRIC_TIMEOUT;
     loop {
         let metrics = scrape(admin).await?;
-        let last = metrics.find(name, labels);
-        if last == Some(want) {
-            return Ok(metrics);
+        match ready(&metrics) {
+            Ok(()) => return Ok(metrics),
+            Err(last) if tokio::time::Instant::now() >= deadline => {
+                bail!("{last} (waited {METRIC_TIMEOUT:?})")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
         }
-        if tokio::time::Instant::now() >= deadline {
-            bail!("{name}{labels:?} never reached {want} within {METRIC_TIMEOUT:?}; last {last:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -14,17 +14,29 @@ use crate::process::Proc;
 pub struct Upstream {
     pub addr: SocketAddr,
     proc: Proc,
+    /// Holds the log when the upstream has a temp dir of its own; removed after the process.
+    _dir: Option<tempfile::TempDir>,
 }
 
 impl Upstream {
-    /// Starts `binary --addr 127.0.0.1:0 <args>` with its stderr in `log`, and reads the address
-    /// it bound from its first line (`upstream listening on <addr>`), so no port can be taken in
-    /// between.
+    /// Starts `binary --addr 127.0.0.1:0 <args>` with its stderr in `<dir>/upstream.log` (in a
+    /// temp dir of its own when `dir` is `None`), and reads the address it bound from its first
+    /// line (`upstream listening on <addr>`), so no port can be taken in between.
     pub fn start<S: AsRef<str>>(
         binary: &Path,
         args: impl IntoIterator<Item = S>,
-        log: &Path,
+        dir: Option<&Path>,
     ) -> Result<Upstream> {
+        let own_dir = match dir {
+            Some(_) => None,
+            None => Some(
+                tempfile::Builder::new()
+                    .prefix("tollgate-upstream-")
+                    .tempdir()
+                    .context("create a temp dir for the upstream")?,
+            ),
+        };
+        let dir = dir.unwrap_or_else(|| own_dir.as_ref().expect("own temp dir").path());
         let mut command = Command::new(binary);
         command.args(["--addr", "127.0.0.1:0"]);
         for arg in args {
@@ -33,7 +45,7 @@ impl Upstream {
         let mut proc = Proc::spawn(
             "upstream",
             command.stdout(Stdio::piped()),
-            log.to_path_buf(),
+            dir.join("upstream.log"),
         )?;
         let mut line = String::new();
         BufReader::new(proc.take_stdout().context("the upstream's stdout")?)
@@ -45,6 +57,7 @@ impl Upstream {
                     .parse()
                     .with_context(|| format!("the upstream's address {addr:?}"))?,
                 proc,
+                _dir: own_dir,
             }),
             None => {
                 proc.check_alive()?;

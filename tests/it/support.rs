@@ -5,5 +5,4 @@ pub mod envoy;
 pub mod process;
 pub mod recorder;
 pub mod recording;
-pub mod redis;
 pub mod server;
