@@ -37,9 +37,13 @@ fn profile_flag() -> &'static str {
     }
 }
 
-/// The example program `name` (`target/<profile>/examples/<name>`).
-pub fn example(name: &str) -> Result<PathBuf> {
-    let path = profile_dir()?.join("examples").join(name);
+/// The example program `name`: `explicit` if given (a `--upstream-bin` flag), else
+/// `target/<profile>/examples/<name>`.
+pub fn example(name: &str, explicit: Option<&Path>) -> Result<PathBuf> {
+    let path = match explicit {
+        Some(path) => path.to_path_buf(),
+        None => profile_dir()?.join("examples").join(name),
+    };
     ensure!(
         path.is_file(),
         "example {name} is not built at {}: run `cargo build {}--example {name}` first (with \

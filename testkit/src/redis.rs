@@ -138,9 +138,12 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
-    /// The running process (its CPU time), if it is not killed.
-    pub fn proc(&self) -> Option<&Proc> {
-        self.proc.as_ref()
+    /// The running process (its CPU time, whether it is alive); an error after
+    /// [`RedisServer::kill`].
+    pub fn proc(&self) -> Result<&Proc> {
+        self.proc
+            .as_ref()
+            .with_context(|| format!("redis-server on port {} was killed", self.port))
     }
 
     async fn claim_all_slots(&self) -> Result<()> {

@@ -115,6 +115,11 @@ impl TollgateProcess {
         &mut self.proc
     }
 
+    /// The process alone, for a caller that keeps the addresses itself.
+    pub fn into_proc(self) -> Proc {
+        self.proc
+    }
+
     /// One scrape of its `/metrics`.
     pub async fn metrics(&self) -> Result<Metrics> {
         metrics::scrape(self.admin).await

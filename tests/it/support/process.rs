@@ -43,7 +43,7 @@ impl Upstream {
 /// `scripts/test.sh` builds the ones the tests run: an example with `test = true` in
 /// Cargo.toml is built by `cargo test` only as a test harness, not as this binary.
 pub fn example_binary(name: &str) -> PathBuf {
-    or_panic(bins::example(name))
+    or_panic(bins::example(name, None))
 }
 
 /// The tollgate binary, started with a YAML config on free loopback ports, its log (stderr, at
