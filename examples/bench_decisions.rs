@@ -83,9 +83,7 @@ use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 
 use tollgate_testkit::bench::median;
-use tollgate_testkit::host::{
-    Machine, busy_fraction, clock_ticks_per_second, cpu_ticks_of, machine_jiffies,
-};
+use tollgate_testkit::host::{Machine, clock_ticks_per_second, cpu_ticks_of, machine_jiffies};
 use tollgate_testkit::ports::free_addr;
 use tollgate_testkit::process::Proc;
 use tollgate_testkit::redis::{RedisOptions, RedisServer};
@@ -184,17 +182,8 @@ async fn bench(args: &Args) -> Result<bool> {
         eprintln!("WARNING: {warning}");
     }
     let redis_version = tollgate_testkit::redis::version(&args.redis_server)?;
-    let mut machine = Machine::describe(("redis_version", redis_version.clone()));
-    let before = machine_jiffies();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    machine.busy_before_start = busy_fraction(before, machine_jiffies());
-    eprintln!(
-        "machine: {} CPUs ({}), load average {}, {:.0}% busy before start; {redis_version}",
-        machine.cpus,
-        machine.cpu_model,
-        machine.loadavg_at_start,
-        machine.busy_before_start.unwrap_or(f64::NAN) * 100.0,
-    );
+    let machine = Machine::describe_and_sample(("redis_version", redis_version.clone())).await;
+    eprintln!("machine: {}; {redis_version}", machine.headline());
 
     let messages = Arc::new(Messages::new(args.tenants, args.body_bytes)?);
     let dir = tempfile::tempdir().context("temp dir for configs and logs")?;

@@ -231,18 +231,11 @@ async fn bench(args: &Args) -> Result<Verdict> {
     let envoy_version = command_output(&binaries.envoy, &["--version"])
         .and_then(|out| out.split("version: ").nth(1).map(|v| v.trim().to_owned()))
         .unwrap_or_else(|| "?".to_owned());
-    let mut machine = Machine::describe(("envoy_version", envoy_version));
-    let before = machine_jiffies();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    machine.busy_before_start = busy_fraction(before, machine_jiffies());
+    let machine = Machine::describe_and_sample(("envoy_version", envoy_version)).await;
     let body = chat_body(args.body_bytes, args.stream_tokens)?;
     eprintln!(
-        "machine: {} CPUs ({}), load average {}, {:.0}% busy before start; body {} B; starting \
-         processes...",
-        machine.cpus,
-        machine.cpu_model,
-        machine.loadavg_at_start,
-        machine.busy_before_start.unwrap_or(f64::NAN) * 100.0,
+        "machine: {}; body {} B; starting processes...",
+        machine.headline(),
         args.body_bytes
     );
 

@@ -132,6 +132,28 @@ impl Machine {
         }
     }
 
+    /// [`Machine::describe`], with `busy_before_start` sampled over the next 2 s, before the
+    /// benchmark starts anything.
+    pub async fn describe_and_sample(software: (&'static str, String)) -> Machine {
+        let mut machine = Machine::describe(software);
+        let before = machine_jiffies();
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        machine.busy_before_start = busy_fraction(before, machine_jiffies());
+        machine
+    }
+
+    /// `2 CPUs (<model>), load average <loadavg>, 12% busy before start`, for the line a
+    /// benchmark prints when it starts.
+    pub fn headline(&self) -> String {
+        format!(
+            "{} CPUs ({}), load average {}, {:.0}% busy before start",
+            self.cpus,
+            self.cpu_model,
+            self.loadavg_at_start,
+            self.busy_before_start.unwrap_or(f64::NAN) * 100.0,
+        )
+    }
+
     /// The three load averages of `loadavg_at_start`.
     pub fn load_averages_at_start(&self) -> String {
         self.loadavg_at_start

@@ -338,7 +338,9 @@ async fn front_proxy_buffers_multi_mb_prompts_and_rejects_oversize_with_413() {
     );
 }
 
-fn client() -> reqwest::Client {
+/// An HTTP client for requests through a test's Envoy: never through a proxy (an `http_proxy`
+/// in the environment must not capture loopback traffic), and patient with a busy machine.
+pub(crate) fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .no_proxy()
         .timeout(Duration::from_secs(20))

@@ -1,12 +1,12 @@
 //! The TLS and response-phases-off variants of the front proxy, end to end through real Envoy.
 
-use crate::envoy_config::{envoy_dir, test_certs, with_test_certs};
+use crate::envoy_config::{client, envoy_dir, test_certs, with_test_certs};
 use crate::support::envoy::{ENVOY_VERSION, Envoy, EnvoyPorts, envoy_binary, free_port};
 use crate::support::process::Upstream;
 use crate::support::server::TestServer;
 
 use super::manifests::base_config;
-use super::{http_client, read};
+use super::read;
 
 /// `text` with `from` replaced by `to`, which must occur exactly once.
 fn replace_once(text: &str, from: &str, to: &str) -> String {
@@ -80,7 +80,7 @@ async fn tls_front_proxy_reaches_tollgate_through_the_tls_sidecar() {
     )
     .await;
 
-    let response = http_client()
+    let response = client()
         .post(format!("http://{}/v1/chat/completions", envoy.listen))
         .header("content-type", "application/json")
         .header("x-user-id", "alice")
@@ -130,7 +130,7 @@ async fn response_phases_off_admit_hold_the_slot_and_charge_the_reserved_output(
 
     let url = format!("http://{}/v1/chat/completions", envoy.listen);
     let request = tokio::spawn(
-        http_client()
+        client()
             .post(url)
             .header("content-type", "application/json")
             .header("x-user-id", "alice")

@@ -29,7 +29,6 @@ mod promtool;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::Duration;
 
 const INSTALL: &str = "run scripts/install-test-deps.sh";
 
@@ -86,12 +85,4 @@ fn stdout_of(output: Output, what: &str) -> String {
         String::from_utf8_lossy(&output.stderr)
     );
     String::from_utf8(output.stdout).expect("UTF-8 output")
-}
-
-fn http_client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(20))
-        .build()
-        .expect("HTTP client")
 }

@@ -2,12 +2,10 @@
 //! through a small PromQL scanner.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
 
 use crate::support::server::TestServer;
 
 use super::grafana::{dashboard, dashboard_panels};
-use super::http_client;
 use super::manifests::{prod_config, yaml_file};
 
 /// Labels Prometheus adds to every scraped series (target labels); queries may group by them.
@@ -187,20 +185,8 @@ async fn rules_and_dashboard_query_only_real_series() {
     config.store.redis_url = None;
     config.store.redis_password_file = None;
     let server = TestServer::start(config).await;
-    // Ready once the admin server answers.
-    let mut exposition = String::new();
-    for _ in 0..200 {
-        if let Ok(response) = http_client()
-            .get(format!("http://{}/metrics", server.admin))
-            .send()
-            .await
-            && response.status().is_success()
-        {
-            exposition = response.text().await.expect("metrics text");
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    // The admin listener is bound before `start` returns: the scrape waits until it is served.
+    let exposition = server.metrics().await.0;
     let series = series_of(&exposition);
     assert!(series.len() > 20, "a real scrape:\n{exposition}");
 
