@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 
 use crate::ports::{free_port, loopback};
-use crate::process::{Proc, wait_until_http};
+use crate::process::{Proc, files_dir, wait_until_http};
 
 /// The Envoy version tests and examples run against unless they say otherwise. Keep in step
 /// with `DEFAULT_ENVOY_VERSION` in `scripts/install-test-deps.sh`.
@@ -259,16 +259,7 @@ impl Envoy {
         admin: u16,
         dir: Option<&Path>,
     ) -> Result<Envoy> {
-        let own_dir = match dir {
-            Some(_) => None,
-            None => Some(
-                tempfile::Builder::new()
-                    .prefix("tollgate-envoy-")
-                    .tempdir()
-                    .context("create a temp dir for Envoy")?,
-            ),
-        };
-        let dir = dir.unwrap_or_else(|| own_dir.as_ref().expect("own temp dir").path());
+        let (own_dir, dir) = files_dir(dir, "tollgate-envoy-")?;
         let config_path = dir.join(format!("{name}.yaml"));
         std::fs::write(&config_path, config)
             .with_context(|| format!("write {}", config_path.display()))?;

@@ -166,6 +166,25 @@ impl Drop for Proc {
     }
 }
 
+/// Where a child keeps its files (config, log): the caller's `dir`, or else a fresh temp dir
+/// named `<prefix>…`, which the caller must keep (and drop after the child) as the first value.
+pub(crate) fn files_dir(
+    dir: Option<&Path>,
+    prefix: &str,
+) -> Result<(Option<tempfile::TempDir>, PathBuf)> {
+    match dir {
+        Some(dir) => Ok((None, dir.to_path_buf())),
+        None => {
+            let own = tempfile::Builder::new()
+                .prefix(prefix)
+                .tempdir()
+                .with_context(|| format!("create a temp dir {prefix}…"))?;
+            let path = own.path().to_path_buf();
+            Ok((Some(own), path))
+        }
+    }
+}
+
 /// Polls `ready` every 50 ms until it says yes, failing early (with the end of the log) if the
 /// process exits, and after `timeout` (with the end of the log too).
 pub async fn wait_until<F, Fut>(proc: &Proc, timeout: Duration, mut ready: F) -> Result<()>

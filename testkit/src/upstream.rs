@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
 
-use crate::process::Proc;
+use crate::process::{Proc, files_dir};
 
 /// A running upstream; killed (and reaped) on drop.
 pub struct Upstream {
@@ -27,16 +27,7 @@ impl Upstream {
         args: impl IntoIterator<Item = S>,
         dir: Option<&Path>,
     ) -> Result<Upstream> {
-        let own_dir = match dir {
-            Some(_) => None,
-            None => Some(
-                tempfile::Builder::new()
-                    .prefix("tollgate-upstream-")
-                    .tempdir()
-                    .context("create a temp dir for the upstream")?,
-            ),
-        };
-        let dir = dir.unwrap_or_else(|| own_dir.as_ref().expect("own temp dir").path());
+        let (own_dir, dir) = files_dir(dir, "tollgate-upstream-")?;
         let mut command = Command::new(binary);
         command.args(["--addr", "127.0.0.1:0"]);
         for arg in args {

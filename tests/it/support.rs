@@ -1,5 +1,6 @@
 //! Shared test fixtures: tollgate in-process, real processes (Envoy, the tollgate binary, the
-//! example upstream), and a scripted ext_proc client.
+//! example upstream) through the test kit (`testkit/`, shared with the examples), and a
+//! scripted ext_proc client.
 
 pub mod envoy;
 pub mod process;

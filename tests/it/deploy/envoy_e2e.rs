@@ -56,7 +56,7 @@ async fn tls_front_proxy_reaches_tollgate_through_the_tls_sidecar() {
     .await
     .unwrap_or_else(|error| panic!("{error:#}"));
 
-    // Into the front proxy's port scheme (support::envoy): the Kubernetes names become loopback,
+    // Into the front proxy's port scheme (tollgate_testkit::envoy::render_config): the Kubernetes names become loopback,
     // the TLS port the ext_proc placeholder.
     let front = with_test_certs(&read("envoy/front-proxy-tls.yaml"), certs.path());
     let front = replace_once(
