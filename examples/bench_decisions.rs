@@ -59,7 +59,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::io::ErrorKind;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
@@ -83,14 +82,13 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 
-// Shared with the other benchmarks; each uses a subset of it.
-#[allow(dead_code)]
-#[path = "support/host.rs"]
-mod host;
-use host::{
-    Machine, Proc, admin_client, busy_fraction, clock_ticks_per_second, cpu_ticks_of, free_port,
-    machine_jiffies, median,
-};
+use tollgate_testkit::bench::median;
+use tollgate_testkit::host::{Machine, clock_ticks_per_second, cpu_ticks_of, machine_jiffies};
+use tollgate_testkit::ports::free_addr;
+use tollgate_testkit::process::Proc;
+use tollgate_testkit::redis::{RedisOptions, RedisServer};
+use tollgate_testkit::tollgate::TollgateCommand;
+use tollgate_testkit::{bins, metrics};
 
 /// Start-up budget for each child; generous because the machine may be compiling meanwhile.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -151,7 +149,7 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    host::run_bench(
+    tollgate_testkit::bench::run_bench(
         "bench_decisions",
         args.client_threads,
         "flagged (see FAIL or errors above)",
@@ -174,31 +172,29 @@ async fn bench(args: &Args) -> Result<bool> {
     );
     ensure!(args.tenants > 0, "--tenants must be at least 1");
 
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let tollgate_bin = locate_tollgate(args)?;
-    let stale = stale_warning(&tollgate_bin, root);
+    let tollgate_bin = bins::tollgate(args.tollgate_bin.as_deref())?;
+    let stale = bins::stale_warning(
+        &tollgate_bin,
+        &["src", "Cargo.toml", "Cargo.lock"],
+        "cargo build --release --bin tollgate",
+    );
     if let Some(warning) = &stale {
         eprintln!("WARNING: {warning}");
     }
-    let redis_version = redis_version(&args.redis_server)?;
-    let mut machine = Machine::describe(("redis_version", redis_version.clone()));
-    let before = machine_jiffies();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    machine.busy_before_start = busy_fraction(before, machine_jiffies());
-    eprintln!(
-        "machine: {} CPUs ({}), load average {}, {:.0}% busy before start; {redis_version}",
-        machine.cpus,
-        machine.cpu_model,
-        machine.loadavg_at_start,
-        machine.busy_before_start.unwrap_or(f64::NAN) * 100.0,
-    );
+    let redis_version = tollgate_testkit::redis::version(&args.redis_server)?;
+    let machine = Machine::describe_and_sample(("redis_version", redis_version.clone())).await;
+    eprintln!("machine: {}; {redis_version}", machine.headline());
 
     let messages = Arc::new(Messages::new(args.tenants, args.body_bytes)?);
     let dir = tempfile::tempdir().context("temp dir for configs and logs")?;
     let clock_ticks = clock_ticks_per_second();
 
     // Redis first, under MONITOR before tollgate connects, so start-up commands are seen too.
-    let redis = RedisProc::start(&args.redis_server, dir.path()).await?;
+    let redis = RedisServer::launch(RedisOptions {
+        binary: Some(args.redis_server.clone()),
+        ..RedisOptions::default()
+    })
+    .await?;
     let monitor = Monitor::start(redis.port).await?;
     let config_path = dir.path().join("tollgate.yaml");
     std::fs::write(&config_path, tollgate_config(args.store_timeout_ms))
@@ -206,7 +202,7 @@ async fn bench(args: &Args) -> Result<bool> {
     let with_redis = ServerProc::tollgate(
         &tollgate_bin,
         &config_path,
-        Some(&redis.url()),
+        Some(&redis.url),
         dir.path(),
         "tollgate-redis",
     )
@@ -298,7 +294,7 @@ async fn bench(args: &Args) -> Result<bool> {
     for target in &targets {
         target.server.proc.check_alive()?;
     }
-    redis.proc.check_alive()?;
+    redis.proc()?.check_alive()?;
 
     let summaries: Vec<Summary> = (0..runs_per_round)
         .map(|i| Summary::of(runs.iter().skip(i).step_by(runs_per_round).collect()))
@@ -605,7 +601,7 @@ impl RedisCommand {
 async fn round_trip_check(
     args: &Args,
     messages: &Messages,
-    redis: &RedisProc,
+    redis: &RedisServer,
     monitor: Monitor,
     tollgate: &ServerProc,
 ) -> Result<RoundTripCheck> {
@@ -614,7 +610,6 @@ async fn round_trip_check(
     let mut marks = RawRedis::connect(redis.port).await?;
     let own = marks.local_addr.clone();
     let admin = tollgate.admin.context("tollgate has an admin address")?;
-    let http = admin_client()?;
     let mut client = Target::connect(tollgate, 1).await?.clients.remove(0);
 
     // Start-up is over once tollgate has been quiet on Redis for a while (its scripts load in
@@ -627,7 +622,7 @@ async fn round_trip_check(
             break;
         }
     }
-    let settles_before = scrape(&http, admin).await?.sum(
+    let settles_before = scrape(admin).await?.sum(
         "tollgate_store_request_duration_seconds_count",
         &[("op", "settle")],
     );
@@ -649,7 +644,7 @@ async fn round_trip_check(
         let target = settles_before + (i + 1) as f64;
         let deadline = Instant::now() + DECISION_TIMEOUT;
         loop {
-            let settled = scrape(&http, admin).await?.sum(
+            let settled = scrape(admin).await?.sum(
                 "tollgate_store_request_duration_seconds_count",
                 &[("op", "settle")],
             );
@@ -820,67 +815,7 @@ impl RoundTripCheck {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Redis: the server, raw connections, MONITOR
-
-struct RedisProc {
-    proc: Proc,
-    port: u16,
-}
-
-impl RedisProc {
-    async fn start(binary: &Path, dir: &Path) -> Result<RedisProc> {
-        let port = free_port()?;
-        let mut command = Command::new(binary);
-        command
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-            .arg("--dir")
-            .arg(dir)
-            .stdout(Stdio::null());
-        let proc = Proc::spawn("redis-server", &mut command, dir.join("redis.log"))?;
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            proc.check_alive()?;
-            if let Ok(mut connection) = RawRedis::connect(port).await
-                && connection
-                    .command(&["PING"])
-                    .await
-                    .is_ok_and(|r| r == "PONG")
-            {
-                return Ok(RedisProc { proc, port });
-            }
-            ensure!(
-                Instant::now() < deadline,
-                "redis-server did not answer PING on port {port} within {READY_TIMEOUT:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-}
-
-/// `redis-server --version`, failing with what to install when it is missing.
-fn redis_version(binary: &Path) -> Result<String> {
-    match Command::new(binary)
-        .arg("--version")
-        .stderr(Stdio::null())
-        .output()
-    {
-        Ok(output) => Ok(String::from_utf8_lossy(&output.stdout)
-            .split_whitespace()
-            .take(3)
-            .collect::<Vec<_>>()
-            .join(" ")),
-        Err(e) if e.kind() == ErrorKind::NotFound => bail!(
-            "{} not found: run scripts/install-test-deps.sh (or apt-get install redis-server)",
-            binary.display()
-        ),
-        Err(e) => Err(e).with_context(|| format!("run {} --version", binary.display())),
-    }
-}
+// Redis: raw connections, MONITOR
 
 /// A plain RESP connection: no client library, so it sends only the commands written here
 /// (redis-rs would add `CLIENT SETINFO`), and its address tells its commands apart in MONITOR.
@@ -1099,55 +1034,26 @@ impl ServerProc {
         dir: &Path,
         name: &'static str,
     ) -> Result<ServerProc> {
-        let grpc = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
-        let admin = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
-        let (grpc_text, admin_text) = (grpc.to_string(), admin.to_string());
-        let mut command = Command::new(binary);
-        command.arg("--config").arg(config).args([
-            "--grpc-addr",
-            &grpc_text,
-            "--admin-addr",
-            &admin_text,
-        ]);
-        if let Some(url) = redis_url {
-            command.args(["--redis-url", url]);
-        }
-        command.stdout(Stdio::null());
-        let proc = Proc::spawn(name, &mut command, dir.join(format!("{name}.log")))?;
-        let http = admin_client()?;
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            proc.check_alive()?;
-            let ready = http.get(format!("http://{admin}/readyz")).send().await;
-            if ready.is_ok_and(|r| r.status().is_success()) {
-                break;
-            }
-            ensure!(
-                Instant::now() < deadline,
-                "{name} not ready within {READY_TIMEOUT:?}; end of its log:\n{}",
-                proc.log_tail(40)
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let redis_args = redis_url.map(|url| ["--redis-url", url]);
+        let tollgate = TollgateCommand::new(binary, config)
+            .name(name)
+            .args(redis_args.into_iter().flatten())
+            .ready_timeout(READY_TIMEOUT)
+            .start(dir)
+            .await?;
         Ok(ServerProc {
             name,
-            proc,
-            grpc,
-            admin: Some(admin),
+            grpc: tollgate.grpc,
+            admin: Some(tollgate.admin),
+            proc: tollgate.into_proc(),
             uses_redis: redis_url.is_some(),
         })
     }
 
     /// `examples/echo_extproc.rs`, built next to this example.
     async fn echo(dir: &Path) -> Result<ServerProc> {
-        let grpc = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
-        let exe = std::env::current_exe().context("path of this executable")?;
-        let echo = exe.with_file_name("echo_extproc");
-        ensure!(
-            echo.is_file(),
-            "{} is missing: build it with `cargo build --release --example echo_extproc`",
-            echo.display()
-        );
+        let grpc = free_addr();
+        let echo = bins::example("echo_extproc", None)?;
         let name = "echo";
         let mut command = Command::new(echo);
         command
@@ -1381,15 +1287,14 @@ async fn measure(
     messages: &Arc<Messages>,
     args: &Args,
     seconds: f64,
-    redis: &RedisProc,
+    redis: &RedisServer,
     redis_stats: &mut RawRedis,
     clock_ticks: f64,
 ) -> Result<Run> {
     let server = target.server;
-    let http = admin_client()?;
     // Scrapes and INFO before the CPU readings, so their cost falls outside the run.
     let metrics_before = match server.admin {
-        Some(admin) => Some(scrape(&http, admin).await?),
+        Some(admin) => Some(scrape(admin).await?),
         None => None,
     };
     let commands_before = redis_stats.command_stats().await?;
@@ -1403,7 +1308,7 @@ async fn measure(
     };
     let (server0, redis0, client0, machine0) = (
         ticks(Some(server_pid)),
-        ticks(Some(redis.proc.pid())),
+        ticks(Some(redis.proc()?.pid())),
         ticks(None),
         machine_jiffies(),
     );
@@ -1456,7 +1361,7 @@ async fn measure(
     let wall_s = started.elapsed().as_secs_f64();
     let (server1, redis1, client1, machine1) = (
         ticks(Some(server_pid)),
-        ticks(Some(redis.proc.pid())),
+        ticks(Some(redis.proc()?.pid())),
         ticks(None),
         machine_jiffies(),
     );
@@ -1502,7 +1407,7 @@ async fn measure(
 
     let tollgate = match (server.admin, metrics_before) {
         (Some(admin), Some(before)) => {
-            let delta = scrape(&http, admin).await?.minus(&before);
+            let delta = scrape(admin).await?.minus(&before);
             let store = "tollgate_store_request_duration_seconds";
             let micros = |seconds: f64| seconds * 1e6;
             Some(TollgateStats {
@@ -1560,16 +1465,8 @@ struct Sample {
     value: f64,
 }
 
-async fn scrape(http: &reqwest::Client, admin: SocketAddr) -> Result<Scrape> {
-    let text = http
-        .get(format!("http://{admin}/metrics"))
-        .send()
-        .await
-        .and_then(reqwest::Response::error_for_status)
-        .with_context(|| format!("GET http://{admin}/metrics"))?
-        .text()
-        .await?;
-    Ok(Scrape::parse(&text))
+async fn scrape(admin: SocketAddr) -> Result<Scrape> {
+    Ok(Scrape::parse(&metrics::scrape(admin).await?.0))
 }
 
 impl Scrape {
@@ -1942,57 +1839,4 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// The tollgate binary: `--tollgate-bin`, else `tollgate` in this example's profile directory
-/// (built by `cargo build --release --bin tollgate`; `cargo run --example` does not build it).
-fn locate_tollgate(args: &Args) -> Result<PathBuf> {
-    let path = match &args.tollgate_bin {
-        Some(path) => path.clone(),
-        None => {
-            let exe = std::env::current_exe().context("path of this executable")?;
-            exe.parent()
-                .and_then(Path::parent)
-                .context("this example should live in <target>/<profile>/examples")?
-                .join("tollgate")
-        }
-    };
-    ensure!(
-        path.is_file(),
-        "{} is missing: run `cargo build --release --bin tollgate` first (with the same \
-         CARGO_TARGET_DIR), or pass --tollgate-bin",
-        path.display()
-    );
-    Ok(path)
-}
-
-/// A warning when the binary is older than the sources it is built from: a stale tollgate
-/// would silently be measured.
-fn stale_warning(binary: &Path, root: &Path) -> Option<String> {
-    let built = std::fs::metadata(binary).and_then(|m| m.modified()).ok()?;
-    let mut newest = None;
-    let mut pending = vec![
-        root.join("src"),
-        root.join("Cargo.toml"),
-        root.join("Cargo.lock"),
-    ];
-    while let Some(path) = pending.pop() {
-        let Ok(metadata) = std::fs::metadata(&path) else {
-            continue;
-        };
-        if metadata.is_dir() {
-            if let Ok(entries) = std::fs::read_dir(&path) {
-                pending.extend(entries.filter_map(|e| e.ok().map(|e| e.path())));
-            }
-        } else if let Ok(modified) = metadata.modified() {
-            newest = newest.max(Some(modified));
-        }
-    }
-    (newest? > built).then(|| {
-        format!(
-            "{} is older than src/ or Cargo.*; rebuild with `cargo build --release --bin \
-             tollgate` to measure the current code",
-            binary.display()
-        )
-    })
 }

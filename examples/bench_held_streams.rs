@@ -46,11 +46,11 @@
 //! gauges did not show every stream held at once and none left afterwards.
 
 use std::fmt::Write as _;
-use std::net::{Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use clap::Parser;
@@ -67,11 +67,10 @@ use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
-// Shared with the other benchmarks; each uses a subset of it.
-#[allow(dead_code)]
-#[path = "support/host.rs"]
-mod host;
-use host::{Proc, clock_ticks_per_second, free_port};
+use tollgate_testkit::bins;
+use tollgate_testkit::host::{Machine, cpu_seconds, status_kib};
+use tollgate_testkit::metrics;
+use tollgate_testkit::tollgate::TollgateCommand;
 
 /// Start-up budget for tollgate; generous because the machine may be compiling meanwhile.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -137,7 +136,7 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    host::run_bench(
+    tollgate_testkit::bench::run_bench(
         "bench_held_streams",
         args.client_threads,
         "some streams were not answered as expected; see above",
@@ -156,48 +155,28 @@ async fn bench(args: &Args) -> Result<bool> {
     );
     ensure!(args.deadline_ms > 0, "--deadline-ms must be positive");
 
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let binary = locate_tollgate(args)?;
-    if let Some(warning) = stale_warning(&binary, root) {
+    let binary = bins::tollgate(args.tollgate_bin.as_deref())?;
+    if let Some(warning) = bins::stale_warning(
+        &binary,
+        &["src", "Cargo.lock"],
+        "cargo build --release --bin tollgate",
+    ) {
         eprintln!("WARNING: {warning}");
     }
-    let machine = Machine::describe();
+    let machine = Machine::describe(("server", binary.display().to_string()));
     let body = chat_body(args.body_bytes)?;
 
     let dir = tempfile::tempdir().context("create a temporary directory")?;
     let config_path = dir.path().join("tollgate.yaml");
     std::fs::write(&config_path, config_yaml(args)).context("write the tollgate config")?;
-    let grpc = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
-    let admin = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
-    let mut command = Command::new(&binary);
-    command
-        .arg("--config")
-        .arg(&config_path)
-        .arg("--grpc-addr")
-        .arg(grpc.to_string())
-        .arg("--admin-addr")
-        .arg(admin.to_string())
+    let tollgate = TollgateCommand::new(&binary, &config_path)
         // Info logs are a line per start-up step, none per stream.
-        .env("RUST_LOG", "info");
-    // The config file must be the whole configuration: TOLLGATE__* variables would override it.
-    for (name, _) in std::env::vars_os() {
-        if name.to_string_lossy().starts_with("TOLLGATE__") {
-            command.env_remove(name);
-        }
-    }
-    let tollgate = Proc::spawn(
-        "tollgate",
-        command.stdout(Stdio::null()),
-        dir.path().join("tollgate.log"),
-    )?;
-    let http = reqwest::Client::builder()
-        // An http_proxy in the environment must not capture loopback traffic.
-        .no_proxy()
-        .timeout(Duration::from_secs(5))
-        .build()
-        .context("build the admin HTTP client")?;
-    wait_ready(&tollgate, &http, admin).await?;
-    let pid = tollgate.pid();
+        .rust_log("info")
+        .ready_timeout(READY_TIMEOUT)
+        .start(dir.path())
+        .await?;
+    let (grpc, admin) = (tollgate.grpc, tollgate.admin);
+    let pid = tollgate.proc().pid();
     let idle = Snapshot::take(pid)?;
 
     let channels = connect(grpc, args.connections).await?;
@@ -206,7 +185,7 @@ async fn bench(args: &Args) -> Result<bool> {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let before = Snapshot::take(pid)?;
     let client_before = status_kib(std::process::id(), "VmRSS")?;
-    let gauges_before = Gauges::read(&http, admin).await?;
+    let gauges_before = Gauges::read(admin).await?;
 
     // Open every queued stream; each task reports once it is queued (or failed to be).
     let opening_started = Instant::now();
@@ -245,7 +224,7 @@ async fn bench(args: &Args) -> Result<bool> {
     let all_queued = Instant::now();
     let held = Snapshot::take(pid)?;
     let client_held = status_kib(std::process::id(), "VmRSS")?;
-    let gauges_held = Gauges::read(&http, admin).await?;
+    let gauges_held = Gauges::read(admin).await?;
 
     // Holding: nothing happens until the first deadline, which is at the earliest one deadline
     // after opening started. CPU over this quiet time is what holding costs by itself; it starts
@@ -264,10 +243,10 @@ async fn bench(args: &Args) -> Result<bool> {
         results.push(joined.context("a stream task panicked")?);
     }
     // Streams close as soon as their answer is read; wait until tollgate has seen every close.
-    let gauges_after = Gauges::settle(&http, admin, 1).await?;
+    let gauges_after = Gauges::settle(admin, 1).await?;
     let after = Snapshot::take(pid)?;
     holder.close().await?;
-    tollgate.check_alive()?;
+    tollgate.proc().check_alive()?;
 
     let report = Report {
         args,
@@ -295,60 +274,7 @@ async fn bench(args: &Args) -> Result<bool> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The tollgate process
-
-fn locate_tollgate(args: &Args) -> Result<PathBuf> {
-    // This example runs from target/<profile>/examples/; `cargo run --example` does not build
-    // the binary, which sits in the same profile directory after `cargo build --release`.
-    let binary = match &args.tollgate_bin {
-        Some(path) => path.clone(),
-        None => std::env::current_exe()
-            .context("path of this executable")?
-            .parent()
-            .and_then(Path::parent)
-            .context("this example should live in target/<profile>/examples")?
-            .join("tollgate"),
-    };
-    ensure!(
-        binary.is_file(),
-        "{} is missing: run `cargo build --release --bin tollgate` first (or pass --tollgate-bin)",
-        binary.display()
-    );
-    Ok(binary)
-}
-
-/// A warning when the binary is older than the sources it is built from, since
-/// `cargo run --example` would otherwise silently measure a stale tollgate.
-fn stale_warning(binary: &Path, root: &Path) -> Option<String> {
-    let built = std::fs::metadata(binary).and_then(|m| m.modified()).ok()?;
-    let sources = newest_mtime(&[root.join("src"), root.join("Cargo.lock")])?;
-    (sources > built).then(|| {
-        format!(
-            "{} is older than its sources; rebuild with `cargo build --release --bin tollgate` \
-             to measure the current code",
-            binary.display()
-        )
-    })
-}
-
-/// Newest modification time of the files under `paths`.
-fn newest_mtime(paths: &[PathBuf]) -> Option<SystemTime> {
-    let mut newest = None;
-    let mut pending = paths.to_vec();
-    while let Some(path) = pending.pop() {
-        let Ok(metadata) = std::fs::metadata(&path) else {
-            continue;
-        };
-        if metadata.is_dir() {
-            if let Ok(entries) = std::fs::read_dir(&path) {
-                pending.extend(entries.filter_map(|e| e.ok().map(|e| e.path())));
-            }
-        } else if let Ok(modified) = metadata.modified() {
-            newest = newest.max(Some(modified));
-        }
-    }
-    newest
-}
+// The tollgate config
 
 /// One slot, no controller (so the slot count never changes), and one tier deep enough to queue
 /// every stream; the cap on queued body bytes if one was asked for.
@@ -378,24 +304,6 @@ fn config_yaml(args: &Args) -> String {
     yaml
 }
 
-async fn wait_ready(tollgate: &Proc, http: &reqwest::Client, admin: SocketAddr) -> Result<()> {
-    let started = Instant::now();
-    let url = format!("http://{admin}/readyz");
-    loop {
-        tollgate.check_alive()?;
-        if let Ok(response) = http.get(&url).send().await
-            && response.status() == reqwest::StatusCode::OK
-        {
-            return Ok(());
-        }
-        ensure!(
-            started.elapsed() < READY_TIMEOUT,
-            "tollgate's /readyz did not answer 200 within {READY_TIMEOUT:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Measurements
 
@@ -419,38 +327,6 @@ impl Snapshot {
     }
 }
 
-/// A `Name:   123 kB` field of /proc/PID/status.
-fn status_kib(pid: u32, field: &str) -> Result<u64> {
-    let path = format!("/proc/{pid}/status");
-    let status = std::fs::read_to_string(&path).with_context(|| format!("read {path}"))?;
-    status
-        .lines()
-        .find_map(|line| {
-            let (name, value) = line.split_once(':')?;
-            (name == field).then(|| value.trim().trim_end_matches("kB").trim().parse().ok())?
-        })
-        .with_context(|| format!("no {field} in {path}"))
-}
-
-/// utime + stime of the whole process (all threads), in seconds.
-fn cpu_seconds(pid: u32) -> Result<f64> {
-    let path = format!("/proc/{pid}/stat");
-    let stat = std::fs::read_to_string(&path).with_context(|| format!("read {path}"))?;
-    // The command name (field 2) is in parentheses and may contain spaces: count fields after
-    // the last ')'. Field 3 (state) is then index 0, utime (14) index 11, stime (15) index 12.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    let ticks = |i: usize| -> Result<u64> {
-        fields
-            .get(i)
-            .and_then(|v| v.parse().ok())
-            .with_context(|| format!("field {} of {path}", i + 3))
-    };
-    Ok((ticks(11)? + ticks(12)?) as f64 / clock_ticks_per_second())
-}
-
 /// The gauges that count what tollgate holds.
 #[derive(Clone, Copy)]
 struct Gauges {
@@ -461,93 +337,31 @@ struct Gauges {
 }
 
 impl Gauges {
-    async fn read(http: &reqwest::Client, admin: SocketAddr) -> Result<Gauges> {
-        let text = http
-            .get(format!("http://{admin}/metrics"))
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status)
-            .context("GET /metrics")?
-            .text()
-            .await
-            .context("read /metrics")?;
+    async fn read(admin: SocketAddr) -> Result<Gauges> {
+        let metrics = metrics::scrape(admin).await?;
+        let sum = |name: &str| {
+            metrics
+                .sum_if_any(name, &[])
+                .with_context(|| format!("/metrics has no {name}"))
+        };
         Ok(Gauges {
-            held_streams: metric_sum(&text, "tollgate_held_streams")?,
+            held_streams: sum("tollgate_held_streams")?,
             // One series per tier; the sum is every queued request.
-            queued: metric_sum(&text, "tollgate_queued_requests")?,
-            queued_body_bytes: metric_sum(&text, "tollgate_queued_body_bytes").ok(),
+            queued: sum("tollgate_queued_requests")?,
+            queued_body_bytes: sum("tollgate_queued_body_bytes").ok(),
         })
     }
 
     /// Reads until `held_streams` is down to `held` (stream closes reach tollgate
     /// asynchronously) or SETTLE_TIMEOUT passes, then returns the last reading.
-    async fn settle(http: &reqwest::Client, admin: SocketAddr, held: u32) -> Result<Gauges> {
+    async fn settle(admin: SocketAddr, held: u32) -> Result<Gauges> {
         let started = Instant::now();
         loop {
-            let gauges = Gauges::read(http, admin).await?;
+            let gauges = Gauges::read(admin).await?;
             if gauges.held_streams <= f64::from(held) || started.elapsed() > SETTLE_TIMEOUT {
                 return Ok(gauges);
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-/// Sum over every series of `name` in a Prometheus text exposition.
-fn metric_sum(text: &str, name: &str) -> Result<f64> {
-    let mut found = false;
-    let mut sum = 0.0;
-    for line in text.lines().filter(|line| !line.starts_with('#')) {
-        let Some((series, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        if series.split('{').next() == Some(name) {
-            found = true;
-            sum += value.parse::<f64>().unwrap_or(f64::NAN);
-        }
-    }
-    ensure!(found, "/metrics has no {name}");
-    Ok(sum)
-}
-
-/// What the numbers were measured on, for the report.
-struct Machine {
-    cpus: usize,
-    cpu_model: String,
-    loadavg_at_start: String,
-}
-
-impl Machine {
-    fn describe() -> Machine {
-        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let field = |name: &str| {
-            cpuinfo
-                .lines()
-                .find_map(|line| {
-                    let (key, value) = line.split_once(':')?;
-                    (key.trim() == name).then(|| value.trim().to_owned())
-                })
-                .unwrap_or_else(|| "?".to_owned())
-        };
-        // The model name of a KVM guest is often just "Intel(R) Xeon(R) Processor"; family and
-        // model numbers say which generation it is.
-        let cpu_model = format!(
-            "{}, family {} model {}",
-            field("model name"),
-            field("cpu family"),
-            field("model")
-        );
-        Machine {
-            cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
-            cpu_model,
-            loadavg_at_start: std::fs::read_to_string("/proc/loadavg")
-                .map(|text| {
-                    text.split_whitespace()
-                        .take(3)
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                })
-                .unwrap_or_else(|_| "?".to_owned()),
         }
     }
 }
@@ -983,7 +797,7 @@ impl Report<'_> {
             "Machine: nproc {}, {}; load average {} at start. Server: {}.",
             self.machine.cpus,
             self.machine.cpu_model,
-            self.machine.loadavg_at_start,
+            self.machine.load_averages_at_start(),
             self.binary.display(),
         );
         let _ = writeln!(out);

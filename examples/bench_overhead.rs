@@ -58,35 +58,32 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader};
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 // The `bytes` crate through axum's re-export: reqwest takes it as a body without copying.
 use axum::body::Bytes;
 use clap::Parser;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
-// Shared with the other benchmarks; each uses a subset of it.
-#[path = "support/front_proxy.rs"]
-mod front_proxy;
-#[allow(dead_code)]
-#[path = "support/host.rs"]
-mod host;
-use front_proxy::{EnvoyPorts, render_config, without_ext_proc};
-use host::{
-    Machine, Proc, admin_client, busy_fraction, clock_ticks_per_second, command_output,
-    cpu_ticks_of, free_port, machine_jiffies, median,
+use tollgate_testkit::bench::median;
+use tollgate_testkit::envoy::{self, ENVOY_VERSION, Envoy, EnvoyPorts, without_ext_proc};
+use tollgate_testkit::host::{
+    Machine, busy_fraction, clock_ticks_per_second, command_output, cpu_ticks_of, machine_jiffies,
 };
+use tollgate_testkit::ports::free_addr;
+use tollgate_testkit::process::{Proc, wait_until};
+use tollgate_testkit::redis::{RedisOptions, RedisServer};
+use tollgate_testkit::tollgate::{TollgateCommand, TollgateProcess};
+use tollgate_testkit::upstream::Upstream;
+use tollgate_testkit::{bins, metrics};
 
-/// The Envoy version the repository tests against (tests/it/support/envoy.rs, ENVOY_VERSION).
-const ENVOY_VERSION: &str = "1.40.0";
 /// Start-up budget for each child; generous because the machine may be compiling meanwhile.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// A request slower than this counts as an error: at these rates something is broken.
@@ -168,7 +165,7 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    host::run_bench(
+    tollgate_testkit::bench::run_bench(
         "bench_overhead",
         args.client_threads,
         "some requests failed; see the flagged runs above",
@@ -196,9 +193,9 @@ async fn bench(args: &Args) -> Result<Verdict> {
     ensure!(args.rounds > 0, "--rounds must be at least 1");
     ensure!(args.users > 0, "--users must be at least 1");
 
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let binaries = Binaries::locate(args, root)?;
-    let stale = binaries.stale_warnings(root);
+    let root = tollgate_testkit::repo_root();
+    let binaries = Binaries::locate(args)?;
+    let stale = binaries.stale_warnings();
     for warning in &stale {
         eprintln!("WARNING: {warning}");
     }
@@ -234,18 +231,11 @@ async fn bench(args: &Args) -> Result<Verdict> {
     let envoy_version = command_output(&binaries.envoy, &["--version"])
         .and_then(|out| out.split("version: ").nth(1).map(|v| v.trim().to_owned()))
         .unwrap_or_else(|| "?".to_owned());
-    let mut machine = Machine::describe(("envoy_version", envoy_version));
-    let before = machine_jiffies();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    machine.busy_before_start = busy_fraction(before, machine_jiffies());
+    let machine = Machine::describe_and_sample(("envoy_version", envoy_version)).await;
     let body = chat_body(args.body_bytes, args.stream_tokens)?;
     eprintln!(
-        "machine: {} CPUs ({}), load average {}, {:.0}% busy before start; body {} B; starting \
-         processes...",
-        machine.cpus,
-        machine.cpu_model,
-        machine.loadavg_at_start,
-        machine.busy_before_start.unwrap_or(f64::NAN) * 100.0,
+        "machine: {}; body {} B; starting processes...",
+        machine.headline(),
         args.body_bytes
     );
 
@@ -380,108 +370,40 @@ struct Binaries {
 }
 
 impl Binaries {
-    fn locate(args: &Args, root: &Path) -> Result<Binaries> {
-        // This example runs from target/<profile>/examples/; the binaries it drives sit in the
-        // same profile directory, built by `cargo build --release --bin tollgate --example
-        // upstream` (cargo run --example does not build them).
-        let exe = std::env::current_exe().context("path of this executable")?;
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .context("this example should live in target/<profile>/examples")?
-            .to_path_buf();
-        let envoy = args
-            .envoy_bin
-            .clone()
-            .or_else(|| std::env::var_os("ENVOY_BIN").map(PathBuf::from))
-            .unwrap_or_else(|| root.join(format!(".tools/envoy-{ENVOY_VERSION}/envoy/_bin/envoy")));
-        let tollgate = args
-            .tollgate_bin
-            .clone()
-            .unwrap_or_else(|| profile_dir.join("tollgate"));
-        let upstream = args
-            .upstream_bin
-            .clone()
-            .unwrap_or_else(|| profile_dir.join("examples/upstream"));
-        let echo = args
-            .echo_bin
-            .clone()
-            .unwrap_or_else(|| profile_dir.join("examples/echo_extproc"));
-        ensure!(
-            envoy.is_file(),
-            "no Envoy binary at {}: run scripts/install-test-deps.sh (or pass --envoy-bin)",
-            envoy.display()
-        );
-        for (path, what) in [
-            (&tollgate, "--bin tollgate"),
-            (&upstream, "--example upstream"),
-            (&echo, "--example echo_extproc"),
-        ] {
-            ensure!(
-                path.is_file(),
-                "{} is missing: run `cargo build --release {what}` first",
-                path.display()
-            );
-        }
+    /// Flags first, then the defaults: `ENVOY_BIN` or `.tools/` for Envoy (the version the tests
+    /// use), and the binaries of this example's own profile, built by `cargo build --release
+    /// --bin tollgate --example upstream --example echo_extproc` (`cargo run --example` does not
+    /// build them).
+    fn locate(args: &Args) -> Result<Binaries> {
+        let envoy = match &args.envoy_bin {
+            Some(path) => path.clone(),
+            None => envoy::binary(ENVOY_VERSION)
+                .context("the benchmark runs Envoy (or pass --envoy-bin)")?,
+        };
         Ok(Binaries {
             envoy,
-            tollgate,
-            upstream,
-            echo,
+            tollgate: bins::tollgate(args.tollgate_bin.as_deref())?,
+            upstream: bins::example("upstream", args.upstream_bin.as_deref())?,
+            echo: bins::example("echo_extproc", args.echo_bin.as_deref())?,
         })
     }
 
     /// Warns when a binary is older than the sources it is built from: `cargo run --example`
     /// rebuilds only this example, so a stale tollgate would silently be measured.
-    fn stale_warnings(&self, root: &Path) -> Vec<String> {
-        let mut warnings = Vec::new();
-        let checks = [
-            (
+    fn stale_warnings(&self) -> Vec<String> {
+        let rebuild = "cargo build --release --bin tollgate --example upstream";
+        [
+            bins::stale_warning(
                 &self.tollgate,
-                newest_mtime(&[
-                    root.join("src"),
-                    root.join("Cargo.toml"),
-                    root.join("Cargo.lock"),
-                ]),
+                &["src", "Cargo.toml", "Cargo.lock"],
+                rebuild,
             ),
-            (
-                &self.upstream,
-                newest_mtime(&[root.join("examples/upstream.rs")]),
-            ),
-        ];
-        for (binary, sources) in checks {
-            let built = std::fs::metadata(binary).and_then(|m| m.modified()).ok();
-            if let (Some(built), Some(sources)) = (built, sources)
-                && sources > built
-            {
-                warnings.push(format!(
-                    "{} is older than its sources; rebuild with `cargo build --release --bin \
-                     tollgate --example upstream` to measure the current code",
-                    binary.display()
-                ));
-            }
-        }
-        warnings
+            bins::stale_warning(&self.upstream, &["examples/upstream.rs"], rebuild),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
     }
-}
-
-/// Newest modification time of the files under `paths`.
-fn newest_mtime(paths: &[PathBuf]) -> Option<SystemTime> {
-    let mut newest = None;
-    let mut pending: Vec<PathBuf> = paths.to_vec();
-    while let Some(path) = pending.pop() {
-        let Ok(metadata) = std::fs::metadata(&path) else {
-            continue;
-        };
-        if metadata.is_dir() {
-            if let Ok(entries) = std::fs::read_dir(&path) {
-                pending.extend(entries.filter_map(|e| e.ok().map(|e| e.path())));
-            }
-        } else if let Ok(modified) = metadata.modified() {
-            newest = newest.max(Some(modified));
-        }
-    }
-    newest
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -507,32 +429,18 @@ fn request_phases_only(front_proxy: &str) -> Result<String> {
 // ---------------------------------------------------------------------------------------------
 // Child processes
 
-struct EnvoyProc {
-    proc: Proc,
-    listen: SocketAddr,
-    admin: SocketAddr,
-}
-
-/// A tollgate process and its addresses.
-struct TollgateProc {
-    proc: Proc,
-    grpc: SocketAddr,
-    admin: SocketAddr,
-}
-
 /// Everything the benchmark runs. Fields drop in order, the temp dir (configs, logs) last.
 struct Stack {
     /// One Envoy per configuration, in the order of the rounds.
-    envoys: Vec<(Config, EnvoyProc)>,
+    envoys: Vec<(Config, Envoy)>,
     /// tollgate with its embedded store, for B and C.
-    tollgate: Option<TollgateProc>,
+    tollgate: Option<TollgateProcess>,
     /// tollgate with its budgets in `redis`, for R.
-    tollgate_redis: Option<TollgateProc>,
-    redis: Option<Proc>,
+    tollgate_redis: Option<TollgateProcess>,
+    redis: Option<RedisServer>,
     /// The echo ext_proc and its gRPC address, for E and Q.
     echo: Option<(Proc, SocketAddr)>,
-    upstream: Proc,
-    admin_client: reqwest::Client,
+    upstream: Upstream,
     dir: tempfile::TempDir,
 }
 
@@ -548,64 +456,37 @@ impl Stack {
             .prefix("tollgate-bench-")
             .tempdir()
             .context("create a temp dir")?;
-        let admin_client = admin_client()?;
-
-        let mut upstream = Proc::spawn(
-            "upstream",
-            Command::new(&binaries.upstream)
-                .args(["--addr", "127.0.0.1:0"])
-                // Only streamed answers are paced: a non-streaming answer from the fixed
-                // engine waits out every token's delay before it is sent (16 × 20 ms), which
-                // would bury the sub-millisecond figures this benchmark is for.
-                .args(["--itl-ms", &upstream_itl_ms(args).to_string()])
-                .stdout(Stdio::piped()),
-            dir.path().join("upstream.log"),
-        )?;
-        let mut first_line = String::new();
-        BufReader::new(upstream.take_stdout().context("upstream stdout")?)
-            .read_line(&mut first_line)
-            .context("read the upstream's first line")?;
-        let upstream_addr: SocketAddr = first_line
-            .trim()
-            .strip_prefix("upstream listening on ")
-            .and_then(|addr| addr.parse().ok())
-            .with_context(|| format!("unexpected first line from the upstream: {first_line:?}"))?;
+        // Only streamed answers are paced: a non-streaming answer from the fixed engine waits
+        // out every token's delay before it is sent (16 × 20 ms), which would bury the
+        // sub-millisecond figures this benchmark is for.
+        let itl_ms = upstream_itl_ms(args).to_string();
+        let upstream =
+            Upstream::start(&binaries.upstream, ["--itl-ms", &itl_ms], Some(dir.path()))?;
+        let upstream_addr = upstream.addr;
 
         let needs = |wanted: &[Config]| envoy_configs.iter().any(|(c, _)| wanted.contains(c));
         let tollgate = if needs(&[Config::B, Config::C]) {
             let name = "tollgate";
-            Some(
-                start_tollgate(
-                    binaries,
-                    tollgate_config,
-                    None,
-                    name,
-                    dir.path(),
-                    &admin_client,
-                )
-                .await?,
-            )
+            Some(start_tollgate(binaries, tollgate_config, None, name, dir.path()).await?)
         } else {
             None
         };
         let (redis, tollgate_redis) = if needs(&[Config::R]) {
-            let (redis, url) = start_redis(&args.redis_server, dir.path()).await?;
+            let redis = RedisServer::launch(RedisOptions {
+                binary: Some(args.redis_server.clone()),
+                ..RedisOptions::default()
+            })
+            .await
+            .context("R needs redis-server")?;
             let name = "tollgate_redis";
-            let tollgate = start_tollgate(
-                binaries,
-                tollgate_config,
-                Some(&url),
-                name,
-                dir.path(),
-                &admin_client,
-            )
-            .await?;
+            let url = Some(redis.url.as_str());
+            let tollgate = start_tollgate(binaries, tollgate_config, url, name, dir.path()).await?;
             (Some(redis), Some(tollgate))
         } else {
             (None, None)
         };
         let echo = if needs(&[Config::E, Config::Q]) {
-            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
+            let addr = free_addr();
             let proc = Proc::spawn(
                 "echo",
                 Command::new(&binaries.echo)
@@ -613,7 +494,7 @@ impl Stack {
                     .stdout(Stdio::null()),
                 dir.path().join("echo.log"),
             )?;
-            wait_until(&proc, || async move {
+            wait_until(&proc, READY_TIMEOUT, || async move {
                 tokio::net::TcpStream::connect(addr).await.is_ok()
             })
             .await?;
@@ -630,13 +511,9 @@ impl Stack {
                 Config::B | Config::C => tollgate.as_ref().map(|t| t.grpc.port()),
                 Config::R => tollgate_redis.as_ref().map(|t| t.grpc.port()),
             };
-            let ports = EnvoyPorts {
-                listen: free_port()?,
-                upstream: upstream_addr.port(),
-                extproc,
-                admin: free_port()?,
-            };
-            let envoy = start_envoy(*config, binaries, text, &ports, dir.path(), &admin_client);
+            let ports = EnvoyPorts::free_with(upstream_addr.port(), extproc);
+            let name = config.envoy_key();
+            let envoy = Envoy::launch(&binaries.envoy, name, text, &ports, Some(dir.path()));
             envoys.push((*config, envoy.await?));
         }
         Ok(Stack {
@@ -646,7 +523,6 @@ impl Stack {
             redis,
             echo,
             upstream,
-            admin_client,
             dir,
         })
     }
@@ -656,21 +532,21 @@ impl Stack {
         let mut procs: Vec<(&'static str, &Proc)> = self
             .envoys
             .iter()
-            .map(|(config, envoy)| (config.envoy_key(), &envoy.proc))
+            .map(|(config, envoy)| (config.envoy_key(), envoy.proc()))
             .collect();
         if let Some(tollgate) = &self.tollgate {
-            procs.push(("tollgate", &tollgate.proc));
+            procs.push(("tollgate", tollgate.proc()));
         }
         if let Some(tollgate) = &self.tollgate_redis {
-            procs.push(("tollgate_redis", &tollgate.proc));
+            procs.push(("tollgate_redis", tollgate.proc()));
         }
-        if let Some(redis) = &self.redis {
+        if let Some(Ok(redis)) = self.redis.as_ref().map(RedisServer::proc) {
             procs.push(("redis", redis));
         }
         if let Some((echo, _)) = &self.echo {
             procs.push(("echo", echo));
         }
-        procs.push(("upstream", &self.upstream));
+        procs.push(("upstream", self.upstream.proc()));
         procs
     }
 
@@ -690,32 +566,21 @@ impl Stack {
             Config::R => self.tollgate_redis.as_ref()?,
             Config::A | Config::E | Config::Q => return None,
         };
-        let response = self
-            .admin_client
-            .get(format!("http://{}/metrics", tollgate.admin))
-            .send()
-            .await
-            .ok()?;
-        response.error_for_status().ok()?.text().await.ok()
+        Some(metrics::scrape(tollgate.admin).await.ok()?.0)
     }
 
     /// The ext_proc filter counters (`http.ingress.ext_proc.*`) of `config`'s Envoy.
     async fn ext_proc_stats(&self, config: Config) -> Option<BTreeMap<String, u64>> {
         let (_, envoy) = self.envoys.iter().find(|(c, _)| *c == config)?;
-        let response = self
-            .admin_client
-            .get(format!("http://{}/stats", envoy.admin))
-            .query(&[("filter", r"^http\.ingress\.ext_proc\.")])
-            .send()
-            .await
-            .ok()?;
-        let body = response.error_for_status().ok()?.text().await.ok()?;
+        let stats = envoy.stats(r"^http\.ingress\.ext_proc\.").await?;
         Some(
-            body.lines()
-                .filter_map(|line| {
-                    let (name, value) = line.split_once(": ")?;
-                    let name = name.strip_prefix("http.ingress.ext_proc.")?;
-                    Some((name.to_owned(), value.trim().parse().ok()?))
+            stats
+                .into_iter()
+                .filter_map(|(name, value)| {
+                    Some((
+                        name.strip_prefix("http.ingress.ext_proc.")?.to_owned(),
+                        value,
+                    ))
                 })
                 .collect(),
         )
@@ -730,147 +595,14 @@ async fn start_tollgate(
     redis_url: Option<&str>,
     name: &'static str,
     dir: &Path,
-    admin_client: &reqwest::Client,
-) -> Result<TollgateProc> {
-    let grpc = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
-    let admin = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
-    let mut command = Command::new(&binaries.tollgate);
-    command
-        .arg("--config")
-        .arg(config_file)
-        .args(["--grpc-addr", &grpc.to_string()])
-        .args(["--admin-addr", &admin.to_string()])
-        // Warnings only: keep the request path free of log formatting.
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null());
-    if let Some(url) = redis_url {
-        command.args(["--redis-url", url]);
-    }
-    // TOLLGATE__SECTION__KEY variables override the file: the measured configuration must be
-    // the file's, whatever the caller's environment holds.
-    for (variable, _) in std::env::vars_os() {
-        if variable.to_string_lossy().starts_with("TOLLGATE__") {
-            command.env_remove(variable);
-        }
-    }
-    let proc = Proc::spawn(name, &mut command, dir.join(format!("{name}.log")))?;
-    wait_until(&proc, || {
-        let client = admin_client.clone();
-        async move {
-            client
-                .get(format!("http://{admin}/readyz"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status().is_success())
-        }
-    })
-    .await?;
-    Ok(TollgateProc { proc, grpc, admin })
-}
-
-/// Starts a redis-server of our own on a free loopback port, with nothing kept on disk, and
-/// waits until it answers PING. Returns it and its URL.
-async fn start_redis(redis_server: &Path, dir: &Path) -> Result<(Proc, String)> {
-    let port = free_port()?;
-    let proc = Proc::spawn(
-        "redis",
-        Command::new(redis_server)
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(dir)
-            .stdout(Stdio::null()),
-        dir.join("redis.log"),
-    )
-    .with_context(|| {
-        format!(
-            "start {} (R needs redis-server: run scripts/install-test-deps.sh)",
-            redis_server.display()
-        )
-    })?;
-    wait_until(&proc, || async move { redis_answers_ping(port).await }).await?;
-    Ok((proc, format!("redis://127.0.0.1:{port}")))
-}
-
-async fn redis_answers_ping(port: u16) -> bool {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut stream) = tokio::net::TcpStream::connect((Ipv4Addr::LOCALHOST, port)).await else {
-        return false;
-    };
-    let mut reply = [0u8; 7];
-    stream.write_all(b"PING\r\n").await.is_ok()
-        && stream.read_exact(&mut reply).await.is_ok()
-        && &reply == b"+PONG\r\n"
-}
-
-async fn start_envoy(
-    config: Config,
-    binaries: &Binaries,
-    text: &str,
-    ports: &EnvoyPorts,
-    dir: &Path,
-    admin_client: &reqwest::Client,
-) -> Result<EnvoyProc> {
-    let file_stem = config.envoy_key();
-    let config_path = dir.join(format!("{file_stem}.yaml"));
-    std::fs::write(&config_path, render_config(text, ports)?)
-        .with_context(|| format!("write {}", config_path.display()))?;
-    let proc = Proc::spawn(
-        config.envoy_key(),
-        Command::new(&binaries.envoy)
-            .arg("-c")
-            .arg(&config_path)
-            // One worker thread each, as in the tests: the Envoys, tollgate, the upstream and
-            // the load generator already share two cores.
-            .args(["--concurrency", "1"])
-            // No shared memory or domain socket, so several Envoys can run at once.
-            .arg("--disable-hot-restart")
-            .args(["--log-level", "warn"])
-            .stdout(Stdio::null()),
-        dir.join(format!("{file_stem}.log")),
-    )?;
-    let admin = SocketAddr::from((Ipv4Addr::LOCALHOST, ports.admin));
-    wait_until(&proc, || {
-        let client = admin_client.clone();
-        async move {
-            match client.get(format!("http://{admin}/ready")).send().await {
-                Ok(response) if response.status().is_success() => response
-                    .text()
-                    .await
-                    .is_ok_and(|body| body.trim() == "LIVE"),
-                _ => false,
-            }
-        }
-    })
-    .await?;
-    Ok(EnvoyProc {
-        proc,
-        listen: SocketAddr::from((Ipv4Addr::LOCALHOST, ports.listen)),
-        admin,
-    })
-}
-
-/// Polls `ready` until it says yes, failing early (with the log) if the process exits.
-async fn wait_until<F, Fut>(proc: &Proc, mut ready: F) -> Result<()>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + READY_TIMEOUT;
-    loop {
-        proc.check_alive()?;
-        if ready().await {
-            return Ok(());
-        }
-        if Instant::now() >= deadline {
-            bail!(
-                "{} not ready within {READY_TIMEOUT:?}; end of its log:\n{}",
-                proc.name(),
-                proc.log_tail(40)
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+) -> Result<TollgateProcess> {
+    let redis_args = redis_url.map(|url| ["--redis-url", url]);
+    TollgateCommand::new(&binaries.tollgate, config_file)
+        .name(name)
+        .args(redis_args.into_iter().flatten())
+        .ready_timeout(READY_TIMEOUT)
+        .start(dir)
+        .await
 }
 
 // ---------------------------------------------------------------------------------------------

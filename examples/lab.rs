@@ -25,8 +25,6 @@
 
 #[path = "lab/chart.rs"]
 mod chart;
-#[path = "support/front_proxy.rs"]
-mod front_proxy;
 #[path = "lab/load.rs"]
 mod load;
 #[path = "lab/report.rs"]
@@ -35,10 +33,6 @@ mod report;
 mod scenario;
 #[path = "lab/stack.rs"]
 mod stack;
-// Shared with the benchmarks; the lab uses a subset of it.
-#[allow(dead_code)]
-#[path = "support/host.rs"]
-mod host;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -82,7 +76,7 @@ struct Args {
 fn main() -> ExitCode {
     let args = Args::parse();
     // Dropping the lab future on Ctrl-C or SIGTERM drops the stack, and with it every child.
-    host::run_bench("lab", 2, "", async { lab(&args).await.map(|()| true) })
+    tollgate_testkit::bench::run_bench("lab", 2, "", async { lab(&args).await.map(|()| true) })
 }
 
 async fn lab(args: &Args) -> Result<()> {
@@ -148,7 +142,6 @@ async fn lab(args: &Args) -> Result<()> {
                 &upstream_args,
                 tollgate_config.as_ref(),
                 &front_proxy,
-                &client,
             )
             .await
             {

@@ -16,7 +16,7 @@
 # (a compile) shows up in the figures.
 set -euo pipefail
 
-# Keep in step with ENVOY_VERSION in examples/bench_overhead.rs and tests/it/support/envoy.rs.
+# Keep in step with ENVOY_VERSION in testkit/src/envoy.rs (the benchmark's default Envoy).
 readonly ENVOY_VERSION="1.40.0"
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

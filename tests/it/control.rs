@@ -240,7 +240,9 @@ impl FakeEngine {
 
 /// Polls the limit until it is `want`.
 async fn limit_becomes(server: &TestServer, want: f64) {
-    crate::grpc::wait_for_metric(server, "tollgate_inflight_limit", &[], want).await;
+    server
+        .wait_for_metric("tollgate_inflight_limit", &[], want)
+        .await;
 }
 
 /// Ticks and scrapes for the engine tests: slow enough that a scrape cannot miss its timeout

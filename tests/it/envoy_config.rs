@@ -21,6 +21,8 @@ use futures_util::Stream;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+use tollgate_testkit::envoy::{render_config, without_ext_proc};
+
 use crate::support::envoy::{ENVOY_VERSION, Envoy, EnvoyPorts, envoy_binary, free_port};
 
 const MIB: usize = 1024 * 1024;
@@ -336,7 +338,9 @@ async fn front_proxy_buffers_multi_mb_prompts_and_rejects_oversize_with_413() {
     );
 }
 
-fn client() -> reqwest::Client {
+/// An HTTP client for requests through a test's Envoy: never through a proxy (an `http_proxy`
+/// in the environment must not capture loopback traffic), and patient with a busy machine.
+pub(crate) fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .no_proxy()
         .timeout(Duration::from_secs(20))
@@ -604,4 +608,48 @@ fn continue_response(
         // Trailers are SKIPped in the front proxy's processing mode.
         Request::RequestTrailers(_) | Request::ResponseTrailers(_) => return None,
     })
+}
+
+/// Proves: the test kit's "tollgate off" config (`without_ext_proc`, what the load lab and
+/// bench_overhead run as Envoy alone) loses exactly the ext_proc filter and cluster of
+/// front-proxy.yaml and keeps the rest.
+#[test]
+fn the_front_proxy_without_ext_proc_keeps_the_rest() {
+    let front_proxy = std::fs::read_to_string(front_proxy_config()).expect("read front-proxy");
+    let direct = without_ext_proc(&front_proxy).unwrap();
+    assert!(!direct.contains("port_value: 50051"));
+    for kept in [
+        "envoy.filters.http.router",
+        "- name: inference",
+        "port_value: 8000",
+        "stream_idle_timeout: 600s",
+        "per_connection_buffer_limit_bytes: 8388608",
+    ] {
+        assert!(direct.contains(kept), "{kept} went missing");
+    }
+}
+
+/// Proves: rendering puts every port of front-proxy.yaml on loopback, and a config without
+/// ext_proc may not be rendered with an ext_proc port (nor with ext_proc's placeholder left).
+#[test]
+fn rendering_puts_every_port_on_loopback() {
+    let front_proxy = std::fs::read_to_string(front_proxy_config()).expect("read front-proxy");
+    let ports = EnvoyPorts {
+        listen: 20000,
+        upstream: 20001,
+        extproc: Some(20002),
+        admin: 20003,
+    };
+    let rendered = render_config(&front_proxy, &ports).unwrap();
+    for port in ["20000", "20001", "20002", "20003"] {
+        assert!(rendered.contains(&format!("port_value: {port}")), "{port}");
+    }
+    assert!(!rendered.contains("address: 0.0.0.0"));
+    let direct = without_ext_proc(&front_proxy).unwrap();
+    assert!(render_config(&direct, &ports).is_err());
+    let alone = EnvoyPorts {
+        extproc: None,
+        ..ports
+    };
+    assert!(render_config(&direct, &alone).is_ok());
 }

@@ -77,20 +77,6 @@ fn body_rewrite(response: &ProcessingResponse) -> Option<Value> {
     }
 }
 
-pub(crate) async fn wait_for_metric(server: &TestServer, name: &str, labels: &[&str], want: f64) {
-    for _ in 0..200 {
-        if server.metrics().await.find(name, labels) == Some(want) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let metrics = server.metrics().await;
-    panic!(
-        "{name}{labels:?} never reached {want}; now {:?}",
-        metrics.find(name, labels)
-    );
-}
-
 #[tokio::test]
 async fn chat_request_is_admitted_and_its_stream_observed() {
     let server = TestServer::start(Config::default()).await;
@@ -163,7 +149,9 @@ async fn chat_request_is_admitted_and_its_stream_observed() {
         "tollgate closes with OK after Envoy"
     );
 
-    wait_for_metric(&server, "tollgate_held_streams", &[], 0.0).await;
+    server
+        .wait_for_metric("tollgate_held_streams", &[], 0.0)
+        .await;
     let m = server.metrics().await;
     assert_eq!(
         m.value("tollgate_requests_total", &["outcome=\"admitted\""]),
@@ -412,7 +400,9 @@ async fn messages_out_of_order_get_a_grpc_error_not_a_panic() {
             }
         }
     }
-    wait_for_metric(&server, "tollgate_held_streams", &[], 0.0).await;
+    server
+        .wait_for_metric("tollgate_held_streams", &[], 0.0)
+        .await;
     let m = server.metrics().await;
     assert_eq!(
         m.value("tollgate_protocol_errors_total", &["kind=\"out_of_order\""]),
@@ -451,10 +441,14 @@ async fn a_stream_that_ends_without_done_is_truncated_and_released() {
             false,
         ))
         .await;
-    wait_for_metric(&server, "tollgate_held_streams", &[], 1.0).await;
+    server
+        .wait_for_metric("tollgate_held_streams", &[], 1.0)
+        .await;
     // The client goes away: Envoy resets the side stream.
     drop(stream);
-    wait_for_metric(&server, "tollgate_held_streams", &[], 0.0).await;
+    server
+        .wait_for_metric("tollgate_held_streams", &[], 0.0)
+        .await;
     let m = server.metrics().await;
     assert_eq!(
         m.value(
@@ -545,10 +539,14 @@ async fn a_queued_request_counts_its_body_bytes_until_it_leaves_the_queue() {
     let answer = waiting.exchange(request_body(&body)).await;
     assert!(answer.override_message_timeout.is_some(), "queued");
     let bytes = body.len() as f64;
-    wait_for_metric(&server, "tollgate_queued_body_bytes", &[], bytes).await;
+    server
+        .wait_for_metric("tollgate_queued_body_bytes", &[], bytes)
+        .await;
     // The client goes away: its place and its bytes are given back.
     drop(waiting);
-    wait_for_metric(&server, "tollgate_queued_body_bytes", &[], 0.0).await;
+    server
+        .wait_for_metric("tollgate_queued_body_bytes", &[], 0.0)
+        .await;
     drop(holder);
     server.stop().await.unwrap();
 }

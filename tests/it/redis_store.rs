@@ -17,7 +17,7 @@ use tollgate::budget::{
     WindowLimit,
 };
 
-use crate::support::redis::RedisServer;
+use tollgate_testkit::redis::RedisServer;
 
 /// Every test's own bound: generous, so a loaded machine fails nothing by being slow.
 const TEST_TIMEOUT: Duration = Duration::from_secs(90);

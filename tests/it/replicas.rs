@@ -21,7 +21,7 @@
 use std::future::Future;
 use std::io::ErrorKind;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -35,12 +35,11 @@ use tokio::time::Instant;
 use tollgate::budget::redis::{RedisSettings, RedisStore};
 use tollgate::budget::{Quantity, Usage, WindowLimit};
 
-use crate::support::envoy::free_port;
 use crate::support::process::Tollgate;
-use crate::support::redis::RedisServer;
 use crate::support::server::{
     ExtProcStream, Metrics, chat_body, chat_headers, request_body, response_body, response_headers,
 };
+use tollgate_testkit::redis::{RedisOptions, RedisServer, RedisTls};
 
 type Client = ExternalProcessorClient<tonic::transport::Channel>;
 
@@ -678,8 +677,8 @@ async fn live_leases_survive_a_store_blip_that_opens_the_breaker() {
 async fn rediss_with_a_private_ca_works() {
     let dir = tempfile::tempdir().expect("temp dir for certificates");
     let (ca, cert, key) = private_ca(dir.path());
-    let redis = TlsRedis::start(dir.path(), &ca, &cert, &key).await;
-    let url = format!("rediss://127.0.0.1:{}", redis.port);
+    let redis = TlsRedis::start(&ca, &cert, &key).await;
+    let url = redis.server.url.clone();
     let tenant = "replicas-tls";
     let yaml = config_without_url(
         &["max_concurrent: 2", "tokens_per_minute: 1000000"],
@@ -798,84 +797,36 @@ fn openssl(dir: &Path, args: &[&str], more: &[&str]) {
     );
 }
 
-/// A `redis-server` listening only on TLS, killed and reaped on drop.
+/// A `redis-server` listening only on TLS (the kit's, killed and reaped on drop), and the
+/// private CA that signed its certificate.
 struct TlsRedis {
-    port: u16,
+    server: RedisServer,
     ca: Vec<u8>,
-    child: Child,
 }
 
 impl TlsRedis {
-    async fn start(dir: &Path, ca: &Path, cert: &Path, key: &Path) -> TlsRedis {
-        let port = free_port();
-        let log = dir.join("redis.log");
-        let child = Command::new("redis-server")
-            .args(["--port", "0", "--tls-port", &port.to_string()])
-            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .args(["--tls-auth-clients", "no"])
-            .arg("--tls-cert-file")
-            .arg(cert)
-            .arg("--tls-key-file")
-            .arg(key)
-            .arg("--tls-ca-cert-file")
-            .arg(ca)
-            .arg("--dir")
-            .arg(dir)
-            .arg("--logfile")
-            .arg(&log)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "spawn redis-server ({e}): run scripts/install-test-deps.sh (or apt-get \
-                     install redis-server)"
-                )
-            });
-        let mut redis = TlsRedis {
-            port,
-            ca: std::fs::read(ca).expect("read the CA"),
-            child,
+    async fn start(ca: &Path, cert: &Path, key: &Path) -> TlsRedis {
+        let tls = RedisTls {
+            cert: cert.to_path_buf(),
+            key: key.to_path_buf(),
+            ca: ca.to_path_buf(),
         };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(status) = redis.child.try_wait().expect("poll redis-server") {
-                panic!(
-                    "redis-server with TLS exited ({status}): {}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                );
-            }
-            if std::fs::read_to_string(&log)
-                .unwrap_or_default()
-                .contains("Ready to accept connections")
-            {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "redis-server with TLS did not start: {}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let server = RedisServer::launch(RedisOptions {
+            tls: Some(tls),
+            ..RedisOptions::default()
+        })
+        .await
+        .unwrap_or_else(|error| panic!("{error:#}"));
+        TlsRedis {
+            server,
+            ca: std::fs::read(ca).expect("read the CA"),
         }
-        // The log line can precede the listening socket by a moment.
-        while tokio::net::TcpStream::connect(("127.0.0.1", redis.port))
-            .await
-            .is_err()
-        {
-            assert!(
-                Instant::now() < deadline,
-                "redis-server's TLS port never opened"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        redis
     }
 
     /// Live leases of every tenant (the one test tenant), read over TLS with the private CA.
     async fn leases(&self) -> u64 {
         let client = redis::Client::build_with_tls(
-            format!("rediss://127.0.0.1:{}", self.port),
+            format!("rediss://127.0.0.1:{}", self.server.port),
             redis::TlsCertificates {
                 client_tls: None,
                 root_cert: Some(self.ca.clone()),
@@ -906,13 +857,6 @@ impl TlsRedis {
             leases
         })
         .await
-    }
-}
-
-impl Drop for TlsRedis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -1107,7 +1051,7 @@ async fn a_wrong_redis_password_takes_the_fail_mode_with_a_clear_log() {
             &format!("redis_password_file: \"{}\"", file.display()),
         ],
     );
-    let gate = Tollgate::start_logged(&yaml, &[], &[]).await;
+    let gate = Tollgate::start(&yaml).await;
     let client = grpc_client(&gate).await;
     const REQUESTS: usize = 12;
     for i in 0..REQUESTS {
@@ -1580,22 +1524,5 @@ fn nonzero<'a>(metrics: &'a Metrics, name: &str) -> Vec<&'a str> {
 
 /// The sum of every series `name` whose labels include all of `labels`.
 fn sum(metrics: &Metrics, name: &str, labels: &[&str]) -> f64 {
-    metrics
-        .0
-        .lines()
-        .filter(|line| !line.starts_with('#'))
-        .filter_map(|line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            let (series_name, series_labels) = match series.split_once('{') {
-                Some((n, l)) => (n, l.trim_end_matches('}')),
-                None => (series, ""),
-            };
-            (series_name == name
-                && labels
-                    .iter()
-                    .all(|l| series_labels.split(',').any(|s| s == *l)))
-            .then(|| value.parse::<f64>().ok())
-            .flatten()
-        })
-        .sum()
+    metrics.sum(name, labels)
 }

@@ -34,7 +34,7 @@ use tollgate::policy::Policy;
 use tollgate::request::{ApiKind, Identity, InferenceHead};
 use tollgate::tokens::Encoding;
 
-use crate::grpc::{immediate_json, wait_for_metric};
+use crate::grpc::immediate_json;
 use crate::support::recording::{
     Header, Recording, corpus, describe_request, event, request_phase,
 };
@@ -909,7 +909,9 @@ async fn play(server: &TestServer, row: &Row) {
         );
     }
     drop(stream);
-    wait_for_metric(server, "tollgate_held_streams", &[], 0.0).await;
+    server
+        .wait_for_metric("tollgate_held_streams", &[], 0.0)
+        .await;
     let after = server.metrics().await;
     assert_eq!(
         held(&after),
@@ -2116,7 +2118,9 @@ async fn a_stray_message_while_queued_is_counted_once() {
     holder.close();
     assert!(holder.recv().await.unwrap().is_none());
     drop((holder, queued));
-    wait_for_metric(&server, "tollgate_held_streams", &[], 0.0).await;
+    server
+        .wait_for_metric("tollgate_held_streams", &[], 0.0)
+        .await;
     let after = server.metrics().await;
     assert_eq!(held(&after), NOTHING_HELD);
     let delta = |name: &str, labels: &[&str]| after.sum(name, labels) - before.sum(name, labels);

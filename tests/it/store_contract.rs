@@ -22,7 +22,7 @@ use tollgate::budget::{
     Usage, WindowLimit, WindowState,
 };
 
-use crate::support::redis::RedisServer;
+use tollgate_testkit::redis::RedisServer;
 
 /// Every window in these tests: 2 s in 20 buckets of 100 ms.
 const WINDOW_MS: u64 = 2_000;

@@ -1,9 +1,9 @@
 //! Shared test fixtures: tollgate in-process, real processes (Envoy, the tollgate binary, the
-//! example upstream), and a scripted ext_proc client.
+//! example upstream) through the test kit (`testkit/`, shared with the examples), and a
+//! scripted ext_proc client.
 
 pub mod envoy;
 pub mod process;
 pub mod recorder;
 pub mod recording;
-pub mod redis;
 pub mod server;

@@ -1,49 +1,41 @@
-//! Real processes for end-to-end tests: the tollgate binary and the example upstream, each
-//! killed on drop; and `Stack`, the three of them behind a real Envoy.
+//! Real processes for end-to-end tests, from the test kit: the tollgate binary and the example
+//! upstream, each killed on drop; and `Stack`, the two of them behind a real Envoy. These
+//! wrappers give the tests their shape: a config as YAML text, and a panic, with the kit's
+//! message, where the kit returns an error.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::time::Duration;
 
-use super::envoy::{Envoy, EnvoyPorts, e2e_envoy_version, free_port};
-use super::server::{Metrics, http_get};
+use tollgate_testkit::bins;
+use tollgate_testkit::metrics::Metrics;
+use tollgate_testkit::tollgate::{TollgateCommand, TollgateProcess};
 
-/// The example upstream (`examples/upstream.rs`), built by `cargo test` with the examples.
+use super::envoy::{Envoy, EnvoyPorts, e2e_envoy_version};
+
+/// A kit result's value, or a panic with its error (and causes).
+fn or_panic<T>(result: anyhow::Result<T>) -> T {
+    result.unwrap_or_else(|error| panic!("{error:#}"))
+}
+
+/// The example upstream (`examples/upstream.rs`), built by `scripts/test.sh`.
 pub struct Upstream {
     pub addr: SocketAddr,
-    child: Child,
+    _process: tollgate_testkit::upstream::Upstream,
 }
 
 impl Upstream {
     pub fn start(args: &[&str]) -> Upstream {
-        let binary = example_binary("upstream");
-        let mut child = Command::new(&binary)
-            .args(["--addr", "127.0.0.1:0"])
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {}: {e}", binary.display()));
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("piped stdout"))
-            .read_line(&mut line)
-            .expect("read the upstream's first line");
-        let addr = line
-            .trim()
-            .strip_prefix("upstream listening on ")
-            .and_then(|a| a.parse().ok())
-            .unwrap_or_else(|| panic!("unexpected first line from the upstream: {line:?}"));
-        Upstream { addr, child }
-    }
-}
-
-impl Drop for Upstream {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let process = or_panic(tollgate_testkit::upstream::Upstream::start(
+            &example_binary("upstream"),
+            args,
+            None,
+        ));
+        Upstream {
+            addr: process.addr,
+            _process: process,
+        }
     }
 }
 
@@ -51,29 +43,17 @@ impl Drop for Upstream {
 /// `scripts/test.sh` builds the ones the tests run: an example with `test = true` in
 /// Cargo.toml is built by `cargo test` only as a test harness, not as this binary.
 pub fn example_binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test binary lives in target/<profile>/deps");
-    let path = profile_dir.join("examples").join(name);
-    assert!(
-        path.is_file(),
-        "example {name} is not built at {}: run the tests with `bash scripts/test.sh`, or \
-         `cargo build --example {name}` first",
-        path.display()
-    );
-    path
+    or_panic(bins::example(name, None))
 }
 
-/// The tollgate binary, started with a YAML config on free loopback ports.
+/// The tollgate binary, started with a YAML config on free loopback ports, its log (stderr, at
+/// `RUST_LOG=warn`) in a file for [`Tollgate::log`].
 pub struct Tollgate {
     pub grpc: SocketAddr,
     pub admin: SocketAddr,
-    child: Child,
-    _config: tempfile::NamedTempFile,
-    /// Where stderr goes, if captured (see [`Tollgate::start_logged`]).
-    log: Option<tempfile::NamedTempFile>,
+    process: TollgateProcess,
+    /// The config and the log; removed after the process (fields drop in order).
+    _dir: tempfile::TempDir,
 }
 
 impl Tollgate {
@@ -84,135 +64,53 @@ impl Tollgate {
     /// Like [`Tollgate::start`], with extra command-line arguments (e.g. `--redis-url`) and
     /// environment variables (e.g. `SSL_CERT_FILE`) for the process.
     pub async fn start_with(config_yaml: &str, args: &[&str], envs: &[(&str, &str)]) -> Tollgate {
-        Tollgate::spawn(config_yaml, args, envs, false).await
-    }
-
-    /// Like [`Tollgate::start_with`], with stderr (the log, at `RUST_LOG=warn`) captured in a
-    /// file for [`Tollgate::log`] instead of the test's output.
-    pub async fn start_logged(config_yaml: &str, args: &[&str], envs: &[(&str, &str)]) -> Tollgate {
-        Tollgate::spawn(config_yaml, args, envs, true).await
-    }
-
-    /// What the process logged so far (empty unless started with [`Tollgate::start_logged`]).
-    pub fn log(&self) -> String {
-        self.log
-            .as_ref()
-            .map(|log| std::fs::read_to_string(log.path()).expect("read the tollgate log"))
-            .unwrap_or_default()
-    }
-
-    async fn spawn(
-        config_yaml: &str,
-        args: &[&str],
-        envs: &[(&str, &str)],
-        capture_log: bool,
-    ) -> Tollgate {
-        let config = tempfile::Builder::new()
-            .suffix(".yaml")
-            .tempfile()
-            .expect("temp config file");
-        std::fs::write(config.path(), config_yaml).expect("write config");
-        let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let log = capture_log.then(|| tempfile::NamedTempFile::new().expect("temp log file"));
-        let stderr = match &log {
-            Some(log) => Stdio::from(log.reopen().expect("open the log file")),
-            None => Stdio::inherit(),
-        };
-        let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
-            .arg("--config")
-            .arg(config.path())
-            .args([
-                "--grpc-addr",
-                &grpc.to_string(),
-                "--admin-addr",
-                &admin.to_string(),
-            ])
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .envs(envs.iter().copied())
-            .stdin(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .expect("spawn the tollgate binary");
-        let mut tollgate = Tollgate {
-            grpc,
-            admin,
-            child,
-            _config: config,
-            log,
-        };
-        tollgate.wait_ready().await;
-        tollgate
-    }
-
-    async fn wait_ready(&mut self) {
-        for _ in 0..400 {
-            if let Some(status) = self.child.try_wait().expect("poll tollgate") {
-                panic!("tollgate exited during start-up: {status}");
-            }
-            if let Ok(response) = reqwest::get(format!("http://{}/readyz", self.admin)).await
-                && response.status().is_success()
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
+        let dir = tempfile::Builder::new()
+            .prefix("tollgate-test-")
+            .tempdir()
+            .expect("temp dir for the config and the log");
+        let config = dir.path().join("tollgate.yaml");
+        std::fs::write(&config, config_yaml).expect("write config");
+        let binary = Path::new(env!("CARGO_BIN_EXE_tollgate"));
+        let command = envs.iter().fold(
+            TollgateCommand::new(binary, &config).args(args),
+            |command, (name, value)| command.env(name, value),
+        );
+        let process = or_panic(command.start(dir.path()).await);
+        Tollgate {
+            grpc: process.grpc,
+            admin: process.admin,
+            process,
+            _dir: dir,
         }
-        panic!("tollgate did not become ready on {}", self.admin);
+    }
+
+    /// What the process logged so far.
+    pub fn log(&self) -> String {
+        self.process.proc().log()
     }
 
     pub async fn metrics(&self) -> Metrics {
-        Metrics(http_get(self.admin, "/metrics").await.1)
+        or_panic(self.process.metrics().await)
     }
 
     /// Polls until `name{labels}` equals `want`; panics with the last value otherwise.
     pub async fn wait_for_metric(&self, name: &str, labels: &[&str], want: f64) {
-        let mut last = None;
-        for _ in 0..500 {
-            last = self.metrics().await.find(name, labels);
-            if last == Some(want) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        panic!("{name}{labels:?} never reached {want}; last {last:?}");
+        or_panic(self.process.wait_for_metric(name, labels, want).await);
     }
 
     /// Sends SIGTERM, as Kubernetes does.
     pub fn terminate(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success());
+        or_panic(self.process.proc().terminate());
     }
 
     /// SIGKILLs the process (no drain, no settling: a crashed replica) and reaps it.
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.process.proc_mut().kill();
     }
 
     /// Waits for the process to exit (bounded).
     pub async fn wait_exit(&mut self, within: Duration) -> ExitStatus {
-        let deadline = tokio::time::Instant::now() + within;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("poll tollgate") {
-                return status;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "tollgate did not exit within {within:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-impl Drop for Tollgate {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        or_panic(self.process.proc().wait_exit(within).await)
     }
 }
 

