@@ -8,7 +8,7 @@
 #
 # Two stages: the Rust toolchain builds the binary; the runtime is Debian slim (the same Debian
 # release as the builder, so the glibc the binary was linked against is there) with the CA
-# certificates for rediss:// and /bin/sleep for the Kubernetes preStop pause. tests/it/deploy.rs
+# certificates for rediss:// and /bin/sleep for the Kubernetes preStop pause. tests/it/deploy/
 # checks this file's structure and that the binary needs no library beyond the base image's.
 
 # The toolchain CI uses; Cargo.toml's rust-version (1.88) is the floor.

@@ -63,7 +63,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use clap::Parser;
@@ -310,7 +310,7 @@ async fn bench(args: &Args) -> Result<bool> {
     if let Some(path) = &args.json {
         let document = json!({
             "command": std::env::args().collect::<Vec<_>>(),
-            "unix_time": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            "unix_time": tollgate_testkit::host::unix_seconds(),
             "machine": machine.json(),
             "stale_binary": stale,
             "settings": {

@@ -63,7 +63,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 // The `bytes` crate through axum's re-export: reqwest takes it as a body without copying.
@@ -329,7 +329,7 @@ async fn bench(args: &Args) -> Result<Verdict> {
     if let Some(path) = &args.json {
         let report = json!({
             "command": std::env::args().collect::<Vec<_>>(),
-            "unix_time": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            "unix_time": tollgate_testkit::host::unix_seconds(),
             "machine": machine.json(),
             "stale_binaries": stale,
             "settings": {

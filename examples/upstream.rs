@@ -1133,6 +1133,8 @@ fn json_response(status: StatusCode, body: String) -> Response {
     (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
+/// OpenAI's `created`: wall-clock seconds, as the real API reports them.
+#[allow(clippy::disallowed_methods)]
 fn unix_seconds() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

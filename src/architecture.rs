@@ -139,7 +139,11 @@ fn no_module_imports_one_above_it_or_beside_it() {
             }
         }
     }
-    assert!(wrong.is_empty(), "imports against the floors:\n{}", wrong.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "imports against the floors:\n{}",
+        wrong.join("\n")
+    );
 }
 
 #[test]
@@ -147,12 +151,21 @@ fn only_the_ext_proc_adapter_knows_protobuf_and_grpc() {
     // convert reads and builds the messages; service is the gRPC codec that decodes them;
     // lib.rs builds the gRPC server.
     let protobuf_allowed = ["extproc/convert.rs", "extproc/service.rs"];
-    let grpc_allowed = ["extproc.rs", "extproc/convert.rs", "extproc/service.rs", "lib.rs"];
+    let grpc_allowed = [
+        "extproc.rs",
+        "extproc/convert.rs",
+        "extproc/service.rs",
+        "lib.rs",
+    ];
     let mut wrong = Vec::new();
     for floor in FLOORS {
         for module in *floor {
             for file in files_of(module).into_iter().chain([src().join("lib.rs")]) {
-                let name = file.strip_prefix(src()).unwrap().to_string_lossy().into_owned();
+                let name = file
+                    .strip_prefix(src())
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned();
                 let code = code_of(&file);
                 if !protobuf_allowed.contains(&name.as_str())
                     && (code.contains("envoy_types") || code.contains("prost"))
@@ -189,7 +202,10 @@ fn deciding_code_reads_no_clock_and_does_no_io() {
     let mut wrong = Vec::new();
     for file in DECIDING {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
-        assert!(path.exists(), "{file} is listed as deciding code but does not exist");
+        assert!(
+            path.exists(),
+            "{file} is listed as deciding code but does not exist"
+        );
         let code = code_of(&path);
         for what in forbidden {
             if code.contains(what) {
@@ -197,5 +213,9 @@ fn deciding_code_reads_no_clock_and_does_no_io() {
             }
         }
     }
-    assert!(wrong.is_empty(), "deciding code must take `now` as an argument:\n{}", wrong.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "deciding code must take `now` as an argument:\n{}",
+        wrong.join("\n")
+    );
 }

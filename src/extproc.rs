@@ -169,6 +169,9 @@ async fn serve_stream(
 
 /// What a message leads to: an answer now, or a wait for a slot first (with how long Envoy is
 /// asked to wait for the answer).
+// Returned once per message and taken apart at once: boxing the answer would allocate per
+// message for nothing.
+#[allow(clippy::large_enum_variant)]
 enum Step {
     Answer(Result<ProcessingResponse, Status>),
     Wait(std::time::Duration),
@@ -218,11 +221,7 @@ async fn on_message(shared: &Shared, life: &mut RequestLife<'_>, message: Inboun
             headers,
             end_of_stream,
         } => life
-            .response_headers(
-                headers.status(),
-                headers.get("content-type"),
-                end_of_stream,
-            )
+            .response_headers(headers.status(), headers.get("content-type"), end_of_stream)
             .map(convert::response_headers_continue),
         Inbound::ResponseBody {
             body,

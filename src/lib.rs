@@ -7,10 +7,10 @@
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms, clippy::disallowed_methods, clippy::disallowed_types)]
 
-#[cfg(test)]
-mod architecture;
 pub mod admin;
 pub mod admission;
+#[cfg(test)]
+mod architecture;
 pub mod budget;
 pub mod config;
 pub mod control;
@@ -33,10 +33,10 @@ use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
 
 use crate::config::Config;
+use crate::control::window::LatencyWindow;
 use crate::extproc::{ExtProcService, OpenStreams, Shared};
 use crate::lifecycle::Lifecycle;
 use crate::observe::Metrics;
-use crate::control::window::LatencyWindow;
 use crate::policy::Policy;
 use crate::scheduler::Scheduler;
 

@@ -23,7 +23,9 @@ use crate::config::{ControlSignal, FairnessCost};
 use crate::control::window::{self, LatencyWindow, Pending};
 use crate::lifecycle::{Lifecycle, reached};
 use crate::observe::response::{ResponseEnd, ResponseObserver, Usage};
-use crate::observe::{GaugeGuard, Metrics, RequestOutcome, SchedulerOutcome, TokenKind, TokenStage};
+use crate::observe::{
+    GaugeGuard, Metrics, RequestOutcome, SchedulerOutcome, TokenKind, TokenStage,
+};
 use crate::policy::{ENVOY_TIMEOUT_MARGIN, Policy, TierId};
 use crate::reply::{self, LocalReply, Reason};
 use crate::request::{self, HeadVerdict, Header, InferenceHead};
@@ -52,7 +54,9 @@ pub struct Pipeline {
 pub enum HeadDecision {
     /// An inference request: continue without the client's copies of these headers, and send
     /// the body.
-    Continue { remove_headers: Vec<String> },
+    Continue {
+        remove_headers: Vec<String>,
+    },
     /// A route tollgate does not govern: let it through and send nothing more.
     PassThrough,
     Refuse(LocalReply),
@@ -66,7 +70,9 @@ pub enum BodyDecision {
     /// Queued for a slot: call `RequestLife::wait`. The protocol may be told how long to wait
     /// for the answer (`envoy_timeout`, the queue deadline plus a margin, capped by
     /// `scheduler.envoy_max_message_timeout`).
-    Wait { envoy_timeout: std::time::Duration },
+    Wait {
+        envoy_timeout: std::time::Duration,
+    },
     /// A request already passed through (its route is not governed): continue unchanged.
     PassThrough,
 }
@@ -262,9 +268,7 @@ impl<'p> RequestLife<'p> {
                 }
                 // The tier is known only if identity succeeded, which a head rejection means it
                 // did not, or did for a reason unrelated to tiers; count it tierless.
-                HeadVerdict::Reject(reply) => {
-                    HeadDecision::Refuse(self.refuse(reply, None, now))
-                }
+                HeadVerdict::Reject(reply) => HeadDecision::Refuse(self.refuse(reply, None, now)),
             },
         )
     }
@@ -502,7 +506,11 @@ impl<'p> RequestLife<'p> {
                     "the request ended with trailers and no body: send a JSON body",
                 );
                 let tier = head.identity.tier;
-                Ok(TrailersDecision::Refuse(self.refuse(reply, Some(tier), now)))
+                Ok(TrailersDecision::Refuse(self.refuse(
+                    reply,
+                    Some(tier),
+                    now,
+                )))
             }
             // Trailers carry nothing tollgate decides on; let them through wherever they come.
             state => {
@@ -520,7 +528,10 @@ impl<'p> RequestLife<'p> {
         content_type: Option<&[u8]>,
         end_of_stream: bool,
     ) -> Result<&[(&'static str, String)], OutOfOrder> {
-        if matches!(self.state, State::AwaitingBody { .. } | State::PassedThrough) {
+        if matches!(
+            self.state,
+            State::AwaitingBody { .. } | State::PassedThrough
+        ) {
             self.answered_by_envoy();
             return Ok(&[]);
         }

@@ -200,7 +200,11 @@ impl LocalReply {
     /// fixed ones, then this request's.
     pub fn all_headers(&self) -> impl Iterator<Item = (&'static str, &str)> {
         let fixed = self.reason.fixed_headers().iter().copied();
-        fixed.chain(self.headers.iter().map(|(name, value)| (*name, value.as_str())))
+        fixed.chain(
+            self.headers
+                .iter()
+                .map(|(name, value)| (*name, value.as_str())),
+        )
     }
 
     /// The OpenAI-shaped JSON body.

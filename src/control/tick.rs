@@ -9,11 +9,11 @@ use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use super::scrape::Scraper;
+use super::window::{self, LatencyWindow};
 use super::{Action, Aimd, AimdConfig, Observation, engine};
 use crate::config::{ControlConfig, ControlSignal};
 use crate::lifecycle::{Lifecycle, reached};
 use crate::observe::Metrics;
-use super::window::{self, LatencyWindow};
 use crate::scheduler::Scheduler;
 
 /// The pure controller's settings from the configuration: `AimdConfig::from`, under the name

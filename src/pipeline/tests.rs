@@ -89,7 +89,9 @@ fn chat_body(max_tokens: u32) -> Vec<u8> {
 /// Head and body of a request of `user` asking for `max_tokens`: the body's decision.
 async fn submit(life: &mut RequestLife<'_>, user: &str, max_tokens: u32) -> BodyDecision {
     let now = Instant::now();
-    let head = life.head(&chat_headers(user), false, now).expect("in order");
+    let head = life
+        .head(&chat_headers(user), false, now)
+        .expect("in order");
     assert!(
         matches!(head, HeadDecision::Continue { .. }),
         "head: {head:?}"
@@ -184,24 +186,30 @@ async fn a_complete_stream_is_settled_once_with_the_usage_it_reported() {
 
     let headers = life.response_headers(200, Some(SSE), false).unwrap();
     assert!(
-        headers.iter().any(|(name, _)| *name == "x-ratelimit-remaining-tokens"),
+        headers
+            .iter()
+            .any(|(name, _)| *name == "x-ratelimit-remaining-tokens"),
         "the budgets' state goes back to the client: {headers:?}"
     );
     let now = Instant::now() + Duration::from_millis(250);
     life.response_body(&sse_token("hi"), false, now).unwrap();
     life.response_body(&sse_usage(7, 3), false, now).unwrap();
     life.response_body(b"data: [DONE]\n\n", true, now).unwrap();
-    assert_eq!(in_flight(&pipeline), 0, "the slot frees when the response ends");
+    assert_eq!(
+        in_flight(&pipeline),
+        0,
+        "the slot frees when the response ends"
+    );
     life.finish().await;
 
-    assert_eq!(budget(&pipeline).await, (10, 0), "settled to the usage: 7 + 3");
+    assert_eq!(
+        budget(&pipeline).await,
+        (10, 0),
+        "settled to the usage: 7 + 3"
+    );
     assert_eq!(outcomes(&pipeline, "admitted"), 1.0);
     assert_eq!(
-        metric(
-            &pipeline,
-            crate::observe::STREAM_COMPLETIONS,
-            &["complete"]
-        ),
+        metric(&pipeline, crate::observe::STREAM_COMPLETIONS, &["complete"]),
         1.0
     );
     assert_eq!(
@@ -304,7 +312,10 @@ async fn queued<'p>(pipeline: &'p Pipeline) -> RequestLife<'p> {
     let BodyDecision::Wait { envoy_timeout } = decision else {
         panic!("expected a wait, got {decision:?}");
     };
-    assert!(envoy_timeout > QUEUE_DEADLINE, "Envoy waits past the deadline");
+    assert!(
+        envoy_timeout > QUEUE_DEADLINE,
+        "Envoy waits past the deadline"
+    );
     assert_eq!(life.phase(), Phase::Queued);
     life
 }
@@ -326,7 +337,10 @@ async fn a_queued_request_is_refused_at_its_deadline_and_gives_its_reservation_b
     let (_lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
     let enqueued = Instant::now();
     let waited = second
-        .wait(client_leaving_after(Duration::from_secs(60)), &mut lifecycle)
+        .wait(
+            client_leaving_after(Duration::from_secs(60)),
+            &mut lifecycle,
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -339,9 +353,17 @@ async fn a_queued_request_is_refused_at_its_deadline_and_gives_its_reservation_b
     };
     assert_eq!((reply.status(), reply.reason), (503, Reason::QueueTimeout));
     assert!(reply.all_headers().any(|h| h == ("retry-after", "1")));
-    assert_eq!(budget(&pipeline).await, (one, 1), "the refused one took nothing");
+    assert_eq!(
+        budget(&pipeline).await,
+        (one, 1),
+        "the refused one took nothing"
+    );
     second.finish().await;
-    assert_eq!(budget(&pipeline).await, (one, 1), "and settles nothing more");
+    assert_eq!(
+        budget(&pipeline).await,
+        (one, 1),
+        "and settles nothing more"
+    );
     assert_eq!(outcomes(&pipeline, "shed"), 1.0);
     drop(first);
 }
@@ -380,7 +402,10 @@ async fn a_queued_request_is_refused_when_the_server_drains() {
         lifecycle_tx.send(Lifecycle::Draining).unwrap();
     };
     let (waited, ()) = tokio::join!(
-        second.wait(client_leaving_after(Duration::from_secs(60)), &mut lifecycle),
+        second.wait(
+            client_leaving_after(Duration::from_secs(60)),
+            &mut lifecycle
+        ),
         drain
     );
     let Waited::Refuse(reply) = waited.unwrap() else {
@@ -407,7 +432,10 @@ async fn a_queued_request_gets_the_slot_the_first_one_frees() {
         first.finish().await;
     };
     let (waited, ()) = tokio::join!(
-        second.wait(client_leaving_after(Duration::from_secs(60)), &mut lifecycle),
+        second.wait(
+            client_leaving_after(Duration::from_secs(60)),
+            &mut lifecycle
+        ),
         first_ends
     );
     assert!(matches!(waited.unwrap(), Waited::Admit(_)));
@@ -541,7 +569,10 @@ async fn heads_are_refused_passed_through_or_continued() {
     let HeadDecision::Refuse(reply) = anonymous.head(&headers, false, now).unwrap() else {
         panic!("no identity must be refused");
     };
-    assert_eq!((reply.status(), reply.reason), (401, Reason::MissingIdentity));
+    assert_eq!(
+        (reply.status(), reply.reason),
+        (401, Reason::MissingIdentity)
+    );
 
     let mut models = RequestLife::new(&pipeline);
     let get = [
@@ -616,8 +647,7 @@ fn settlement_rules() {
         api: request::ApiKind::Chat,
         spoofed_headers: Vec::new(),
     };
-    let BodyVerdict::Admit(admission) =
-        admission::decide_body(policy, &head, &chat_body(40))
+    let BodyVerdict::Admit(admission) = admission::decide_body(policy, &head, &chat_body(40))
     else {
         panic!("a valid body");
     };

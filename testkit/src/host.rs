@@ -190,3 +190,11 @@ pub fn command_output(program: &Path, args: &[&str]) -> Option<String> {
         .success()
         .then(|| String::from_utf8_lossy(&output.stdout).into_owned())
 }
+
+/// Seconds since the Unix epoch, to date a benchmark's report (0 if the clock is before 1970).
+#[allow(clippy::disallowed_methods)] // A report's date is wall-clock time by definition.
+pub fn unix_seconds() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs())
+}
