@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::admission::{self, Admission, BodyVerdict};
-use crate::budget::ledger::{Denial, Grant, Hold, Ledger, Reserved};
+use crate::budget::ledger::{Grant, Hold, Ledger, Reserved};
 use crate::config::{ControlSignal, FairnessCost};
 use crate::control::window::{self, LatencyWindow, Pending};
 use crate::lifecycle::{Lifecycle, reached};
@@ -330,7 +330,7 @@ impl<'p> RequestLife<'p> {
         let grant = match reserved {
             Reserved::Granted(grant) => grant,
             Reserved::Denied(denial) => {
-                let reply = refusal_for_denial(&denial, &tier_policy.name);
+                let reply = reply::rate_limit::denial(&denial, &tier_policy.name);
                 return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
             }
         };
@@ -412,11 +412,12 @@ impl<'p> RequestLife<'p> {
         client: impl Future<Output = Option<M>>,
         lifecycle: &mut watch::Receiver<Lifecycle>,
     ) -> Result<Waited<M>, OutOfOrder> {
-        if !matches!(self.state, State::Queued(_)) {
-            return Err(self.out_of_order());
-        }
-        let State::Queued(queued) = std::mem::take(&mut self.state) else {
-            unreachable!("checked just above");
+        let queued = match std::mem::take(&mut self.state) {
+            State::Queued(queued) => queued,
+            other => {
+                self.state = other;
+                return Err(self.out_of_order());
+            }
         };
         let Queued {
             mut ticket,
@@ -766,11 +767,6 @@ impl Watched {
             .settle(hold, spent.input + spent.output, spent.refund_request)
             .await;
     }
-}
-
-/// The reply for a budget refusal, with the tier named as the client's limits are.
-fn refusal_for_denial(denial: &Denial, tier: &str) -> LocalReply {
-    reply::rate_limit::denial(denial, tier)
 }
 
 /// Where the controller's time to first token starts for a request (`control.signal`).

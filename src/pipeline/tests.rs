@@ -617,7 +617,32 @@ async fn phases_out_of_order_are_values_and_change_nothing() {
     };
     assert_eq!(reply.reason, Reason::MissingBody);
     assert!(life.body(chat_body(10), true, now).await.is_err());
+    let (_lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
+    let not_queued = life
+        .wait(client_leaving_after(Duration::ZERO), &mut lifecycle)
+        .await;
+    assert_eq!(
+        not_queued.unwrap_err().state,
+        Phase::Refused.describe(),
+        "only a queued request waits"
+    );
+    assert_eq!(life.phase(), Phase::Refused);
     assert_eq!(budget(&pipeline).await, (0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_life_dropped_without_finishing_releases_its_lease_and_slot() {
+    // A panic or an aborted task: nobody calls `finish`. The lease and the slot are still
+    // released, once, and the reservation is charged as taken.
+    let pipeline = pipeline();
+    let life = admitted(&pipeline, 40).await;
+    let (reserved, leases) = budget(&pipeline).await;
+    assert_eq!(leases, 1);
+    drop(life);
+    assert_eq!(in_flight(&pipeline), 0);
+    // The release is spawned (Drop cannot wait): let it run.
+    tokio::task::yield_now().await;
+    assert_eq!(budget(&pipeline).await, (reserved, 0));
 }
 
 #[tokio::test(start_paused = true)]
