@@ -80,8 +80,10 @@ pub enum BodyDecision {
 /// What an admitted request sends upstream besides its own headers.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Forward {
-    /// tollgate's upstream headers: the admission's `x-tollgate-*` and the budgets' state.
+    /// tollgate's upstream headers: the admission's `x-tollgate-*`, then `budget_headers`.
     pub headers: Vec<(&'static str, String)>,
+    /// The budgets' state (`x-ratelimit-*`, `RateLimit*`), also added to the client's response.
+    pub budget_headers: Arc<[(&'static str, String)]>,
     /// The rewritten body, if the admission changed it.
     pub body: Option<Vec<u8>>,
 }
@@ -200,8 +202,8 @@ struct Watched {
     permit: Option<Permit>,
     /// The request's budgets, settled with actual usage when the request ends.
     hold: Hold,
-    /// Budget headers for the client's response.
-    budget_headers: Vec<(&'static str, String)>,
+    /// Budget headers for the client's response (shared with what went upstream).
+    budget_headers: Arc<[(&'static str, String)]>,
 }
 
 /// Why a queued request left the queue without a slot.
@@ -412,28 +414,16 @@ impl<'p> RequestLife<'p> {
         client: impl Future<Output = Option<M>>,
         lifecycle: &mut watch::Receiver<Lifecycle>,
     ) -> Result<Waited<M>, OutOfOrder> {
-        let queued = match std::mem::take(&mut self.state) {
-            State::Queued(queued) => queued,
-            other => {
-                self.state = other;
-                return Err(self.out_of_order());
-            }
+        let wrong = self.out_of_order();
+        let State::Queued(queued) = &mut self.state else {
+            return Err(wrong);
         };
-        let Queued {
-            mut ticket,
-            admission,
-            grant,
-            arrived,
-            enqueued,
-            deadline,
-            _queued,
-        } = *queued;
-        let pipeline = self.pipeline;
-        let metrics = &pipeline.metrics;
-        let tier = admission.identity.tier;
+        // The request stays `Queued` while it waits: if this future is dropped, `finish` still
+        // finds it there and gives its reservation back.
+        let deadline = queued.deadline;
         let outcome = tokio::select! {
             biased;
-            permit = ticket.granted() => Ok(permit),
+            permit = queued.ticket.granted() => Ok(permit),
             message = client => Err(match message {
                 Some(message) => Left::Stray(message),
                 None => Left::ClientGone,
@@ -441,7 +431,22 @@ impl<'p> RequestLife<'p> {
             () = tokio::time::sleep_until(deadline) => Err(Left::Deadline),
             () = reached(lifecycle, Lifecycle::Draining) => Err(Left::ShuttingDown),
         };
+        let State::Queued(queued) = std::mem::take(&mut self.state) else {
+            unreachable!("the state stays Queued while the request waits");
+        };
+        let Queued {
+            ticket,
+            admission,
+            grant,
+            arrived,
+            enqueued,
+            _queued,
+            ..
+        } = *queued;
         drop(ticket);
+        let pipeline = self.pipeline;
+        let metrics = &pipeline.metrics;
+        let tier = admission.identity.tier;
         let left = match outcome {
             Ok(permit) => {
                 let now = Instant::now();
@@ -608,17 +613,15 @@ impl<'p> RequestLife<'p> {
         permit: Permit,
     ) -> Forward {
         let pipeline = self.pipeline;
-        let budget_headers = grant
-            .budgets
-            .as_ref()
-            .map(reply::rate_limit::granted_headers)
-            .unwrap_or_default();
+        let budget_headers: Arc<[(&'static str, String)]> = match &grant.budgets {
+            Some(budgets) => reply::rate_limit::granted_headers(budgets).into(),
+            None => Arc::new([]),
+        };
         // The rewritten body and the upstream headers go into the answer; nothing needs them
         // after that, and an admitted request lives as long as its response.
-        let mut headers = std::mem::take(&mut admission.upstream_headers);
-        headers.extend(budget_headers.iter().cloned());
         let forward = Forward {
-            headers,
+            headers: std::mem::take(&mut admission.upstream_headers),
+            budget_headers: budget_headers.clone(),
             body: admission.new_body.take(),
         };
         let tier = admission.identity.tier;

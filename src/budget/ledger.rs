@@ -53,7 +53,8 @@ pub struct Grant {
 /// A tenant's budgets as one reservation left them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BudgetState {
-    pub windows: Vec<WindowLimit>,
+    /// Shared with the request's `Hold`, which settles against the same windows.
+    pub windows: Arc<[WindowLimit]>,
     /// Each window's state, in the order of `windows`.
     pub states: Vec<WindowState>,
     /// Live leases including this request, and the limit, when concurrency is limited.
@@ -139,6 +140,7 @@ impl Ledger {
             Ok(Reserve::Granted(granted)) => {
                 let concurrency =
                     max_concurrent.map(|limit| (granted.concurrent.unwrap_or(0), limit));
+                let windows: Arc<[WindowLimit]> = windows.into();
                 let hold = self.recorded(tenant, lease_id, windows.clone(), tokens, &granted);
                 Reserved::Granted(Grant {
                     hold,
@@ -212,7 +214,7 @@ impl Ledger {
         self: &Arc<Self>,
         tenant: &str,
         lease_id: String,
-        windows: Vec<WindowLimit>,
+        windows: Arc<[WindowLimit]>,
         tokens: u64,
         granted: &Granted,
     ) -> Hold {
@@ -352,7 +354,7 @@ struct Recorded {
     ledger: Arc<Ledger>,
     tenant: String,
     lease_id: String,
-    windows: Vec<WindowLimit>,
+    windows: Arc<[WindowLimit]>,
     reserved_at_ms: u64,
     reserved_tokens: u64,
     _lease: GaugeGuard,

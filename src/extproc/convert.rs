@@ -183,6 +183,7 @@ pub fn request_body_admit(forward: Forward) -> ProcessingResponse {
     let mut set_headers: Vec<HeaderValueOption> = forward
         .headers
         .iter()
+        .chain(forward.budget_headers.iter())
         .map(|(name, value)| set_header(name, value.as_bytes()))
         .collect();
     let body_mutation = forward.body.map(|body| {

@@ -391,6 +391,32 @@ async fn a_queued_request_whose_client_leaves_takes_nothing() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_wait_given_up_by_its_caller_still_gives_the_reservation_back() {
+    // The stream loop never drops a wait, but nothing stops a caller from doing so (a select,
+    // an aborted task): the request stays queued, and `finish` refunds it.
+    let pipeline = pipeline();
+    let _first = admitted(&pipeline, 40).await;
+    let one = budget(&pipeline).await.0;
+    let mut second = queued(&pipeline).await;
+    let (_lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
+    let given_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        second.wait(
+            client_leaving_after(Duration::from_secs(60)),
+            &mut lifecycle,
+        ),
+    )
+    .await;
+    assert!(given_up.is_err(), "the wait was still on");
+    assert_eq!(second.phase(), Phase::Queued);
+    assert_eq!(budget(&pipeline).await, (2 * one, 2));
+    second.finish().await;
+    assert_eq!(budget(&pipeline).await, (one, 1), "refunded whole, once");
+    assert_eq!(outcomes(&pipeline, "abandoned"), 1.0);
+    assert_eq!(pipeline.scheduler.load().queued, 0, "its place is given up");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_queued_request_is_refused_when_the_server_drains() {
     let pipeline = pipeline();
     let _first = admitted(&pipeline, 40).await;
