@@ -320,6 +320,15 @@ async fn queued<'p>(pipeline: &'p Pipeline) -> RequestLife<'p> {
     life
 }
 
+/// Alice's first request holds the only slot and her second waits for it; with what one of
+/// them reserves.
+async fn one_running_one_queued(pipeline: &Pipeline) -> (RequestLife<'_>, RequestLife<'_>, u64) {
+    let first = admitted(pipeline, 40).await;
+    let one = budget(pipeline).await.0;
+    let second = queued(pipeline).await;
+    (first, second, one)
+}
+
 /// A client that stays until `after`, then goes away.
 async fn client_leaving_after(after: Duration) -> Option<()> {
     tokio::time::sleep(after).await;
@@ -329,9 +338,7 @@ async fn client_leaving_after(after: Duration) -> Option<()> {
 #[tokio::test(start_paused = true)]
 async fn a_queued_request_is_refused_at_its_deadline_and_gives_its_reservation_back() {
     let pipeline = pipeline();
-    let first = admitted(&pipeline, 40).await;
-    let one = budget(&pipeline).await.0;
-    let mut second = queued(&pipeline).await;
+    let (first, mut second, one) = one_running_one_queued(&pipeline).await;
     assert_eq!(budget(&pipeline).await, (2 * one, 2), "both reserved");
 
     let (_lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
@@ -371,9 +378,7 @@ async fn a_queued_request_is_refused_at_its_deadline_and_gives_its_reservation_b
 #[tokio::test(start_paused = true)]
 async fn a_queued_request_whose_client_leaves_takes_nothing() {
     let pipeline = pipeline();
-    let _first = admitted(&pipeline, 40).await;
-    let one = budget(&pipeline).await.0;
-    let mut second = queued(&pipeline).await;
+    let (_first, mut second, one) = one_running_one_queued(&pipeline).await;
     let (_lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
     let waited = second
         .wait(
@@ -395,9 +400,7 @@ async fn a_wait_given_up_by_its_caller_still_gives_the_reservation_back() {
     // The stream loop never drops a wait, but nothing stops a caller from doing so (a select,
     // an aborted task): the request stays queued, and `finish` refunds it.
     let pipeline = pipeline();
-    let _first = admitted(&pipeline, 40).await;
-    let one = budget(&pipeline).await.0;
-    let mut second = queued(&pipeline).await;
+    let (_first, mut second, one) = one_running_one_queued(&pipeline).await;
     let (_lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
     let given_up = tokio::time::timeout(
         Duration::from_millis(300),
@@ -419,9 +422,7 @@ async fn a_wait_given_up_by_its_caller_still_gives_the_reservation_back() {
 #[tokio::test(start_paused = true)]
 async fn a_queued_request_is_refused_when_the_server_drains() {
     let pipeline = pipeline();
-    let _first = admitted(&pipeline, 40).await;
-    let one = budget(&pipeline).await.0;
-    let mut second = queued(&pipeline).await;
+    let (_first, mut second, one) = one_running_one_queued(&pipeline).await;
     let (lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
     let drain = async {
         tokio::time::sleep(Duration::from_millis(200)).await;
