@@ -86,15 +86,23 @@ fn floor_of(module: &str) -> Option<usize> {
     FLOORS.iter().position(|floor| floor.contains(&module))
 }
 
-/// The modules `code` names as `crate::module`.
-fn imports(code: &str) -> Vec<String> {
-    let mut found: Vec<String> = code
-        .match_indices("crate::")
-        .map(|(at, _)| {
-            code[at + "crate::".len()..]
-                .chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .collect()
+/// The modules `code` names as `crate::module`, or as `super::module` in a module's top file
+/// (`src/m.rs`), where `super` is the crate root.
+fn imports(code: &str, top_file: bool) -> Vec<String> {
+    let roots: &[&str] = if top_file {
+        &["crate::", "super::"]
+    } else {
+        &["crate::"]
+    };
+    let mut found: Vec<String> = roots
+        .iter()
+        .flat_map(|root| {
+            code.match_indices(root).map(move |(at, _)| {
+                code[at + root.len()..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect()
+            })
         })
         .collect();
     found.sort();
@@ -124,7 +132,8 @@ fn no_module_imports_one_above_it_or_beside_it() {
     for (floor, modules) in FLOORS.iter().enumerate() {
         for module in *modules {
             for file in files_of(module) {
-                for import in imports(&code_of(&file)) {
+                let top_file = file == src().join(format!("{module}.rs"));
+                for import in imports(&code_of(&file), top_file) {
                     if import == *module {
                         continue;
                     }

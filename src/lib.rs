@@ -173,7 +173,7 @@ where
     });
     if policy.control.enabled {
         let control = &policy.control;
-        let aimd = control::tick::aimd_config(control);
+        let aimd = control::AimdConfig::from(control);
         // Says which target drives the budget: with the upstream signal, a tuned
         // `target_p99_ttft_ms` is the SLO the dashboards and alerts use, not the controller's.
         tracing::info!(

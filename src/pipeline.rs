@@ -64,8 +64,8 @@ pub enum HeadDecision {
 
 /// What the request body leads to.
 #[derive(Debug, PartialEq, Eq)]
-pub enum BodyDecision {
-    Admit(Forward),
+pub enum BodyDecision<'a> {
+    Admit(Forward<'a>),
     Refuse(LocalReply),
     /// Queued for a slot: call `RequestLife::wait`. The protocol may be told how long to wait
     /// for the answer (`envoy_timeout`, the queue deadline plus a margin, capped by
@@ -79,19 +79,20 @@ pub enum BodyDecision {
 
 /// What an admitted request sends upstream besides its own headers.
 #[derive(Debug, PartialEq, Eq)]
-pub struct Forward {
+pub struct Forward<'a> {
     /// tollgate's upstream headers: the admission's `x-tollgate-*`, then `budget_headers`.
     pub headers: Vec<(&'static str, String)>,
-    /// The budgets' state (`x-ratelimit-*`, `RateLimit*`), also added to the client's response.
-    pub budget_headers: Arc<[(&'static str, String)]>,
+    /// The budgets' state (`x-ratelimit-*`, `RateLimit*`), which the request keeps for its
+    /// client's response: lent, not copied.
+    pub budget_headers: &'a [(&'static str, String)],
     /// The rewritten body, if the admission changed it.
     pub body: Option<Vec<u8>>,
 }
 
 /// How a wait in the queue ended.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Waited<M> {
-    Admit(Forward),
+pub enum Waited<'a, M> {
+    Admit(Forward<'a>),
     /// The queue deadline passed, or the server began shutting down.
     Refuse(LocalReply),
     /// The client went away: nothing was taken, and there is nobody to answer.
@@ -202,8 +203,8 @@ struct Watched {
     permit: Option<Permit>,
     /// The request's budgets, settled with actual usage when the request ends.
     hold: Hold,
-    /// Budget headers for the client's response (shared with what went upstream).
-    budget_headers: Arc<[(&'static str, String)]>,
+    /// Budget headers for the client's response (lent to what went upstream).
+    budget_headers: Vec<(&'static str, String)>,
 }
 
 /// Why a queued request left the queue without a slot.
@@ -282,7 +283,7 @@ impl<'p> RequestLife<'p> {
         body: Vec<u8>,
         complete: bool,
         now: Instant,
-    ) -> Result<BodyDecision, OutOfOrder> {
+    ) -> Result<BodyDecision<'_>, OutOfOrder> {
         let (head, arrived) = match std::mem::take(&mut self.state) {
             State::AwaitingBody { head, arrived } => (head, arrived),
             State::PassedThrough => {
@@ -413,7 +414,7 @@ impl<'p> RequestLife<'p> {
         &mut self,
         client: impl Future<Output = Option<M>>,
         lifecycle: &mut watch::Receiver<Lifecycle>,
-    ) -> Result<Waited<M>, OutOfOrder> {
+    ) -> Result<Waited<'_, M>, OutOfOrder> {
         let wrong = self.out_of_order();
         let State::Queued(queued) = &mut self.state else {
             return Err(wrong);
@@ -611,19 +612,17 @@ impl<'p> RequestLife<'p> {
         grant: Grant,
         arrived: Instant,
         permit: Permit,
-    ) -> Forward {
+    ) -> Forward<'_> {
         let pipeline = self.pipeline;
-        let budget_headers: Arc<[(&'static str, String)]> = match &grant.budgets {
-            Some(budgets) => reply::rate_limit::granted_headers(budgets).into(),
-            None => Arc::new([]),
-        };
+        let budget_headers = grant
+            .budgets
+            .as_ref()
+            .map(reply::rate_limit::granted_headers)
+            .unwrap_or_default();
         // The rewritten body and the upstream headers go into the answer; nothing needs them
         // after that, and an admitted request lives as long as its response.
-        let forward = Forward {
-            headers: std::mem::take(&mut admission.upstream_headers),
-            budget_headers: budget_headers.clone(),
-            body: admission.new_body.take(),
-        };
+        let headers = std::mem::take(&mut admission.upstream_headers);
+        let body = admission.new_body.take();
         let tier = admission.identity.tier;
         let metrics = &pipeline.metrics;
         metrics.request(RequestOutcome::Admitted);
@@ -650,7 +649,14 @@ impl<'p> RequestLife<'p> {
             hold: grant.hold,
             budget_headers,
         }));
-        forward
+        let State::Admitted(watched) = &self.state else {
+            unreachable!("admitted just above");
+        };
+        Forward {
+            headers,
+            budget_headers: &watched.budget_headers,
+            body,
+        }
     }
 
     fn refuse(&mut self, reply: LocalReply, tier: Option<TierId>, started: Instant) -> LocalReply {

@@ -5,6 +5,7 @@
 //! request path never has to handle a malformed policy.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
@@ -51,8 +52,9 @@ pub struct Tier {
     pub priority_band: u8,
     pub queue_max: u32,
     pub queue_deadline: Duration,
-    /// Rolling windows every request of this tier counts against.
-    pub windows: Vec<WindowLimit>,
+    /// Rolling windows every request of this tier counts against; shared with each request's
+    /// reservation, so a request that matches no model limit copies nothing.
+    pub windows: Arc<[WindowLimit]>,
     /// Extra windows for models matching a glob.
     pub model_windows: Vec<(String, Vec<WindowLimit>)>,
     pub max_concurrent: Option<u32>,
@@ -103,14 +105,20 @@ const MAX_WEIGHT: u32 = 10_000;
 impl Tier {
     /// The windows a request for `model` counts against: the tier's own, then those of the
     /// model limits whose glob matches.
-    pub fn windows_for(&self, model: &str) -> Vec<WindowLimit> {
-        let mut windows = self.windows.clone();
-        for (pattern, extra) in &self.model_windows {
-            if crate::tokens::glob_match(pattern, model) {
-                windows.extend(extra.iter().cloned());
-            }
+    pub fn windows_for(&self, model: &str) -> Arc<[WindowLimit]> {
+        let mut matching = self
+            .model_windows
+            .iter()
+            .filter(|(pattern, _)| crate::tokens::glob_match(pattern, model))
+            .peekable();
+        if matching.peek().is_none() {
+            return self.windows.clone();
         }
-        windows
+        let mut windows = self.windows.to_vec();
+        for (_, extra) in matching {
+            windows.extend(extra.iter().cloned());
+        }
+        windows.into()
     }
 }
 
@@ -482,7 +490,7 @@ fn build_tier(
         priority_band: tier.priority_band,
         queue_max: tier.queue_max,
         queue_deadline: Duration::from_millis(tier.queue_deadline_ms),
-        windows,
+        windows: windows.into(),
         model_windows,
         max_concurrent: tier.max_concurrent,
     }

@@ -66,7 +66,7 @@ pub struct BudgetState {
 pub enum Denial {
     /// A budget window or the concurrency limit has no room for the request.
     Limit {
-        windows: Vec<WindowLimit>,
+        windows: Arc<[WindowLimit]>,
         denied: Denied,
         max_concurrent: Option<u32>,
     },
@@ -106,7 +106,7 @@ impl Ledger {
     pub async fn reserve(
         self: &Arc<Self>,
         tenant: &str,
-        windows: Vec<WindowLimit>,
+        windows: Arc<[WindowLimit]>,
         max_concurrent: Option<u32>,
         tokens: u64,
     ) -> Reserved {
@@ -140,7 +140,6 @@ impl Ledger {
             Ok(Reserve::Granted(granted)) => {
                 let concurrency =
                     max_concurrent.map(|limit| (granted.concurrent.unwrap_or(0), limit));
-                let windows: Arc<[WindowLimit]> = windows.into();
                 let hold = self.recorded(tenant, lease_id, windows.clone(), tokens, &granted);
                 Reserved::Granted(Grant {
                     hold,

@@ -16,12 +16,6 @@ use crate::lifecycle::{Lifecycle, reached};
 use crate::observe::Metrics;
 use crate::scheduler::Scheduler;
 
-/// The pure controller's settings from the configuration: `AimdConfig::from`, under the name
-/// `lib.rs` calls it by.
-pub fn aimd_config(control: &ControlConfig) -> AimdConfig {
-    AimdConfig::from(control)
-}
-
 /// Runs until the server starts draining (a draining server admits nothing new, so resizing
 /// the budget would only react to its own wind-down).
 pub async fn run(

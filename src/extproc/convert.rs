@@ -179,7 +179,7 @@ pub fn request_headers_pass_through() -> ProcessingResponse {
 
 /// CONTINUE on the request body with tollgate's upstream headers (the admission's and the
 /// budget's) and the rewritten body, if there is one.
-pub fn request_body_admit(forward: Forward) -> ProcessingResponse {
+pub fn request_body_admit(forward: Forward<'_>) -> ProcessingResponse {
     let mut set_headers: Vec<HeaderValueOption> = forward
         .headers
         .iter()

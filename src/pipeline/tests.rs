@@ -87,7 +87,11 @@ fn chat_body(max_tokens: u32) -> Vec<u8> {
 }
 
 /// Head and body of a request of `user` asking for `max_tokens`: the body's decision.
-async fn submit(life: &mut RequestLife<'_>, user: &str, max_tokens: u32) -> BodyDecision {
+async fn submit<'a>(
+    life: &'a mut RequestLife<'_>,
+    user: &str,
+    max_tokens: u32,
+) -> BodyDecision<'a> {
     let now = Instant::now();
     let head = life
         .head(&chat_headers(user), false, now)

@@ -617,7 +617,7 @@ fn budgets_become_rolling_windows() {
     let free = &policy.tiers[policy.tier_named("free").unwrap()];
     use Quantity::*;
     assert_eq!(
-        free.windows,
+        *free.windows,
         [
             window("tokens_minute", Tokens, 60_000, 5_000, 30_000),
             window("tokens_hour", Tokens, 3_600_000, 60_000, 100_000),
@@ -634,6 +634,23 @@ fn budgets_become_rolling_windows() {
                 window("model0_requests_minute", Requests, 60_000, 5_000, 5),
             ]
         )]
+    );
+    // A request counts against the tier's windows, then those of the model limits it matches;
+    // one that matches none shares the tier's windows rather than copying them.
+    let other = free.windows_for("llama-3-8b");
+    assert!(Arc::ptr_eq(&other, &free.windows));
+    let matched = free.windows_for("gpt-4o-mini");
+    let names: Vec<&str> = matched.iter().map(|w| w.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "tokens_minute",
+            "tokens_hour",
+            "tokens_day",
+            "requests_minute",
+            "model0_tokens_hour",
+            "model0_requests_minute"
+        ]
     );
 }
 
@@ -653,7 +670,7 @@ fn default_tiers_have_hourly_token_budgets_and_a_concurrency_cap() {
             60_000,
             tokens_per_hour,
         );
-        assert_eq!(tier.windows, [hourly], "{name}");
+        assert_eq!(*tier.windows, [hourly], "{name}");
         assert_eq!(tier.max_concurrent, Some(3), "{name}");
     }
 }
