@@ -378,9 +378,9 @@ impl Upstream {
             while let Ok((stream, _)) = listener.accept().await {
                 let recorded = Arc::clone(&recorded);
                 tokio::spawn(async move {
-                    if let Ok(len) = serve_one(stream).await {
-                        recorded.lock().unwrap().push(len);
-                    }
+                    // The body is recorded before the reply is written, so a client that has its
+                    // answer always finds the body recorded (recording after the write raced).
+                    let _ = serve_one(stream, |len| recorded.lock().unwrap().push(len)).await;
                 });
             }
         });
@@ -397,7 +397,7 @@ impl Upstream {
     }
 }
 
-async fn serve_one(mut stream: TcpStream) -> std::io::Result<usize> {
+async fn serve_one(mut stream: TcpStream, record: impl FnOnce(usize)) -> std::io::Result<()> {
     let mut buf = Vec::new();
     let head_end = loop {
         if let Some(pos) = buf.windows(4).position(|window| window == b"\r\n\r\n") {
@@ -422,6 +422,7 @@ async fn serve_one(mut stream: TcpStream) -> std::io::Result<usize> {
     } else {
         0
     };
+    record(body_len);
     let reply = r#"{"ok":true}"#;
     let response = format!(
         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
@@ -429,8 +430,7 @@ async fn serve_one(mut stream: TcpStream) -> std::io::Result<usize> {
         reply.len()
     );
     stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await?;
-    Ok(body_len)
+    stream.shutdown().await
 }
 
 /// Decodes a chunked body starting at `pos` in `buf`; returns its decoded length.
