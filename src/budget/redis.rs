@@ -84,6 +84,8 @@
 //! server's certificate is checked against the system roots (`SSL_CERT_FILE` / `SSL_CERT_DIR`
 //! point elsewhere, e.g. a private CA).
 
+pub mod fleet;
+
 use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;

@@ -1,0 +1,154 @@
+//! The fleet registry in Redis: how replicas of tollgate sharing one store find each other,
+//! elect the one that decides the global in-flight limit, and hand each replica its share.
+//!
+//! Rust here is thin, as in the rest of `budget::redis`: it names keys and decodes replies. A
+//! replica's report and a member's overrides are opaque strings to the scripts (the fleet code
+//! above encodes and decodes them); the scripts only keep time (Redis `TIME`), expire members,
+//! hold the leader lease and fence the leader's writes.
+//!
+//! # Keys
+//!
+//! Every key of a fleet carries the hash tag `{<fleet name>}`, so the scripts touch one slot and
+//! run unchanged on Redis Cluster:
+//!
+//! - `tollgate:fleet:{<name>}:members`: ZSET member id → heartbeat expiry (ms, server time).
+//! - `tollgate:fleet:{<name>}:reports`: HASH member id → the member's last report (opaque).
+//! - `tollgate:fleet:{<name>}:handed`: HASH member id → the grant last handed to it by `join`.
+//! - `tollgate:fleet:{<name>}:policy`: STRING, the policy hash the live members run.
+//! - `tollgate:fleet:{<name>}:leader`: STRING member id, `PX` the leader lease.
+//! - `tollgate:fleet:{<name>}:fence`: INCR counter: the fencing token of each new leadership.
+//! - `tollgate:fleet:{<name>}:decision`: HASH: `seq`, `limit`, `window_epoch`, `fence`, and per
+//!   member `g:<id>` (its grant) and `o:<id>` (its overrides, opaque).
+//!
+//! Every key gets a `PEXPIRE` of a few member TTLs on every write, so an abandoned fleet deletes
+//! itself.
+
+use std::time::Duration;
+
+use super::RedisStore;
+use crate::budget::StoreError;
+
+/// What one replica sends each sync (`RedisStore::fleet_join`).
+#[derive(Clone, Debug)]
+pub struct Heartbeat<'a> {
+    /// The fleet's name: the hash tag of its keys. Replicas sharing a store and a name share a
+    /// budget.
+    pub fleet: &'a str,
+    /// This replica's id, unique in the fleet.
+    pub member: &'a str,
+    /// The hash of the policy this replica runs: a member whose hash differs from the live
+    /// members' is refused.
+    pub policy_hash: &'a str,
+    /// A member that has not sent a heartbeat for this long is dropped.
+    pub member_ttl: Duration,
+    /// The leader lease: the leader renews it with every heartbeat; a member takes it when it
+    /// has lapsed.
+    pub leader_ttl: Duration,
+    /// The member's report (opaque here), kept for the leader to read.
+    pub report: &'a str,
+}
+
+/// The answer to a heartbeat.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Joined {
+    /// The member is registered (or its registration renewed).
+    Member(View),
+    /// The live members run another policy: this member was not registered and nothing was
+    /// written.
+    PolicyMismatch { fleet_policy: String },
+}
+
+/// The fleet as one member sees it after its heartbeat.
+#[derive(Clone, Debug, PartialEq)]
+pub struct View {
+    /// Live members, this one included.
+    pub members: u32,
+    /// The member holding the leader lease (after this heartbeat, which may have taken it).
+    pub leader: Option<String>,
+    /// `Some(token)` when the caller holds the leader lease: the fencing token to publish with.
+    pub fence: Option<u64>,
+    /// The last decision published, if any.
+    pub decision: Option<Decision>,
+    /// This member's grant in that decision (`None` if the decision does not name it); the
+    /// script recorded it as handed to this member.
+    pub grant: Option<u32>,
+    /// This member's overrides in that decision (opaque), empty if none.
+    pub overrides: String,
+    /// Every live member's report and last handed grant, this one's included. Filled only
+    /// when the caller holds the leader lease (others do not need it).
+    pub reports: Vec<MemberRecord>,
+}
+
+/// A published decision's header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decision {
+    /// Increases with every publish.
+    pub seq: u64,
+    /// The global in-flight limit.
+    pub limit: u32,
+    /// Changes when the leader cut the limit and every member should restart its TTFT window.
+    pub window_epoch: u64,
+    /// The fencing token of the leader that published it.
+    pub fence: u64,
+}
+
+/// One live member, as the leader reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemberRecord {
+    pub member: String,
+    /// Its last report (opaque).
+    pub report: String,
+    /// The grant last handed to it by a heartbeat, if any.
+    pub handed: Option<u32>,
+}
+
+/// The leader's decision for the whole fleet (`RedisStore::fleet_publish`).
+#[derive(Clone, Debug)]
+pub struct Publish<'a> {
+    pub fleet: &'a str,
+    pub member: &'a str,
+    /// The token `View::fence` gave this leader.
+    pub fence: u64,
+    pub limit: u32,
+    pub window_epoch: u64,
+    /// Per member: its id, its grant and its overrides (opaque). Members not named get none.
+    pub grants: &'a [(String, u32, String)],
+    /// Keys expire after this without writes (a few member TTLs).
+    pub member_ttl: Duration,
+}
+
+/// The outcome of a publish.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Published {
+    /// Written as decision `seq`; the leader's own grant was recorded as handed to it.
+    Applied { seq: u64 },
+    /// The caller no longer holds the lease under this fence: nothing was written.
+    Fenced,
+}
+
+impl RedisStore {
+    /// One `EVALSHA`: registers or renews `member` under `Redis TIME + member_ttl`, drops
+    /// members whose heartbeat expired (their report and handed grant with them), refuses a
+    /// member whose policy hash differs from the live members' (a fleet with no live members
+    /// takes the newcomer's), takes or renews the leader lease (a new leadership `INCR`s the
+    /// fence), records this member's grant from the decision as handed, and returns the view.
+    pub async fn fleet_join(&self, heartbeat: &Heartbeat<'_>) -> Result<Joined, StoreError> {
+        let _ = heartbeat;
+        unimplemented!("fleet_join")
+    }
+
+    /// One `EVALSHA`: if `member` holds the leader lease with `fence`, replaces the decision
+    /// with a new `seq` and records the leader's own grant as handed to it; otherwise writes
+    /// nothing.
+    pub async fn fleet_publish(&self, publish: &Publish<'_>) -> Result<Published, StoreError> {
+        let _ = publish;
+        unimplemented!("fleet_publish")
+    }
+
+    /// One `EVALSHA`: removes `member` (registration, report, handed grant, and the leader
+    /// lease if it holds it). A replica calls it at shutdown, after its streams drained.
+    pub async fn fleet_leave(&self, fleet: &str, member: &str) -> Result<(), StoreError> {
+        let _ = (fleet, member);
+        unimplemented!("fleet_leave")
+    }
+}
