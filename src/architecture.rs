@@ -14,7 +14,7 @@ const FLOORS: &[&[&str]] = &[
     &["budget"],
     &["control", "reply"],
     &["policy"],
-    &["request"],
+    &["request", "fleet"],
     &["admission"],
     &["pipeline"],
     &["extproc", "admin"],
@@ -36,6 +36,7 @@ const DECIDING: &[&str] = &[
     "src/scheduler/fair.rs",
     "src/budget/window.rs",
     "src/budget/breaker.rs",
+    "src/fleet/share.rs",
 ];
 
 fn src() -> PathBuf {

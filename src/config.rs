@@ -31,6 +31,8 @@ pub struct Config {
     /// Per-tenant overrides of any tier field ("exceptions" to the default policy, seed 004).
     pub tenants: BTreeMap<String, TierOverride>,
     pub store: StoreConfig,
+    /// How replicas sharing a Redis store share one in-flight budget (unused without Redis).
+    pub fleet: FleetConfig,
     pub shutdown: ShutdownConfig,
 }
 
@@ -223,6 +225,41 @@ pub struct StoreConfig {
     pub breaker_failures: u32,
     /// ... for this long, before one probe call tries the store again.
     pub breaker_open_ms: u64,
+}
+
+/// Replicas that share a Redis store share one in-flight budget: one limit, one controller (the
+/// leader's), each replica holding a share (see `crate::fleet`). Without Redis this section is
+/// unused: a lone replica owns its budget.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FleetConfig {
+    /// Replicas with the same store and name share a budget; another name on the same Redis
+    /// is another deployment.
+    pub name: String,
+    /// This replica's id in the fleet; empty: the host name (the pod's name in Kubernetes)
+    /// and the process id.
+    pub member_id: String,
+    /// How often a replica reports its load and reads its share (one Redis call, off the
+    /// request path). Several per control tick, so a share moves within one tick.
+    pub sync_ms: u64,
+    /// A replica that has not reported for this long is dropped and its share handed on:
+    /// how long a SIGKILLed replica's share stays idle.
+    pub member_ttl_ms: u64,
+    /// The leader's lease: a dead leader is replaced within it.
+    pub leader_ttl_ms: u64,
+    /// The budget a replica runs alone while Redis is unreachable (or the fleet runs another
+    /// policy): `last_share` (the share it last held; `split` if it never held one) or `split`
+    /// (the limit divided by the replicas it last saw, or `fallback_replicas` if it saw none).
+    pub fallback: FleetFallback,
+    /// The replicas to assume before any has been seen (Redis down at start-up).
+    pub fallback_replicas: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FleetFallback {
+    LastShare,
+    Split,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -460,6 +497,26 @@ impl Default for StoreConfig {
     }
 }
 
+impl Default for FleetConfig {
+    fn default() -> Self {
+        FleetConfig {
+            name: "tollgate".to_owned(),
+            member_id: String::new(),
+            // Five per default control tick: freeing an idle replica's share takes two syncs
+            // (it must confirm the smaller share before another may grow) and the leader's
+            // next one, so a share moves within one 1 s tick.
+            sync_ms: 200,
+            // Ten syncs: a replica that misses a few (a GC pause in Redis, a slow network) is
+            // not dropped; a dead one's share is idle for at most 2 s.
+            member_ttl_ms: 2_000,
+            // Two ticks: "a dead leader is replaced within two ticks".
+            leader_ttl_ms: 2_000,
+            fallback: FleetFallback::LastShare,
+            fallback_replicas: 1,
+        }
+    }
+}
+
 impl Default for SchedulerConfig {
     fn default() -> Self {
         SchedulerConfig {
@@ -602,6 +659,7 @@ impl Default for Config {
             control: ControlConfig::default(),
             tenants: BTreeMap::new(),
             store: StoreConfig::default(),
+            fleet: FleetConfig::default(),
             shutdown: ShutdownConfig::default(),
         }
     }

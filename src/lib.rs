@@ -15,6 +15,7 @@ pub mod budget;
 pub mod config;
 pub mod control;
 pub mod extproc;
+pub mod fleet;
 pub mod lifecycle;
 pub mod observe;
 pub mod pipeline;
@@ -67,27 +68,74 @@ const GRPC_CLOSE_GRACE: Duration = Duration::from_secs(5);
 const METRICS_UPKEEP_PERIOD: Duration = Duration::from_secs(5);
 /// Sub-windows of the TTFT window: expiry granularity is window / slots.
 const TTFT_WINDOW_SLOTS: u32 = 30;
+/// How long shutdown waits for the fleet task to leave the fleet (one Redis call).
+const FLEET_LEAVE_GRACE: Duration = Duration::from_secs(2);
+
+/// The fleet's own connection to Redis, so its syncs never queue behind requests' decisions
+/// (nor theirs behind a leader's larger reads); bounded by one sync period rather than the
+/// decisions' tight timeout.
+async fn open_fleet_store(policy: &Policy) -> Result<budget::redis::RedisStore, Error> {
+    let Some(url) = &policy.store.redis_url else {
+        return Err(Error::Config(config::ConfigError(
+            "fleet: no store.redis_url".to_owned(),
+        )));
+    };
+    let password = match &policy.store.redis_password_file {
+        None => None,
+        Some(path) => Some(read_password(path).await?),
+    };
+    let settings = budget::redis::RedisSettings {
+        url: url.clone(),
+        password,
+        timeout: Duration::from_millis(policy.fleet.sync_ms.max(policy.store.timeout_ms)),
+    };
+    Ok(budget::redis::RedisStore::connect(settings).await?)
+}
+
+/// This replica's id in its fleet: `fleet.member_id`, or the host name (a pod's name) with the
+/// process id and a random suffix, so a restarted pod is never mistaken for its previous life.
+fn fleet_member_id(fleet: &config::FleetConfig) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    if !fleet.member_id.is_empty() {
+        return fleet.member_id.clone();
+    }
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_owned())
+        })
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "tollgate".to_owned());
+    // RandomState is seeded from the OS's randomness per process.
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    format!("{host}-{}-{:08x}", std::process::id(), random as u32)
+}
 
 /// The budget store the configuration names: Redis if `store.redis_url` is set (connected
 /// lazily, so tollgate starts and serves in its fail modes while Redis is still down), else the
 /// embedded in-memory store.
+async fn read_password(path: &str) -> Result<String, Error> {
+    Ok(tokio::fs::read_to_string(path)
+        .await
+        .map_err(|e| {
+            config::ConfigError(format!("store.redis_password_file: cannot read {path}: {e}"))
+        })?
+        .trim_end_matches(['\n', '\r'])
+        .to_owned())
+}
+
 async fn open_store(config: &config::StoreConfig) -> Result<budget::Store, Error> {
     let Some(url) = &config.redis_url else {
         return Ok(budget::Store::Memory(budget::memory::MemoryStore::new()));
     };
     let password = match &config.redis_password_file {
         None => None,
-        Some(path) => Some(
-            tokio::fs::read_to_string(path)
-                .await
-                .map_err(|e| {
-                    config::ConfigError(format!(
-                        "store.redis_password_file: cannot read {path}: {e}"
-                    ))
-                })?
-                .trim_end_matches(['\n', '\r'])
-                .to_owned(),
-        ),
+        Some(path) => Some(read_password(path).await?),
     };
     let settings = budget::redis::RedisSettings {
         url: url.clone(),
@@ -157,6 +205,22 @@ where
         TTFT_WINDOW_SLOTS,
     )));
     let store = open_store(&policy.store).await?;
+    // With a shared store, replicas share one budget: this one admits nothing until the fleet
+    // grants it a share (its first sync, at once), and the fleet's task runs the controller.
+    let fleet = match &store {
+        budget::Store::Redis(_) => Some(open_fleet_store(&policy).await?),
+        budget::Store::Memory(_) => None,
+    };
+    if fleet.is_some() {
+        scheduler.set_share(0, policy.scheduling.initial_limit, None);
+    } else {
+        metrics.fleet(
+            observe::FleetStanding::Alone,
+            1,
+            policy.scheduling.initial_limit,
+            false,
+        );
+    }
     tracing::info!(store = store.kind(), "budget store");
     let ledger = budget::ledger::Ledger::new(store, policy.store.clone(), metrics.clone());
     let renewer = tokio::spawn(ledger.clone().renew_leases());
@@ -171,7 +235,23 @@ where
         lifecycle: lifecycle.clone(),
         open_streams: OpenStreams::default(),
     });
-    if policy.control.enabled {
+    let fleet_task = fleet.map(|store| {
+        let member_id = fleet_member_id(&policy.fleet);
+        tracing::info!(fleet = %policy.fleet.name, member = %member_id, policy_hash = %policy.hash, "fleet: sharing the in-flight budget through Redis");
+        tokio::spawn(
+            fleet::Fleet {
+                policy: policy.clone(),
+                store,
+                member_id,
+                scheduler: scheduler.clone(),
+                ttft_window: ttft_window.clone(),
+                metrics: metrics.clone(),
+                lifecycle: lifecycle.clone(),
+            }
+            .run(),
+        )
+    });
+    if policy.control.enabled && fleet_task.is_none() {
         let control = &policy.control;
         let aimd = control::AimdConfig::from(control);
         // Says which target drives the budget: with the upstream signal, a tuned
@@ -287,6 +367,10 @@ where
     };
     upkeep.abort();
     renewer.abort();
+    if let Some(task) = fleet_task {
+        // It leaves the fleet once Closing is reached; bounded, since Redis may be down.
+        let _ = tokio::time::timeout(FLEET_LEAVE_GRACE, task).await;
+    }
     let admin_result = match admin_server.await {
         Ok(result) => result.map_err(Error::from),
         Err(join_error) => Err(Error::Admin(std::io::Error::other(join_error))),

@@ -54,6 +54,12 @@ pub const STORE_ERRORS: &str = "tollgate_store_errors_total";
 pub const STORE_BREAKER: &str = "tollgate_store_breaker_state";
 pub const DEGRADED_DECISIONS: &str = "tollgate_degraded_decisions_total";
 pub const ACTIVE_LEASES: &str = "tollgate_active_leases";
+pub const FLEET_MEMBERS: &str = "tollgate_fleet_members";
+pub const FLEET_LIMIT: &str = "tollgate_fleet_inflight_limit";
+pub const FLEET_LEADER: &str = "tollgate_fleet_leader";
+pub const FLEET_STANDING: &str = "tollgate_fleet_standing";
+pub const FLEET_FALLBACKS: &str = "tollgate_fleet_fallbacks_total";
+pub const FLEET_LEADERSHIPS: &str = "tollgate_fleet_leaderships_total";
 
 /// Seconds from first token targets of tens of ms up to the 30 s+ of an overloaded vLLM.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -134,6 +140,38 @@ pub struct SchedulerGauges {
     pub limit: u32,
     pub in_flight: u32,
     pub queued_body_bytes: usize,
+}
+
+/// Where a replica stands with the fleet that shares its store's budget: the `standing` label
+/// of `tollgate_fleet_standing` (one series per value, the current one 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FleetStanding {
+    /// No shared store: this replica owns its whole budget.
+    Alone,
+    /// Holds a share of the fleet's budget.
+    Member,
+    /// The store cannot be reached: runs a local budget meanwhile.
+    Fallback,
+    /// The fleet runs another policy: kept out, runs a local budget.
+    Refused,
+}
+
+impl FleetStanding {
+    const ALL: [FleetStanding; 4] = [
+        FleetStanding::Alone,
+        FleetStanding::Member,
+        FleetStanding::Fallback,
+        FleetStanding::Refused,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FleetStanding::Alone => "alone",
+            FleetStanding::Member => "member",
+            FleetStanding::Fallback => "fallback",
+            FleetStanding::Refused => "refused",
+        }
+    }
 }
 
 /// One controller tick's scrape of the engines, as the engine metrics read it.
@@ -355,6 +393,14 @@ struct Inner {
     /// The `mode` of each column of `degraded`.
     fail_modes: Vec<&'static str>,
     active_leases: Gauge,
+    fleet_members: Gauge,
+    fleet_limit: Gauge,
+    fleet_leader: Gauge,
+    /// One per `FleetStanding::ALL`.
+    fleet_standing: Vec<Gauge>,
+    /// `[store_unreachable, policy_mismatch]`.
+    fleet_fallbacks: [Counter; 2],
+    fleet_leaderships: Counter,
 }
 
 impl Metrics {
@@ -540,6 +586,40 @@ impl Metrics {
             Unit::Count,
             "Concurrency leases this replica holds in the store now.",
         );
+        r.describe_gauge(
+            FLEET_MEMBERS,
+            Unit::Count,
+            "Replicas sharing this replica's in-flight budget, itself included, as its last \
+             sync saw them (1 alone or in fallback).",
+        );
+        r.describe_gauge(
+            FLEET_LIMIT,
+            Unit::Count,
+            "The in-flight limit of the whole deployment (this replica's share is \
+             tollgate_inflight_limit).",
+        );
+        r.describe_gauge(
+            FLEET_LEADER,
+            Unit::Count,
+            "1 while this replica holds the fleet's leader lease and decides the limit.",
+        );
+        r.describe_gauge(
+            FLEET_STANDING,
+            Unit::Count,
+            "Where this replica stands with its fleet: 1 for the current standing (alone, \
+             member, fallback, refused).",
+        );
+        r.describe_counter(
+            FLEET_FALLBACKS,
+            Unit::Count,
+            "Times this replica fell back to a local budget, by reason (store_unreachable, \
+             policy_mismatch).",
+        );
+        r.describe_counter(
+            FLEET_LEADERSHIPS,
+            Unit::Count,
+            "Times this replica took the fleet's leader lease.",
+        );
 
         let tier_names = labels.tier_names();
         let reasons = label_set::<L::Reason>();
@@ -667,6 +747,16 @@ impl Metrics {
                 .collect(),
             fail_modes,
             active_leases: r.gauge(ACTIVE_LEASES, &[]),
+            fleet_members: r.gauge(FLEET_MEMBERS, &[]),
+            fleet_limit: r.gauge(FLEET_LIMIT, &[]),
+            fleet_leader: r.gauge(FLEET_LEADER, &[]),
+            fleet_standing: FleetStanding::ALL
+                .iter()
+                .map(|standing| r.gauge(FLEET_STANDING, &[("standing", standing.as_str())]))
+                .collect(),
+            fleet_fallbacks: ["store_unreachable", "policy_mismatch"]
+                .map(|reason| r.counter(FLEET_FALLBACKS, &[("reason", reason)])),
+            fleet_leaderships: r.counter(FLEET_LEADERSHIPS, &[]),
             handle: recorder.handle(),
         };
         // Nothing scraped yet (or the engines' signal is off): unknown, not an idle engine.
@@ -829,6 +919,26 @@ impl Metrics {
     pub fn degraded(&self, control: DegradedControl, mode: impl LabelValue) {
         let mode = column(&self.inner.fail_modes, mode);
         self.inner.degraded[control as usize][mode].increment(1);
+    }
+
+    /// Where this replica stands with its fleet, and what it last saw of it.
+    pub fn fleet(&self, standing: FleetStanding, members: u32, limit: u32, leader: bool) {
+        for (gauge, value) in self.inner.fleet_standing.iter().zip(FleetStanding::ALL) {
+            gauge.set(if value == standing { 1.0 } else { 0.0 });
+        }
+        self.inner.fleet_members.set(f64::from(members));
+        self.inner.fleet_limit.set(f64::from(limit));
+        self.inner.fleet_leader.set(if leader { 1.0 } else { 0.0 });
+    }
+
+    /// Counts a fall back to a local budget: `policy_mismatch` or else the store unreachable.
+    pub fn fleet_fallback(&self, policy_mismatch: bool) {
+        self.inner.fleet_fallbacks[usize::from(policy_mismatch)].increment(1);
+    }
+
+    /// Counts a leadership taken.
+    pub fn fleet_leadership(&self) {
+        self.inner.fleet_leaderships.increment(1);
     }
 
     /// Counts a live lease until the returned guard drops.

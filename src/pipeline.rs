@@ -337,7 +337,9 @@ impl<'p> RequestLife<'p> {
                 return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
             }
         };
-        let limit = pipeline.scheduler.load().limit;
+        // A reservation is a share of the deployment's budget: on a fleet member the fleet's
+        // override carries this replica's slice of it.
+        let limit = pipeline.scheduler.load().global_limit;
         let class = FlowClass {
             weight: tier_policy.weight,
             band: tier_policy.priority_band,

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use crate::budget::{Quantity, WindowLimit};
 use crate::config::{
-    Config, ConfigError, ControlConfig, ControlSignal, FairnessCost, OutputLimitPolicy,
-    StoreConfig, TierConfig,
+    Config, ConfigError, ControlConfig, ControlSignal, FairnessCost, FleetConfig,
+    OutputLimitPolicy, StoreConfig, TierConfig,
 };
 use crate::observe::MetricLabels;
 use crate::reply::Reason;
@@ -39,6 +39,9 @@ pub struct Policy {
     /// Tenant → every tier with the tenant's override applied, indexed like `tiers`.
     overrides: HashMap<String, Vec<Tier>>,
     pub store: StoreConfig,
+    pub fleet: FleetConfig,
+    /// What replicas must agree on to share a budget (`policy_hash`).
+    pub hash: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -290,6 +293,7 @@ impl Policy {
         }
         problems.extend(control_problems(&config.control));
         problems.extend(store_problems(&config.store));
+        problems.extend(fleet_problems(&config.fleet));
 
         if !problems.is_empty() {
             return Err(ConfigError(problems.join("\n")));
@@ -331,6 +335,8 @@ impl Policy {
             control: config.control.clone(),
             overrides,
             store: config.store.clone(),
+            fleet: config.fleet.clone(),
+            hash: policy_hash(config),
         })
     }
 
@@ -562,6 +568,57 @@ fn store_problems(store: &StoreConfig) -> Vec<String> {
         problems.push("store.breaker_failures: must be at least 1".to_owned());
     }
     problems
+}
+
+fn fleet_problems(fleet: &FleetConfig) -> Vec<String> {
+    let mut problems = Vec::new();
+    if fleet.name.is_empty()
+        || fleet.name.len() > 64
+        || fleet.name.contains(['{', '}'])
+        || fleet.name.chars().any(char::is_whitespace)
+    {
+        problems.push(format!(
+            "fleet.name: {:?} must be 1-64 characters without braces or spaces (it is the \
+             Redis Cluster hash tag of the fleet's keys)",
+            fleet.name
+        ));
+    }
+    if fleet.sync_ms == 0 {
+        problems.push("fleet.sync_ms: must be positive".to_owned());
+    }
+    if fleet.member_ttl_ms < fleet.sync_ms.saturating_mul(3) {
+        problems.push(format!(
+            "fleet.member_ttl_ms: {} must be at least three fleet.sync_ms ({}), so a replica \
+             that misses a sync or two is not dropped",
+            fleet.member_ttl_ms, fleet.sync_ms
+        ));
+    }
+    if fleet.leader_ttl_ms < fleet.sync_ms.saturating_mul(2) {
+        problems.push(format!(
+            "fleet.leader_ttl_ms: {} must be at least two fleet.sync_ms ({}), so the leader \
+             renews its lease before it lapses",
+            fleet.leader_ttl_ms, fleet.sync_ms
+        ));
+    }
+    if fleet.fallback_replicas == 0 {
+        problems.push("fleet.fallback_replicas: must be at least 1".to_owned());
+    }
+    problems
+}
+
+/// The hash a fleet member publishes so that replicas running different policies do not share
+/// a budget: SHA-256 (first 16 bytes, hex) of the configuration as JSON, without what is each
+/// replica's own (listen addresses, the store's address and credentials, the member id,
+/// shutdown timing). Tiers, tenants, weights, limits, the scheduler and the controller are in.
+pub fn policy_hash(config: &Config) -> String {
+    let mut shared = config.clone();
+    shared.listen = Default::default();
+    shared.store = Default::default();
+    shared.shutdown = Default::default();
+    shared.fleet.member_id = String::new();
+    // Serializing a `Config` cannot fail: every map key is a string.
+    let json = serde_json::to_vec(&shared).unwrap_or_default();
+    hex::encode(&Sha256::digest(&json)[..16])
 }
 
 /// Every check of the controller's settings (`control::AimdConfig` has none of its own).

@@ -10,12 +10,13 @@
 
 pub mod fair;
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::oneshot;
 
 use crate::observe::SchedulerGauges;
-pub use fair::FlowClass;
+pub use fair::{FlowClass, FlowLoad, Share, TenantKey};
 use fair::{EntryKey, FairQueue, FlowKey, Submit};
 
 /// The global in-flight budget and the per-tenant queues in front of it.
@@ -29,6 +30,9 @@ struct State {
     /// whether the budget was used during the tick, not at the instant it ticks.
     peak_in_flight: u32,
     queued_bodies: QueuedBodies,
+    /// The deployment's limit: `fair`'s own on a lone replica, the fleet's whole budget when
+    /// this replica holds a share of it. Reservations (a percentage) are of this.
+    global_limit: u32,
 }
 
 /// The body bytes that queued requests hold, against a cap. A waiting request keeps its body in
@@ -76,7 +80,10 @@ pub enum Admit {
 /// The budget's state at one instant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Load {
+    /// This replica's slots.
     pub limit: u32,
+    /// The deployment's slots (`limit` on a lone replica).
+    pub global_limit: u32,
     pub in_flight: u32,
     pub queued: u32,
     /// Body bytes the queued requests hold, against `max_queued_body_bytes`.
@@ -104,6 +111,7 @@ impl Scheduler {
                     held: 0,
                     cap: max_queued_body_bytes,
                 },
+                global_limit: limit.max(1),
             }),
         })
     }
@@ -146,17 +154,45 @@ impl Scheduler {
     }
 
     /// Resizes the budget. A larger one admits waiting requests at once; a smaller one never
-    /// preempts: in-flight requests finish and the count drains below the new limit.
+    /// preempts: in-flight requests finish and the count drains below the new limit. 0 admits
+    /// nothing until it grows (a fleet member without a share yet); a lone replica's
+    /// controller never goes below its floor.
     pub fn set_limit(self: &Arc<Self>, limit: u32) {
         let mut state = self.lock();
-        state.fair.set_limit(limit.max(1));
+        state.fair.set_limit(limit);
+        state.global_limit = limit;
         self.dispatch(state);
+    }
+
+    /// This replica's share of a fleet's budget: `limit` slots here out of `global_limit` in
+    /// the whole deployment, and the fleet's per-tenant overrides (see `fair::Share`). Never
+    /// preempts, like `set_limit`.
+    pub fn set_share(
+        self: &Arc<Self>,
+        limit: u32,
+        global_limit: u32,
+        shares: Option<HashMap<TenantKey, Share>>,
+    ) {
+        let mut state = self.lock();
+        state.fair.set_limit(limit);
+        state.global_limit = global_limit;
+        if let Some(shares) = shares {
+            state.fair.set_shares(shares);
+        }
+        self.dispatch(state);
+    }
+
+    /// Every tenant with requests waiting or in flight here, and its load: O(tenants), for the
+    /// fleet's report, never on a request's path.
+    pub fn flows(&self) -> Vec<FlowLoad> {
+        self.lock().fair.flows()
     }
 
     pub fn load(&self) -> Load {
         let state = self.lock();
         Load {
             limit: state.fair.limit(),
+            global_limit: state.global_limit,
             in_flight: state.fair.in_flight(),
             queued: state.fair.queued(),
             queued_body_bytes: state.queued_bodies.held,

@@ -237,6 +237,39 @@ impl LatencyWindow {
         (quantile, self.count(now) + count)
     }
 
+    /// The samples `quantile_counting_overdue` would read, as sparse `(bucket, count)` pairs:
+    /// what a fleet member reports so the leader takes one quantile over the whole deployment
+    /// (`merged_quantile`), rather than a quantile of quantiles.
+    pub fn histogram_counting_overdue(
+        &mut self,
+        now: Instant,
+        overdue_after: Duration,
+    ) -> Vec<(u16, u64)> {
+        let mut dense = vec![0u64; BUCKETS];
+        for (&started, &n) in &self.pending {
+            let age = now.saturating_duration_since(started);
+            if age <= overdue_after {
+                break;
+            }
+            if let Some(bucket) = bucket_of(age.as_secs_f64()) {
+                dense[bucket] += u64::from(n);
+            }
+        }
+        let current = self.advance(now);
+        let ring = self.slots.len() as u64;
+        for slot in self.slots.iter().filter(|slot| is_live(slot, current, ring)) {
+            for (total, count) in dense.iter_mut().zip(slot.counts.iter()) {
+                *total += count;
+            }
+        }
+        dense
+            .iter()
+            .enumerate()
+            .filter(|(_, count)| **count > 0)
+            .map(|(bucket, &count)| (bucket as u16, count))
+            .collect()
+    }
+
     fn quantile_with(&mut self, now: Instant, q: f64, extra: Option<&[u64]>) -> Option<f64> {
         let current = self.advance(now);
         let extra_at = |bucket: usize| extra.map_or(0, |extra| extra[bucket]);
@@ -291,6 +324,37 @@ impl LatencyWindow {
             .map(|slot| slot.total)
             .sum()
     }
+}
+
+/// The q-quantile over several windows' histograms (`histogram_counting_overdue`) merged
+/// bucket by bucket, and the number of samples: the same nearest rank as `quantile`. Buckets
+/// out of range (a report from a foreign build) are ignored.
+pub fn merged_quantile<'a>(
+    histograms: impl IntoIterator<Item = &'a [(u16, u64)]>,
+    q: f64,
+) -> (Option<f64>, u64) {
+    let mut dense = vec![0u64; BUCKETS];
+    for histogram in histograms {
+        for &(bucket, count) in histogram {
+            if let Some(total) = dense.get_mut(usize::from(bucket)) {
+                *total = total.saturating_add(count);
+            }
+        }
+    }
+    let total: u64 = dense.iter().sum();
+    if total == 0 {
+        return (None, 0);
+    }
+    let rank = (q.clamp(0.0, 1.0) * total as f64 - 1e-9).ceil();
+    let rank = (rank as u64).clamp(1, total);
+    let mut seen = 0;
+    for (bucket, count) in dense.iter().enumerate() {
+        seen += count;
+        if seen >= rank {
+            return (Some(bucket_midpoint(bucket)), total);
+        }
+    }
+    (Some(bucket_midpoint(BUCKETS - 1)), total)
 }
 
 /// A request counted as pending in a shared window (`LatencyWindow::start`), ended exactly

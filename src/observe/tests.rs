@@ -541,6 +541,7 @@ fn scheduler_events_move_their_series() {
     let metrics = Metrics::new(&policy);
     metrics.scheduler_load(crate::scheduler::Load {
         limit: 64,
+        global_limit: 64,
         in_flight: 10,
         queued: 3,
         queued_body_bytes: 83 + 1_048_576,
@@ -665,6 +666,8 @@ fn labels_are_bounded_sets_never_a_user() {
         "op",
         "control",
         "mode",
+        // FleetStanding: four values.
+        "standing",
         "le",
     ]
     .into_iter()

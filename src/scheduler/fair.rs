@@ -173,6 +173,43 @@ pub struct FairQueue<T> {
     order: BTreeSet<OrderKey>,
     /// Arrival counter, for "earliest arrival first" among equal tags.
     next_seq: u64,
+    /// The fleet's per-tenant overrides (`set_shares`); empty on a lone replica.
+    shares: HashMap<TenantKey, Share>,
+}
+
+/// A tenant's name as the fleet knows it: the first 8 bytes of SHA-256 of the name, the same in
+/// every replica and process (a `HashMap`'s hasher is seeded per process). Replicas exchange
+/// these, not names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TenantKey(pub u64);
+
+impl TenantKey {
+    pub fn of(tenant: &str) -> TenantKey {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(tenant.as_bytes());
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&digest[..8]);
+        TenantKey(u64::from_be_bytes(first))
+    }
+}
+
+/// The fleet's override of a flow's weight and reservation on this replica: its slice of the
+/// tenant's deployment-wide share, so that a tenant present here and elsewhere gets here what
+/// the fleet allotted it here (see `crate::fleet`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Share {
+    pub weight: u32,
+    pub reserved_slots: u32,
+}
+
+/// One flow's load, as `FairQueue::flows` reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlowLoad {
+    pub tenant: TenantKey,
+    /// As submitted (the policy's), not as overridden by a share.
+    pub class: FlowClass,
+    pub in_flight: u32,
+    pub queued: u32,
 }
 
 struct EntrySlot<T> {
@@ -201,7 +238,11 @@ struct FlowSlot {
 
 struct Flow {
     name: Box<str>,
+    /// As submitted: what the tenant's policy says.
     class: FlowClass,
+    /// The fleet's override of `class.weight` and `class.reserved_slots`, if any (see
+    /// `set_shares`).
+    share: Option<Share>,
     head: u32,
     tail: u32,
     queued: u32,
@@ -235,8 +276,17 @@ struct OrderKey {
 }
 
 impl Flow {
+    fn weight(&self) -> u32 {
+        self.share.map_or(self.class.weight, |share| share.weight)
+    }
+
+    fn reserved_slots(&self) -> u32 {
+        self.share
+            .map_or(self.class.reserved_slots, |share| share.reserved_slots)
+    }
+
     fn lane(&self) -> Lane {
-        if self.in_flight < self.class.reserved_slots {
+        if self.in_flight < self.reserved_slots() {
             Lane::Reserved
         } else {
             Lane::Fair
@@ -266,6 +316,48 @@ impl<T> FairQueue<T> {
             by_name: HashMap::new(),
             order: BTreeSet::new(),
             next_seq: 0,
+            shares: HashMap::new(),
+        }
+    }
+
+    /// Every flow (tenant with requests waiting or in flight) and its load: O(F), for the
+    /// fleet's report, never on a request's path.
+    pub fn flows(&self) -> Vec<FlowLoad> {
+        self.flows
+            .iter()
+            .filter_map(|slot| slot.flow.as_ref())
+            .map(|flow| FlowLoad {
+                tenant: TenantKey::of(&flow.name),
+                class: flow.class,
+                in_flight: flow.in_flight,
+                queued: flow.queued,
+            })
+            .collect()
+    }
+
+    /// Replaces the fleet's overrides: flows of tenants named in `shares` take its weight and
+    /// reservation instead of their class's, now and when they next arrive; others go back to
+    /// their class. O(F log F), never on a request's path.
+    pub fn set_shares(&mut self, shares: HashMap<TenantKey, Share>) {
+        self.shares = shares;
+        for index in 0..self.flows.len() as u32 {
+            let Some(flow) = self.flows[index as usize].flow.as_ref() else {
+                continue;
+            };
+            let share = if self.shares.is_empty() {
+                None
+            } else {
+                self.shares.get(&TenantKey::of(&flow.name)).copied()
+            };
+            if flow.share == share {
+                continue;
+            }
+            let waiting = flow.queued;
+            self.flow_mut(index).share = share;
+            if waiting > 0 {
+                // The reservation decides the lane, which is part of the key.
+                self.rekey(index);
+            }
         }
     }
 
@@ -273,10 +365,11 @@ impl<T> FairQueue<T> {
         self.limit
     }
 
-    /// Changes the budget (at least 1). A larger limit lets the caller dispatch more at once; a
-    /// smaller one preempts nothing: `dispatch_next` waits until `in_flight` drops below it.
+    /// Changes the budget. A larger limit lets the caller dispatch more at once; a smaller one
+    /// preempts nothing: `dispatch_next` waits until `in_flight` drops below it. 0 admits
+    /// nothing (a fleet member the leader has not granted a share yet).
     pub fn set_limit(&mut self, limit: u32) {
-        self.limit = limit.max(1);
+        self.limit = limit;
     }
 
     /// Slots granted and not yet released. May exceed `limit` after the limit was lowered.
@@ -436,9 +529,15 @@ impl<T> FairQueue<T> {
     }
 
     fn insert_flow(&mut self, tenant: &str, class: FlowClass) -> u32 {
+        let share = if self.shares.is_empty() {
+            None
+        } else {
+            self.shares.get(&TenantKey::of(tenant)).copied()
+        };
         let flow = Flow {
             name: tenant.into(),
             class,
+            share,
             head: NIL,
             tail: NIL,
             queued: 0,
@@ -520,7 +619,7 @@ impl<T> FairQueue<T> {
         }
         let flow = self.flow_mut(index);
         if lane == Lane::Fair {
-            flow.finish = start.saturating_add(charge(cost, flow.class.weight));
+            flow.finish = start.saturating_add(charge(cost, flow.weight()));
         }
         flow.in_flight += 1;
         self.in_flight += 1;

@@ -35,6 +35,7 @@ fn queued(admit: Admit) -> Ticket {
 fn load(in_flight: u32, queued: u32, limit: u32) -> Load {
     Load {
         limit,
+        global_limit: limit,
         in_flight,
         queued,
         queued_body_bytes: 0,

@@ -778,7 +778,10 @@ fn set_limit_up_dispatches_more_and_down_never_preempts() {
     assert_eq!(q.dispatch_next(), Some((a, 5)));
 
     q.set_limit(0);
-    assert_eq!(q.limit(), 1, "a limit is at least 1");
+    assert_eq!(q.limit(), 0, "a fleet member without a share admits nothing");
+    q.release(a);
+    assert_eq!(q.dispatch_next(), None);
+    assert!(matches!(q.submit("b", class(1), 1, 6), Submit::Queued(_)));
 }
 
 #[test]

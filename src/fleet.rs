@@ -1,0 +1,561 @@
+//! One in-flight budget for every replica that shares a Redis store: one limit, one controller,
+//! each replica holding a share.
+//!
+//! # Who owns the limit
+//!
+//! Every `fleet.sync_ms` each replica makes one call to Redis (`RedisStore::fleet_join`, off
+//! the request path): it reports its load (per tenant: in flight and waiting, hashed), its TTFT
+//! window as a histogram, and the limit it applies; it renews its membership (a heartbeat
+//! lease) and reads its share. One replica holds the *leader lease* (with a fencing token).
+//! The leader, with every sync:
+//!
+//! - once per `control.tick_ms`, steps the AIMD controller on the deployment's inputs: the p99
+//!   of all replicas' TTFT windows merged bucket by bucket, their summed peak in flight and
+//!   queue, and the engines' saturation (the leader scrapes them). A new leader starts from
+//!   the published limit, so the limit survives a change of leader;
+//! - divides the limit among the live replicas (`share::divide`: by tenant across the
+//!   deployment, then split by where each tenant's demand is), never granting a replica what
+//!   another might still hold;
+//! - publishes the decision with its fencing token (`fleet_publish`): a deposed leader's write
+//!   is refused, so no two replicas ever apply conflicting limits.
+//!
+//! The others apply the grant their sync returns. A request never waits for any of this: it
+//! admits against the local `Scheduler`, whose limit is this replica's share.
+//!
+//! # Membership
+//!
+//! A replica that stops syncing (SIGKILL) is dropped by the next sync after its
+//! `member_ttl_ms`; its commitment stops counting and its share is handed on. A replica that
+//! shuts down deliberately leaves at the end of its drain. A newcomer admits nothing until the
+//! leader grants it a share (one or two syncs). A dead leader's lease lapses within
+//! `leader_ttl_ms` and the next replica to sync takes it.
+//!
+//! # When Redis cannot be reached (or the fleet runs another policy)
+//!
+//! The replica runs alone on a local budget: its last share (`fleet.fallback: last_share`) or
+//! the limit divided by the replicas it last saw (`split`), with its own controller whose
+//! floor and ceiling are divided the same way. It logs the change once and counts it
+//! (`tollgate_fleet_fallbacks_total`). It keeps trying every sync and rejoins when Redis
+//! answers. In a partition the deployment may run up to the partitioned replicas' fallback
+//! budgets over the limit, since the others no longer see them: the price of staying up.
+//!
+//! A replica whose policy hash differs from the live members' is refused (`Joined::
+//! PolicyMismatch`): it writes nothing, so it corrupts nobody's view, and it runs alone the
+//! same way, with `tollgate_fleet_standing{standing="refused"}` set.
+
+pub mod share;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio::time::{Instant, MissedTickBehavior};
+
+use crate::budget::redis::RedisStore;
+use crate::budget::redis::fleet::{Heartbeat, Joined, MemberRecord, Publish, Published, View};
+use crate::config::{ControlSignal, FleetFallback};
+use crate::control::scrape::Scraper;
+use crate::control::window::{self, LatencyWindow};
+use crate::control::{Action, Aimd, AimdConfig, Observation, engine};
+use crate::lifecycle::{Lifecycle, reached};
+use crate::observe::{FleetStanding, Metrics};
+use crate::policy::Policy;
+use crate::scheduler::{Scheduler, Share, TenantKey};
+use share::{FlowDemand, MemberLoad};
+
+/// What a replica reports with each sync. JSON: the leader decodes every member's, the scripts
+/// never look inside.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    pub in_flight: u32,
+    /// The limit it applies.
+    pub applied: u32,
+    /// The most in flight at once since its last report.
+    pub peak_in_flight: u32,
+    pub queued: u32,
+    /// Its TTFT window (overdue requests counted), as `(bucket, count)` pairs.
+    pub ttft: Vec<(u16, u64)>,
+    pub flows: Vec<FlowDemand>,
+}
+
+/// A member's overrides as published: `[tenant, weight, reserved_slots]` triples.
+fn encode_overrides(overrides: &HashMap<TenantKey, Share>) -> String {
+    let triples: Vec<[u64; 3]> = overrides
+        .iter()
+        .map(|(tenant, share)| {
+            [
+                tenant.0,
+                u64::from(share.weight),
+                u64::from(share.reserved_slots),
+            ]
+        })
+        .collect();
+    serde_json::to_string(&triples).unwrap_or_default()
+}
+
+fn decode_overrides(text: &str) -> HashMap<TenantKey, Share> {
+    if text.is_empty() {
+        return HashMap::new();
+    }
+    let triples: Vec<[u64; 3]> = serde_json::from_str(text).unwrap_or_default();
+    triples
+        .into_iter()
+        .map(|[tenant, weight, reserved]| {
+            (
+                TenantKey(tenant),
+                Share {
+                    weight: u32::try_from(weight).unwrap_or(u32::MAX),
+                    reserved_slots: u32::try_from(reserved).unwrap_or(u32::MAX),
+                },
+            )
+        })
+        .collect()
+}
+
+/// The budget a replica runs alone (see "When Redis cannot be reached"): `last_share` if it
+/// held one and the config prefers it, else `limit / replicas`, at least 1.
+pub fn fallback_limit(
+    fallback: FleetFallback,
+    last_share: Option<u32>,
+    limit: u32,
+    replicas: u32,
+) -> u32 {
+    let split = (limit / replicas.max(1)).max(1);
+    match (fallback, last_share) {
+        (FleetFallback::LastShare, Some(share)) => share.max(1),
+        _ => split,
+    }
+}
+
+/// Everything the task needs.
+pub struct Fleet {
+    pub policy: Arc<Policy>,
+    pub store: RedisStore,
+    pub member_id: String,
+    pub scheduler: Arc<Scheduler>,
+    pub ttft_window: Arc<Mutex<LatencyWindow>>,
+    pub metrics: Metrics,
+    pub lifecycle: watch::Receiver<Lifecycle>,
+}
+
+/// The leader's own state, kept while it holds the lease under one fence.
+struct Leadership {
+    fence: u64,
+    aimd: Aimd,
+    window_epoch: u64,
+    /// The highest sum of the members' reported peaks since the last control step.
+    peak_in_flight: u32,
+}
+
+/// The local budget's controller while alone.
+struct Alone {
+    aimd: Aimd,
+    config: AimdConfig,
+}
+
+/// What the task remembers between syncs.
+struct Memory {
+    standing: FleetStanding,
+    members: u32,
+    global_limit: u32,
+    last_share: Option<u32>,
+    window_epoch: Option<u64>,
+    leadership: Option<Leadership>,
+    alone: Option<Alone>,
+    /// The most in flight here at once since the local controller last stepped.
+    peak_in_flight: u32,
+    /// Syncs failed in a row: a replica falls back after `FAILURES_BEFORE_FALLBACK`, keeping
+    /// its share meanwhile (the fleet still counts it until its membership lapses).
+    failures: u32,
+}
+
+/// One slow answer from a briefly busy Redis is not a partition.
+const FAILURES_BEFORE_FALLBACK: u32 = 3;
+
+impl Fleet {
+    /// Runs until the server closes (after its drain: a draining replica still holds slots,
+    /// so it keeps reporting them), then leaves the fleet.
+    pub async fn run(mut self) {
+        let policy = self.policy.clone();
+        let fleet = &policy.fleet;
+        let control = &policy.control;
+        let config = AimdConfig::from(control);
+        let breach_threshold =
+            Duration::from_secs_f64(config.target_p99_ttft_seconds * (1.0 + control.band));
+        let sync = Duration::from_millis(fleet.sync_ms);
+        let control_tick = Duration::from_millis(control.tick_ms);
+        let mut scraper = if control.enabled {
+            Scraper::new(&control.engine)
+        } else {
+            None
+        };
+        let mut memory = Memory {
+            standing: FleetStanding::Member,
+            members: 0,
+            global_limit: policy.scheduling.initial_limit,
+            last_share: None,
+            window_epoch: None,
+            leadership: None,
+            alone: None,
+            peak_in_flight: 0,
+            failures: 0,
+        };
+        let mut ticks = tokio::time::interval(sync);
+        ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut next_control = Instant::now() + control_tick;
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                () = reached(&mut self.lifecycle, Lifecycle::Closing) => break,
+            }
+            let now = Instant::now();
+            let control_due = control.enabled && now >= next_control;
+            if control_due {
+                next_control = now + control_tick;
+            }
+            let report = self.report(now, breach_threshold);
+            memory.peak_in_flight = memory.peak_in_flight.max(report.peak_in_flight);
+            let heartbeat = Heartbeat {
+                fleet: &fleet.name,
+                member: &self.member_id,
+                policy_hash: &policy.hash,
+                member_ttl: Duration::from_millis(fleet.member_ttl_ms),
+                leader_ttl: Duration::from_millis(fleet.leader_ttl_ms),
+                report: &serde_json::to_string(&report).unwrap_or_default(),
+            };
+            let joined = tokio::select! {
+                joined = self.store.fleet_join(&heartbeat) => joined,
+                () = reached(&mut self.lifecycle, Lifecycle::Closing) => break,
+            };
+            match joined {
+                Ok(Joined::Member(view)) => {
+                    if memory.standing != FleetStanding::Member {
+                        tracing::info!(
+                            members = view.members,
+                            member = %self.member_id,
+                            "fleet: joined; the in-flight budget is shared again"
+                        );
+                    }
+                    memory.standing = FleetStanding::Member;
+                    memory.alone = None;
+                    memory.failures = 0;
+                    let engine_saturation = match (&mut scraper, control_due, &view.fence) {
+                        (Some(scraper), true, Some(_)) => {
+                            let scrape = scraper.scrape().await;
+                            let saturation = engine::saturation(&scrape.loads, &control.engine);
+                            self.metrics.engine_scrape(&scrape, saturation);
+                            saturation
+                        }
+                        _ => None,
+                    };
+                    self.member(&mut memory, view, control_due, engine_saturation, &config)
+                        .await;
+                }
+                Ok(Joined::PolicyMismatch { fleet_policy }) => {
+                    memory.failures = 0;
+                    if memory.standing != FleetStanding::Refused {
+                        tracing::error!(
+                            member = %self.member_id,
+                            ours = %policy.hash,
+                            fleet = %fleet_policy,
+                            "fleet: refused: the live replicas run another policy (tiers, \
+                             weights, limits, scheduler or controller differ); running alone \
+                             on a local budget until they agree"
+                        );
+                        self.metrics.fleet_fallback(true);
+                    }
+                    self.alone(&mut memory, FleetStanding::Refused, control_due, now);
+                }
+                Err(error) => {
+                    memory.failures += 1;
+                    if memory.failures < FAILURES_BEFORE_FALLBACK
+                        && memory.standing == FleetStanding::Member
+                    {
+                        tracing::debug!(%error, failures = memory.failures, "fleet: sync failed");
+                        continue;
+                    }
+                    if memory.standing != FleetStanding::Fallback {
+                        tracing::warn!(
+                            %error,
+                            "fleet: Redis cannot be reached; running alone on a local budget \
+                             until it answers"
+                        );
+                        self.metrics.fleet_fallback(false);
+                    }
+                    self.alone(&mut memory, FleetStanding::Fallback, control_due, now);
+                }
+            }
+            let limit = self.scheduler.load();
+            self.metrics.scheduler_load(limit);
+            self.metrics.fleet(
+                memory.standing,
+                memory.members.max(1),
+                memory.global_limit,
+                memory.leadership.is_some(),
+            );
+        }
+        match self.store.fleet_leave(&fleet.name, &self.member_id).await {
+            Ok(()) => tracing::info!(member = %self.member_id, "fleet: left"),
+            Err(error) => tracing::warn!(
+                %error,
+                "fleet: could not leave; the membership expires by itself"
+            ),
+        }
+    }
+
+    /// This replica's load now.
+    fn report(&self, now: Instant, breach_threshold: Duration) -> Report {
+        let load = self.scheduler.load();
+        let ttft =
+            window::lock(&self.ttft_window).histogram_counting_overdue(now, breach_threshold);
+        Report {
+            in_flight: load.in_flight,
+            applied: load.limit,
+            peak_in_flight: self.scheduler.take_peak_in_flight(),
+            queued: load.queued,
+            ttft,
+            flows: self
+                .scheduler
+                .flows()
+                .into_iter()
+                .map(|flow| FlowDemand {
+                    tenant: flow.tenant.0,
+                    weight: flow.class.weight,
+                    band: flow.class.band,
+                    reserved: flow.class.reserved_slots,
+                    in_flight: flow.in_flight,
+                    queued: flow.queued,
+                })
+                .collect(),
+        }
+    }
+
+    /// A sync answered: lead if this replica holds the lease, then apply the share.
+    async fn member(
+        &self,
+        memory: &mut Memory,
+        view: View,
+        control_due: bool,
+        engine_saturation: Option<f64>,
+        config: &AimdConfig,
+    ) {
+        memory.members = view.members;
+        if let Some(decision) = view.decision {
+            memory.global_limit = decision.limit;
+            if memory
+                .window_epoch
+                .is_some_and(|seen| seen != decision.window_epoch)
+            {
+                // The leader cut the limit: judge the cut on requests dispatched after it.
+                window::lock(&self.ttft_window).restart(Instant::now());
+            }
+            memory.window_epoch = Some(decision.window_epoch);
+        }
+        let Some(fence) = view.fence else {
+            memory.leadership = None;
+            if view.decision.is_some() {
+                let grant = view.grant.unwrap_or(0);
+                memory.last_share = Some(grant);
+                self.scheduler.set_share(
+                    grant,
+                    memory.global_limit,
+                    Some(decode_overrides(&view.overrides)),
+                );
+            } else {
+                // No decision yet: nobody has been granted anything; wait for the leader.
+                self.scheduler.set_share(0, memory.global_limit, None);
+            }
+            return;
+        };
+        let leadership = match memory.leadership.take() {
+            Some(leadership) if leadership.fence == fence => leadership,
+            _ => {
+                let start = view
+                    .decision
+                    .map_or(self.policy.scheduling.initial_limit, |d| d.limit);
+                tracing::info!(
+                    member = %self.member_id,
+                    fence,
+                    limit = start,
+                    members = view.members,
+                    "fleet: took the leader lease"
+                );
+                self.metrics.fleet_leadership();
+                Leadership {
+                    fence,
+                    aimd: Aimd::new(start, config),
+                    window_epoch: view.decision.map_or(0, |d| d.window_epoch),
+                    peak_in_flight: 0,
+                }
+            }
+        };
+        let reports: Vec<(&MemberRecord, Report)> = view
+            .reports
+            .iter()
+            .map(|record| {
+                // A report that does not decode (a foreign build) counts as an idle member
+                // holding nothing: it still gets a share of the spare.
+                let report = serde_json::from_str(&record.report).unwrap_or_default();
+                (record, report)
+            })
+            .collect();
+        let mut leadership = leadership;
+        self.lead(&mut leadership, &reports, control_due, engine_saturation, config);
+        let limit = if self.policy.control.enabled {
+            leadership.aimd.limit()
+        } else {
+            self.policy.scheduling.initial_limit
+        };
+        let loads: Vec<MemberLoad<'_>> = reports
+            .iter()
+            .map(|(record, report)| MemberLoad {
+                member: &record.member,
+                in_flight: report.in_flight,
+                applied: report.applied,
+                handed: record.handed,
+                flows: &report.flows,
+            })
+            .collect();
+        let shares = share::divide(limit, &loads);
+        let grants: Vec<(String, u32, String)> = shares
+            .iter()
+            .map(|s| (s.member.clone(), s.grant, encode_overrides(&s.overrides)))
+            .collect();
+        let publish = Publish {
+            fleet: &self.policy.fleet.name,
+            member: &self.member_id,
+            fence,
+            limit,
+            window_epoch: leadership.window_epoch,
+            grants: &grants,
+            member_ttl: Duration::from_millis(self.policy.fleet.member_ttl_ms),
+        };
+        match self.store.fleet_publish(&publish).await {
+            Ok(Published::Applied { .. }) => {
+                memory.global_limit = limit;
+                memory.window_epoch = Some(leadership.window_epoch);
+                if let Some(own) = shares.iter().find(|s| s.member == self.member_id) {
+                    memory.last_share = Some(own.grant);
+                    self.scheduler
+                        .set_share(own.grant, limit, Some(own.overrides.clone()));
+                }
+                memory.leadership = Some(leadership);
+            }
+            Ok(Published::Fenced) => {
+                tracing::warn!(
+                    member = %self.member_id,
+                    fence,
+                    "fleet: lost the leader lease before publishing; the new leader decides"
+                );
+            }
+            Err(error) => {
+                // Keep the lease state: the next sync tells whether it is still ours.
+                tracing::debug!(%error, "fleet: publish failed");
+                memory.leadership = Some(leadership);
+            }
+        }
+    }
+
+    /// The leader's control step: once per control tick, on the deployment's merged inputs.
+    fn lead(
+        &self,
+        leadership: &mut Leadership,
+        reports: &[(&MemberRecord, Report)],
+        control_due: bool,
+        engine_saturation: Option<f64>,
+        config: &AimdConfig,
+    ) {
+        let reports: Vec<&Report> = reports.iter().map(|(_, report)| report).collect();
+        let peak: u32 = reports.iter().map(|r| r.peak_in_flight).sum();
+        leadership.peak_in_flight = leadership.peak_in_flight.max(peak);
+        if !control_due {
+            return;
+        }
+        let (p99, samples) =
+            window::merged_quantile(reports.iter().map(|r| r.ttft.as_slice()), 0.99);
+        let observation = Observation {
+            p99_ttft_seconds: p99,
+            peak_in_flight: std::mem::take(&mut leadership.peak_in_flight),
+            queued: reports.iter().map(|r| r.queued).sum(),
+            samples,
+            engine_saturation,
+        };
+        let action = leadership.aimd.step(config, observation);
+        if action == Action::Decrease && self.policy.control.signal == ControlSignal::Upstream {
+            // Every member restarts its window when it sees the new epoch (see
+            // `control::tick` for why the upstream signal judges a cut on its own effect).
+            leadership.window_epoch += 1;
+            window::lock(&self.ttft_window).restart(Instant::now());
+        }
+        self.metrics.controller_tick(action, p99);
+        tracing::debug!(?observation, ?action, limit = leadership.aimd.limit(), "fleet controller tick");
+    }
+
+    /// Runs on a local budget (see "When Redis cannot be reached").
+    fn alone(
+        &self,
+        memory: &mut Memory,
+        standing: FleetStanding,
+        control_due: bool,
+        now: Instant,
+    ) {
+        memory.standing = standing;
+        memory.leadership = None;
+        let control = &self.policy.control;
+        let fleet = &self.policy.fleet;
+        let replicas = if memory.members == 0 {
+            fleet.fallback_replicas
+        } else {
+            memory.members
+        };
+        let alone = memory.alone.get_or_insert_with(|| {
+            let limit = fallback_limit(
+                fleet.fallback,
+                memory.last_share,
+                memory.global_limit,
+                replicas,
+            );
+            // The controller's bounds are the fleet's, divided as the limit was.
+            let mut local = control.clone();
+            local.floor = (control.floor / replicas.max(1)).max(1);
+            local.ceiling = (control.ceiling / replicas.max(1)).max(local.floor);
+            let config = AimdConfig::from(&local);
+            tracing::info!(limit, replicas, "fleet: local budget");
+            Alone {
+                aimd: Aimd::new(limit, &config),
+                config,
+            }
+        });
+        if control_due {
+            let breach_threshold = Duration::from_secs_f64(
+                alone.config.target_p99_ttft_seconds * (1.0 + control.band),
+            );
+            let (p99, samples) = window::lock(&self.ttft_window).quantile_counting_overdue(
+                now,
+                0.99,
+                breach_threshold,
+            );
+            let load = self.scheduler.load();
+            let observation = Observation {
+                p99_ttft_seconds: p99,
+                peak_in_flight: std::mem::take(&mut memory.peak_in_flight).max(load.in_flight),
+                queued: load.queued,
+                samples,
+                engine_saturation: None,
+            };
+            let action = alone.aimd.step(&alone.config, observation);
+            self.metrics.controller_tick(action, p99);
+        }
+        let limit = if control.enabled {
+            alone.aimd.limit()
+        } else {
+            fallback_limit(fleet.fallback, memory.last_share, memory.global_limit, replicas)
+        };
+        self.scheduler.set_share(limit, limit, Some(HashMap::new()));
+    }
+}
+
+#[cfg(test)]
+mod tests;
