@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::oneshot;
 
 use crate::observe::SchedulerGauges;
-pub use fair::{FlowClass, FlowLoad, Share, TenantKey};
+pub use fair::{FlowClass, FlowLoad, SHARE_SCALE, Share, TenantKey};
 use fair::{EntryKey, FairQueue, FlowKey, Submit};
 
 /// The global in-flight budget and the per-tenant queues in front of it.

@@ -11,9 +11,11 @@
 //!    tenant's allotment is then split over the replicas it reaches in proportion to its
 //!    demand at each. What no tenant demands is split evenly, so an idle replica still admits
 //!    a first request at once. A replica's *target* is the sum; the targets sum to the limit.
-//!    Each replica also gets overrides (`scheduler::Share`): its tenants' local weights are
-//!    their allotments here, so the local fair queue hands out the target the way the fleet
-//!    divided it, even when tenant A reaches one replica and tenant B all three.
+//!    Each replica also gets overrides (`scheduler::Share`): a tenant's local weight is its
+//!    tier's weight times the part of its demand that is here (in `SHARE_SCALE`ths), so where
+//!    tenants are backlogged (one water level λ: allotment = λ·weight) the local fair queue
+//!    splits the target as the fleet did, even when tenant A reaches one replica and tenant B
+//!    all three.
 //!
 //! 2. **What is safe to grant now** (`grants`). Slots are never taken back (a lower limit
 //!    only stops admitting), and a replica learns its grant only at its next sync. So until a
@@ -32,7 +34,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::scheduler::{Share, TenantKey};
+use crate::scheduler::{SHARE_SCALE, Share, TenantKey};
 
 /// One tenant's load on one replica, as that replica reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -87,8 +89,6 @@ pub struct MemberShare {
     pub overrides: HashMap<TenantKey, Share>,
 }
 
-/// Local weights carry an allotment in hundredths of a slot.
-const WEIGHT_SCALE: f64 = 100.0;
 
 /// Divides `limit` among `members` (see the module documentation). The answer is in the
 /// order of `members`.
@@ -157,13 +157,13 @@ fn targets(
                 continue;
             }
             let part = flow.demand() / tenant.demand;
-            let slice = tenant.allotted * part;
-            here += slice;
+            here += tenant.allotted * part;
             let reserved = tenant.reserved.min(tenant.demand) * part;
             overrides.insert(
                 TenantKey(flow.tenant),
                 Share {
-                    weight: ((slice * WEIGHT_SCALE).round() as u32).max(1),
+                    weight: ((tenant.weight * part * f64::from(SHARE_SCALE)).round() as u32)
+                        .max(1),
                     reserved_slots: reserved.round() as u32,
                 },
             );

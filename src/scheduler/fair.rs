@@ -193,9 +193,13 @@ impl TenantKey {
     }
 }
 
-/// The fleet's override of a flow's weight and reservation on this replica: its slice of the
-/// tenant's deployment-wide share, so that a tenant present here and elsewhere gets here what
-/// the fleet allotted it here (see `crate::fleet`).
+/// The fleet's override of a flow's weight and reservation on this replica, so that a tenant
+/// present here and elsewhere gets here what the fleet allotted it here (see `crate::fleet`):
+/// the weight is the tier's weight times the part of the tenant's demand that is here, in
+/// `SHARE_SCALE`ths.
+/// A share's weight of `SHARE_SCALE` × w is a tier weight of w with all its demand here.
+pub const SHARE_SCALE: u32 = 100;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Share {
     pub weight: u32,
@@ -243,6 +247,9 @@ struct Flow {
     /// The fleet's override of `class.weight` and `class.reserved_slots`, if any (see
     /// `set_shares`).
     share: Option<Share>,
+    /// The fleet's shares are in force on this queue: a flow without one weighs its class's
+    /// weight in `SHARE_SCALE`ths, as if its whole demand were here.
+    scaled: bool,
     head: u32,
     tail: u32,
     queued: u32,
@@ -277,7 +284,11 @@ struct OrderKey {
 
 impl Flow {
     fn weight(&self) -> u32 {
-        self.share.map_or(self.class.weight, |share| share.weight)
+        match self.share {
+            Some(share) => share.weight,
+            None if self.scaled => self.class.weight.saturating_mul(SHARE_SCALE),
+            None => self.class.weight,
+        }
     }
 
     fn reserved_slots(&self) -> u32 {
@@ -344,16 +355,19 @@ impl<T> FairQueue<T> {
             let Some(flow) = self.flows[index as usize].flow.as_ref() else {
                 continue;
             };
-            let share = if self.shares.is_empty() {
-                None
-            } else {
+            let scaled = !self.shares.is_empty();
+            let share = if scaled {
                 self.shares.get(&TenantKey::of(&flow.name)).copied()
+            } else {
+                None
             };
-            if flow.share == share {
+            if flow.share == share && flow.scaled == scaled {
                 continue;
             }
             let waiting = flow.queued;
-            self.flow_mut(index).share = share;
+            let flow = self.flow_mut(index);
+            flow.share = share;
+            flow.scaled = scaled;
             if waiting > 0 {
                 // The reservation decides the lane, which is part of the key.
                 self.rekey(index);
@@ -538,6 +552,7 @@ impl<T> FairQueue<T> {
             name: tenant.into(),
             class,
             share,
+            scaled: !self.shares.is_empty(),
             head: NIL,
             tail: NIL,
             queued: 0,

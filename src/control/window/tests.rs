@@ -484,3 +484,36 @@ fn a_pending_guard_ends_its_request_exactly_once() {
     drop(other);
     assert_eq!(pending(&window), 0);
 }
+
+#[test]
+fn windows_merged_by_bucket_give_the_quantile_of_all_their_samples() {
+    // Three replicas' windows, uneven: the merged p99 is the p99 of every sample together,
+    // not the mean (or max) of the three p99s.
+    let samples: [&[f64]; 3] = [&[0.1; 90], &[0.2; 9], &[5.0; 1]];
+    let mut whole = thirty_seconds();
+    let mut histograms = Vec::new();
+    for replica in samples {
+        let mut window = thirty_seconds();
+        for &seconds in replica {
+            window.record(at(1.0), seconds);
+            whole.record(at(1.0), seconds);
+        }
+        histograms.push(window.histogram_counting_overdue(at(2.0), Duration::from_secs(1)));
+    }
+    for q in [0.5, 0.9, 0.99, 1.0] {
+        let (merged, samples) = merged_quantile(histograms.iter().map(Vec::as_slice), q);
+        assert_eq!(samples, 100);
+        assert_eq!(merged, whole.quantile(at(2.0), q), "q = {q}");
+    }
+    assert_eq!(merged_quantile([], 0.99), (None, 0));
+
+    // Overdue pending requests are in the histogram, as they are in the local quantile.
+    let mut window = thirty_seconds();
+    window.start(at(0.0));
+    let histogram = window.histogram_counting_overdue(at(3.0), Duration::from_secs(1));
+    let (p99, samples) = merged_quantile([histogram.as_slice()], 0.99);
+    assert_eq!(samples, 1);
+    assert_close(p99.unwrap(), 3.0, "a request 3 s overdue");
+    // A foreign bucket number is ignored, not a panic.
+    assert_eq!(merged_quantile([&[(u16::MAX, 5)][..]], 0.99), (None, 0));
+}

@@ -95,7 +95,8 @@ fn targets_divide_by_tenant_not_by_replica() {
 #[test]
 fn local_weights_make_the_local_queue_split_the_target_as_the_fleet_did() {
     // A (tenant 1) only on r1, B (tenant 2) everywhere: r1's target of 8 is A's 6 and B's 2,
-    // so r1's fair queue must weigh A three times B, although both tiers weigh 1.
+    // so r1's fair queue must weigh A three times B, although both tiers weigh 1: A's whole
+    // demand is here, a third of B's.
     let r1 = [flow(1, 1, 50), flow(2, 1, 50)];
     let r2 = [flow(2, 1, 50)];
     let r3 = [flow(2, 1, 50)];
@@ -103,9 +104,9 @@ fn local_weights_make_the_local_queue_split_the_target_as_the_fleet_did() {
         12,
         &[member("r1", &r1), member("r2", &r2), member("r3", &r3)],
     );
-    assert_eq!(weight(&shares[0], 1), 600);
-    assert_eq!(weight(&shares[0], 2), 200);
-    assert_eq!(weight(&shares[1], 2), 200);
+    assert_eq!(weight(&shares[0], 1), 100);
+    assert_eq!(weight(&shares[0], 2), 33);
+    assert_eq!(weight(&shares[1], 2), 33);
 }
 
 #[test]

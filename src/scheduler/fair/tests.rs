@@ -1,5 +1,5 @@
 use std::cell::RefCell;
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::rc::Rc;
 
 use super::*;
@@ -1225,4 +1225,79 @@ fn random_operation_sequences_keep_the_invariants() {
     for seed in 1..=50 {
         random_run(seed, 4_000);
     }
+}
+
+#[test]
+fn the_fleets_shares_override_weights_and_reservations_of_present_and_future_flows() {
+    // Both tiers weigh 1, but the fleet allotted "a" three times what it allotted "b" here.
+    let mut q = FairQueue::new(1);
+    let mut shares: HashMap<TenantKey, Share> = HashMap::new();
+    for (tenant, weight) in [("a", 300), ("b", 100)] {
+        shares.insert(
+            TenantKey::of(tenant),
+            Share {
+                weight,
+                reserved_slots: 0,
+            },
+        );
+    }
+    q.set_shares(shares);
+    let holder = granted(q.submit("a", class(1), 1, 0));
+    for i in 0..8 {
+        queued(q.submit("a", class(1), 1, 100 + i));
+        queued(q.submit("b", class(1), 1, 200 + i));
+    }
+    let mut order = Vec::new();
+    q.release(holder);
+    for _ in 0..8 {
+        let (flow, payload) = q.dispatch_next().expect("a slot is free");
+        order.push(if payload >= 200 { 'b' } else { 'a' });
+        q.release(flow);
+    }
+    let a = order.iter().filter(|&&c| c == 'a').count();
+    assert_eq!(a, 6, "3:1 by the fleet's weights: {order:?}");
+
+    // A tenant the fleet has not seen yet weighs its tier's weight as if all its demand were
+    // here (100 for weight 1): not starved by the others' scaled weights.
+    queued(q.submit("c", class(1), 1, 300));
+    let mut served_c = false;
+    for _ in 0..3 {
+        let (flow, payload) = q.dispatch_next().expect("a slot is free");
+        served_c |= payload == 300;
+        q.release(flow);
+    }
+    assert!(served_c, "c is served among the next few");
+
+    // Back to the tiers' weights: 1:1.
+    q.set_shares(HashMap::new());
+    let mut order = Vec::new();
+    for _ in 0..2 {
+        let (flow, payload) = q.dispatch_next().expect("a slot is free");
+        order.push(if payload >= 200 { 'b' } else { 'a' });
+        q.release(flow);
+    }
+    assert_eq!(order.iter().filter(|&&c| c == 'a').count(), 1, "{order:?}");
+
+    // A reservation from the fleet puts a flow in the reserved lane.
+    let mut q = FairQueue::new(1);
+    let holder = granted(q.submit("x", class(1), 1, 0));
+    queued(q.submit("x", class(1), 1, 1));
+    queued(q.submit("y", class(1), 1, 2));
+    q.set_shares(
+        [(
+            TenantKey::of("y"),
+            Share {
+                weight: 1,
+                reserved_slots: 1,
+            },
+        )]
+        .into(),
+    );
+    q.release(holder);
+    assert_eq!(q.dispatch_next().map(|(_, p)| p), Some(2), "y's reservation first");
+    check_structure(&q);
+    let flows = q.flows();
+    assert_eq!(flows.len(), 2);
+    let y = flows.iter().find(|f| f.tenant == TenantKey::of("y")).unwrap();
+    assert_eq!((y.in_flight, y.queued, y.class.reserved_slots), (1, 0, 0), "as submitted");
 }
