@@ -71,6 +71,13 @@
 //!
 //! An unparsable control header value gets `400`.
 //!
+//! # The in-flight judge
+//!
+//! `GET /upstream/in-flight` answers `{"in_flight": N, "peak": M}`: completion requests being
+//! served now (from arrival until the response body is sent or dropped) and the most at once
+//! since start or the last `POST /upstream/in-flight/reset`. Tests of a budget shared by
+//! several gateways read the peak here, where the requests actually land.
+//!
 //! # Response headers for tests
 //!
 //! * every response: `x-upstream-saw-<name>: <value>` for each request header whose name
@@ -331,9 +338,21 @@ fn router(engine: Engine, sim: Option<Arc<sim::Sim>>) -> Router {
         sim,
         next_response_id: Arc::new(AtomicU64::new(1)),
     };
-    Router::new()
+    let judge = InFlight::default();
+    let completions_routes = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route_layer(middleware::from_fn_with_state(
+            judge.clone(),
+            count_in_flight,
+        ));
+    let judge_routes = Router::new()
+        .route("/upstream/in-flight", get(in_flight))
+        .route("/upstream/in-flight/reset", post(reset_in_flight))
+        .with_state(judge);
+    Router::new()
+        .merge(completions_routes)
+        .merge(judge_routes)
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -345,6 +364,54 @@ fn router(engine: Engine, sim: Option<Arc<sim::Sim>>) -> Router {
         // gets the test-control treatment.
         .layer(middleware::from_fn(apply_test_controls))
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES))
+}
+
+// ---------------------------------------------------------------------------------------
+// The in-flight judge
+// ---------------------------------------------------------------------------------------
+
+/// Completion requests being served, and the most at once.
+#[derive(Clone, Default)]
+struct InFlight {
+    now: Arc<AtomicU64>,
+    peak: Arc<AtomicU64>,
+}
+
+/// Ends one request's count when its response body ends or is dropped (a client gone).
+struct Served(InFlight);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.0.now.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+async fn count_in_flight(State(judge): State<InFlight>, request: Request, next: Next) -> Response {
+    let now = judge.now.fetch_add(1, Ordering::SeqCst) + 1;
+    judge.peak.fetch_max(now, Ordering::SeqCst);
+    let served = Served(judge);
+    let response = next.run(request).await;
+    let (parts, body) = response.into_parts();
+    let body = body.into_data_stream().map(move |chunk| {
+        let _held = &served;
+        chunk
+    });
+    Response::from_parts(parts, Body::from_stream(body))
+}
+
+async fn in_flight(State(judge): State<InFlight>) -> Response {
+    let body = json!({
+        "in_flight": judge.now.load(Ordering::SeqCst),
+        "peak": judge.peak.load(Ordering::SeqCst),
+    });
+    ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+}
+
+async fn reset_in_flight(State(judge): State<InFlight>) -> Response {
+    judge
+        .peak
+        .store(judge.now.load(Ordering::SeqCst), Ordering::SeqCst);
+    StatusCode::NO_CONTENT.into_response()
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 //! Admin HTTP: `/metrics` (Prometheus text), `/healthz` (the process is alive) and `/readyz`
 //! (send it traffic: false while draining, so Kubernetes and load balancers stop routing here
-//! before the gRPC listener goes away).
+//! before the gRPC listener goes away; and false until the budget is settled: a fleet member
+//! is not ready before its first sync has given it a share or sent it to a local budget, so it
+//! does not take traffic it would only queue).
 
 use axum::Router;
 use axum::extract::State;
@@ -20,12 +22,14 @@ struct AdminState {
     metrics: Metrics,
     scheduler: Arc<Scheduler>,
     lifecycle: watch::Receiver<Lifecycle>,
+    budget_ready: watch::Receiver<bool>,
 }
 
 pub fn router(
     metrics: Metrics,
     scheduler: Arc<Scheduler>,
     lifecycle: watch::Receiver<Lifecycle>,
+    budget_ready: watch::Receiver<bool>,
 ) -> Router {
     Router::new()
         .route("/metrics", get(metrics_text))
@@ -35,6 +39,7 @@ pub fn router(
             metrics,
             scheduler,
             lifecycle,
+            budget_ready,
         })
 }
 
@@ -53,6 +58,9 @@ async fn metrics_text(State(state): State<AdminState>) -> impl IntoResponse {
 
 async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
     match *state.lifecycle.borrow() {
+        Lifecycle::Serving if !*state.budget_ready.borrow() => {
+            (StatusCode::SERVICE_UNAVAILABLE, "waiting for a share of the fleet's budget\n")
+        }
         Lifecycle::Serving => (StatusCode::OK, "ready\n"),
         Lifecycle::Draining | Lifecycle::Closing => (StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
     }

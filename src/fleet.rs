@@ -138,6 +138,8 @@ pub struct Fleet {
     pub ttft_window: Arc<Mutex<LatencyWindow>>,
     pub metrics: Metrics,
     pub lifecycle: watch::Receiver<Lifecycle>,
+    /// Set once this replica's budget is settled: a share granted, or a local budget.
+    pub budget_ready: watch::Sender<bool>,
 }
 
 /// The leader's own state, kept while it holds the lease under one fence.
@@ -166,6 +168,8 @@ struct Memory {
     alone: Option<Alone>,
     /// The most in flight here at once since the local controller last stepped.
     peak_in_flight: u32,
+    /// Syncs made so far.
+    syncs: u32,
     /// Syncs failed in a row: a replica falls back after `FAILURES_BEFORE_FALLBACK`, keeping
     /// its share meanwhile (the fleet still counts it until its membership lapses).
     failures: u32,
@@ -192,7 +196,8 @@ impl Fleet {
             None
         };
         let mut memory = Memory {
-            standing: FleetStanding::Member,
+            // Not a member yet: a first sync that fails falls back at once.
+            standing: FleetStanding::Alone,
             members: 0,
             global_limit: policy.scheduling.initial_limit,
             last_share: None,
@@ -200,6 +205,7 @@ impl Fleet {
             leadership: None,
             alone: None,
             peak_in_flight: 0,
+            syncs: 0,
             failures: 0,
         };
         let mut ticks = tokio::time::interval(sync);
@@ -287,8 +293,18 @@ impl Fleet {
                     self.alone(&mut memory, FleetStanding::Fallback, control_due, now);
                 }
             }
-            let limit = self.scheduler.load();
-            self.metrics.scheduler_load(limit);
+            let load = self.scheduler.load();
+            memory.syncs += 1;
+            // Ready with a share, or alone; or, at the latest, after a member TTL's worth of
+            // syncs: the whole limit may be allotted to tenants backlogged elsewhere, and a
+            // replica nobody routes to could never show the demand that earns it a share.
+            if load.limit > 0
+                || memory.standing != FleetStanding::Member
+                || u64::from(memory.syncs) * fleet.sync_ms >= fleet.member_ttl_ms
+            {
+                self.budget_ready.send_if_modified(|ready| !std::mem::replace(ready, true));
+            }
+            self.metrics.scheduler_load(load);
             self.metrics.fleet(
                 memory.standing,
                 memory.members.max(1),

@@ -211,6 +211,7 @@ where
         budget::Store::Redis(_) => Some(open_fleet_store(&policy).await?),
         budget::Store::Memory(_) => None,
     };
+    let (budget_ready_tx, budget_ready) = watch::channel(fleet.is_none());
     if fleet.is_some() {
         scheduler.set_share(0, policy.scheduling.initial_limit, None);
     } else {
@@ -247,6 +248,7 @@ where
                 ttft_window: ttft_window.clone(),
                 metrics: metrics.clone(),
                 lifecycle: lifecycle.clone(),
+                budget_ready: budget_ready_tx,
             }
             .run(),
         )
@@ -318,7 +320,7 @@ where
     };
     let admin_server = axum::serve(
         admin_listener,
-        admin::router(metrics.clone(), scheduler.clone(), lifecycle),
+        admin::router(metrics.clone(), scheduler.clone(), lifecycle, budget_ready),
     )
     .with_graceful_shutdown(admin_stopping);
     let admin_server = tokio::spawn(async move { admin_server.await });
