@@ -32,7 +32,8 @@
 //!
 //! # Scripts
 //!
-//! Each is `common.lua` (the window arithmetic) followed by its own body, sent with `EVALSHA`.
+//! Each is `common.lua` (the window arithmetic) followed by its own body, sent with `EVALSHA`
+//! (the fleet registry's `fleet_*.lua`, see [`fleet`], keep no windows and go without it).
 //! Redis forgets scripts on restart, failover and `SCRIPT FLUSH`; `NOSCRIPT` is answered by
 //! `SCRIPT LOAD` and one retry (redis-rs `ScriptInvocation::invoke_async`), so only that rare
 //! call takes three round trips. Time inside them is Redis `TIME`, so replicas of tollgate never
@@ -134,6 +135,9 @@ const RESERVE: &str = include_str!("redis/reserve.lua");
 const SETTLE: &str = include_str!("redis/settle.lua");
 const RENEW: &str = include_str!("redis/renew.lua");
 const USAGE: &str = include_str!("redis/usage.lua");
+const FLEET_JOIN: &str = include_str!("redis/fleet_join.lua");
+const FLEET_PUBLISH: &str = include_str!("redis/fleet_publish.lua");
+const FLEET_LEAVE: &str = include_str!("redis/fleet_leave.lua");
 
 /// How to reach Redis. `Debug` shows neither password (the URL's or the file's).
 #[derive(Clone)]
@@ -203,6 +207,9 @@ struct Scripts {
     settle: Script,
     renew: Script,
     usage: Script,
+    fleet_join: Script,
+    fleet_publish: Script,
+    fleet_leave: Script,
 }
 
 impl Scripts {
@@ -213,11 +220,23 @@ impl Scripts {
             settle: script(SETTLE),
             renew: script(RENEW),
             usage: script(USAGE),
+            // The fleet scripts keep no windows: they go without the prelude.
+            fleet_join: Script::new(FLEET_JOIN),
+            fleet_publish: Script::new(FLEET_PUBLISH),
+            fleet_leave: Script::new(FLEET_LEAVE),
         }
     }
 
-    fn all(&self) -> [&Script; 4] {
-        [&self.reserve, &self.settle, &self.renew, &self.usage]
+    fn all(&self) -> [&Script; 7] {
+        [
+            &self.reserve,
+            &self.settle,
+            &self.renew,
+            &self.usage,
+            &self.fleet_join,
+            &self.fleet_publish,
+            &self.fleet_leave,
+        ]
     }
 }
 

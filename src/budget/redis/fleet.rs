@@ -23,9 +23,12 @@
 //! Every key gets a `PEXPIRE` of a few member TTLs on every write, so an abandoned fleet deletes
 //! itself.
 
+use std::str::FromStr;
 use std::time::Duration;
 
-use super::RedisStore;
+use redis::Value;
+
+use super::{RedisStore, exact, protocol};
 use crate::budget::StoreError;
 
 /// What one replica sends each sync (`RedisStore::fleet_join`).
@@ -133,22 +136,184 @@ impl RedisStore {
     /// takes the newcomer's), takes or renews the leader lease (a new leadership `INCR`s the
     /// fence), records this member's grant from the decision as handed, and returns the view.
     pub async fn fleet_join(&self, heartbeat: &Heartbeat<'_>) -> Result<Joined, StoreError> {
-        let _ = heartbeat;
-        unimplemented!("fleet_join")
+        let this = &*self.inner;
+        let mut invocation = this.scripts.fleet_join.prepare_invoke();
+        for part in [
+            "members", "reports", "handed", "policy", "leader", "fence", "decision",
+        ] {
+            invocation.key(fleet_key(heartbeat.fleet, part));
+        }
+        invocation
+            .arg(heartbeat.member)
+            .arg(heartbeat.policy_hash)
+            .arg(millis(heartbeat.member_ttl))
+            .arg(millis(heartbeat.leader_ttl))
+            .arg(heartbeat.report);
+        let (generation, mut connection) = this.connection();
+        let reply = tokio::time::timeout(
+            this.timeout,
+            invocation.invoke_async::<Vec<Value>>(&mut connection),
+        )
+        .await;
+        let reply = this.answer(generation, reply)?;
+        decode_join(&reply)
     }
 
     /// One `EVALSHA`: if `member` holds the leader lease with `fence`, replaces the decision
     /// with a new `seq` and records the leader's own grant as handed to it; otherwise writes
     /// nothing.
     pub async fn fleet_publish(&self, publish: &Publish<'_>) -> Result<Published, StoreError> {
-        let _ = publish;
-        unimplemented!("fleet_publish")
+        let this = &*self.inner;
+        let mut invocation = this.scripts.fleet_publish.prepare_invoke();
+        for part in ["leader", "fence", "decision", "handed"] {
+            invocation.key(fleet_key(publish.fleet, part));
+        }
+        // The fence and the epoch are stored and compared as strings, never computed with, so
+        // they go unclamped.
+        invocation
+            .arg(publish.member)
+            .arg(publish.fence)
+            .arg(publish.limit)
+            .arg(publish.window_epoch)
+            .arg(millis(publish.member_ttl));
+        for (member, grant, overrides) in publish.grants {
+            invocation.arg(member).arg(grant).arg(overrides);
+        }
+        let (generation, mut connection) = this.connection();
+        let reply = tokio::time::timeout(
+            this.timeout,
+            invocation.invoke_async::<Vec<Value>>(&mut connection),
+        )
+        .await;
+        let reply = this.answer(generation, reply)?;
+        match reply.as_slice() {
+            [flag, seq] if number::<u8>(flag, "publish flag")? == 1 => Ok(Published::Applied {
+                seq: number(seq, "decision seq")?,
+            }),
+            [flag] if number::<u8>(flag, "publish flag")? == 0 => Ok(Published::Fenced),
+            _ => Err(protocol(format_args!(
+                "unexpected fleet_publish reply {reply:?}"
+            ))),
+        }
     }
 
     /// One `EVALSHA`: removes `member` (registration, report, handed grant, and the leader
     /// lease if it holds it). A replica calls it at shutdown, after its streams drained.
     pub async fn fleet_leave(&self, fleet: &str, member: &str) -> Result<(), StoreError> {
-        let _ = (fleet, member);
-        unimplemented!("fleet_leave")
+        let this = &*self.inner;
+        let mut invocation = this.scripts.fleet_leave.prepare_invoke();
+        for part in ["members", "reports", "handed", "leader"] {
+            invocation.key(fleet_key(fleet, part));
+        }
+        invocation.arg(member);
+        let (generation, mut connection) = this.connection();
+        let reply = tokio::time::timeout(
+            this.timeout,
+            invocation.invoke_async::<Value>(&mut connection),
+        )
+        .await;
+        this.answer(generation, reply).map(drop)
     }
+}
+
+/// The fleet's key for `part` (see the module docs).
+fn fleet_key(fleet: &str, part: &str) -> String {
+    format!("tollgate:fleet:{{{fleet}}}:{part}")
+}
+
+/// A duration as script milliseconds, clamped to what a Lua number holds exactly.
+fn millis(duration: Duration) -> u64 {
+    exact(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Decodes `fleet_join.lua`'s reply (its header documents the layout).
+fn decode_join(reply: &[Value]) -> Result<Joined, StoreError> {
+    match reply {
+        [flag, policy] if number::<u8>(flag, "join flag")? == 0 => Ok(Joined::PolicyMismatch {
+            fleet_policy: text(policy, "fleet policy")?,
+        }),
+        [
+            flag,
+            members,
+            leader,
+            fence,
+            seq,
+            limit,
+            window_epoch,
+            decision_fence,
+            grant,
+            overrides,
+            records @ ..,
+        ] if number::<u8>(flag, "join flag")? == 1 => {
+            if records.len() % 3 != 0 {
+                return Err(protocol(format_args!(
+                    "fleet_join: {} values for member records",
+                    records.len()
+                )));
+            }
+            let decision = match optional::<u64>(seq, "decision seq")? {
+                None => None,
+                Some(seq) => Some(Decision {
+                    seq,
+                    limit: number(limit, "decision limit")?,
+                    window_epoch: number(window_epoch, "decision window_epoch")?,
+                    fence: number(decision_fence, "decision fence")?,
+                }),
+            };
+            let reports = records
+                .chunks_exact(3)
+                .map(|record| {
+                    Ok(MemberRecord {
+                        member: text(&record[0], "member id")?,
+                        report: optional_text(&record[1], "member report")?.unwrap_or_default(),
+                        handed: optional(&record[2], "handed grant")?,
+                    })
+                })
+                .collect::<Result<_, StoreError>>()?;
+            Ok(Joined::Member(View {
+                members: number(members, "member count")?,
+                leader: optional_text(leader, "leader")?,
+                fence: optional(fence, "fence")?,
+                decision,
+                grant: optional(grant, "grant")?,
+                overrides: optional_text(overrides, "overrides")?.unwrap_or_default(),
+                reports,
+            }))
+        }
+        _ => Err(protocol(format_args!(
+            "unexpected fleet_join reply {reply:?}"
+        ))),
+    }
+}
+
+/// A string from a script: a bulk string (what keys hold) in UTF-8, or `None` for nil.
+fn optional_text(value: &Value, what: &str) -> Result<Option<String>, StoreError> {
+    match value {
+        Value::Nil => Ok(None),
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone())
+            .map(Some)
+            .map_err(|_| protocol(format_args!("{what} is not UTF-8"))),
+        Value::SimpleString(text) => Ok(Some(text.clone())),
+        Value::Int(n) => Ok(Some(n.to_string())),
+        other => Err(protocol(format_args!("{what}: unexpected {other:?}"))),
+    }
+}
+
+fn text(value: &Value, what: &str) -> Result<String, StoreError> {
+    optional_text(value, what)?.ok_or_else(|| protocol(format_args!("no {what}")))
+}
+
+/// A number from a script, as an integer (one it computed) or a string (one read from a key),
+/// or `None` for nil.
+fn optional<T: FromStr>(value: &Value, what: &str) -> Result<Option<T>, StoreError> {
+    let Some(text) = optional_text(value, what)? else {
+        return Ok(None);
+    };
+    text.parse()
+        .map(Some)
+        .map_err(|_| protocol(format_args!("{what}: {text:?} is not a valid number")))
+}
+
+fn number<T: FromStr>(value: &Value, what: &str) -> Result<T, StoreError> {
+    optional(value, what)?.ok_or_else(|| protocol(format_args!("no {what}")))
 }

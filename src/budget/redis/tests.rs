@@ -403,13 +403,13 @@ fn a_password_file_overrides_the_url_without_its_newline() {
 }
 
 #[test]
-fn every_script_starts_with_the_shared_prelude() {
+fn every_window_script_starts_with_the_shared_prelude() {
     let scripts = Scripts::new();
     let hashes: Vec<&str> = scripts.all().iter().map(|s| s.get_hash()).collect();
     let mut distinct = hashes.clone();
     distinct.sort();
     distinct.dedup();
-    assert_eq!(distinct.len(), 4, "four distinct scripts: {hashes:?}");
+    assert_eq!(distinct.len(), 7, "seven distinct scripts: {hashes:?}");
     for body in [RESERVE, SETTLE, RENEW, USAGE] {
         assert!(
             !body.contains("local function now_ms"),
@@ -417,6 +417,14 @@ fn every_script_starts_with_the_shared_prelude() {
         );
     }
     assert!(COMMON.contains("local function now_ms"));
+    // The fleet scripts keep no windows and are sent as they are.
+    for (script, body) in [
+        (&scripts.fleet_join, FLEET_JOIN),
+        (&scripts.fleet_publish, FLEET_PUBLISH),
+        (&scripts.fleet_leave, FLEET_LEAVE),
+    ] {
+        assert_eq!(script.get_hash(), Script::new(body).get_hash());
+    }
 }
 
 #[test]
