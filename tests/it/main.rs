@@ -7,6 +7,7 @@ mod control;
 mod deploy;
 mod e2e;
 mod envoy_config;
+mod fleet;
 mod fleet_store;
 mod grpc;
 mod lab;

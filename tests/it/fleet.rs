@@ -1,0 +1,473 @@
+//! One in-flight budget across replicas, with real parts: tollgate binaries sharing a real
+//! redis-server, real Envoy in front, and the example upstream as the judge of how many
+//! requests are in flight at once (`GET /upstream/in-flight`).
+//!
+//! - Three replicas behind one Envoy (`LEAST_REQUEST`) never put more than the limit in flight
+//!   upstream, and use all of it.
+//! - One Envoy per replica, uneven traffic (tenant A through replica 1 only, B through all
+//!   three): completions split by the tiers' weights across the deployment.
+//! - Membership: a SIGKILLed replica drops out within the member TTL and its share moves; a
+//!   SIGKILLed leader is replaced; scaling up and down moves the shares; a replica running
+//!   another policy is kept out.
+//! - Redis paused, then killed: each replica falls back to a local budget, says so once, and
+//!   rejoins when Redis answers.
+//!
+//! Time bounds are hang detectors and "eventually within" polls with wide margins, never
+//! latency assertions.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::time::Instant;
+use tollgate_testkit::redis::RedisServer;
+
+use crate::support::envoy::{Envoy, EnvoyPorts, e2e_envoy_version, envoy_binary};
+use crate::support::process::{Tollgate, Upstream};
+
+/// The deployment's limit in most tests.
+const LIMIT: u32 = 6;
+
+/// Fast syncs and short leases, so membership moves within a test's patience.
+fn config(redis: &RedisServer, limit: u32, heavy_weight: u32) -> String {
+    format!(
+        "control: {{enabled: false}}\n\
+         scheduler: {{initial_limit: {limit}}}\n\
+         shutdown: {{drain_deadline_ms: 2000}}\n\
+         fleet: {{sync_ms: 100, member_ttl_ms: 1000, leader_ttl_ms: 600}}\n\
+         store: {{redis_url: \"{}\"}}\n\
+         default_tier: light\n\
+         tiers:\n\
+         \x20 light: {{weight: 1, queue_max: 64, queue_deadline_ms: 3000, max_concurrent: 1000}}\n\
+         \x20 heavy: {{weight: {heavy_weight}, queue_max: 64, queue_deadline_ms: 3000, max_concurrent: 1000}}\n",
+        redis.url_without_password()
+    )
+}
+
+async fn replicas(yaml: &str, count: usize) -> Vec<Tollgate> {
+    let mut replicas = Vec::new();
+    for _ in 0..count {
+        replicas.push(Tollgate::start(yaml).await);
+    }
+    replicas
+}
+
+/// Waits until `check` passes on a scrape of every replica in `replicas`; panics with the last
+/// complaint after `within`.
+async fn eventually(
+    replicas: &[&Tollgate],
+    within: Duration,
+    check: impl Fn(&[tollgate_testkit::metrics::Metrics]) -> Result<(), String>,
+) {
+    let deadline = Instant::now() + within;
+    loop {
+        let mut scrapes = Vec::new();
+        for replica in replicas {
+            scrapes.push(replica.metrics().await);
+        }
+        match check(&scrapes) {
+            Ok(()) => return,
+            Err(last) if Instant::now() >= deadline => panic!("{last} (waited {within:?})"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+/// Which of `gates` holds the leader lease now (exactly one must).
+async fn leader_of(gates: &[Tollgate]) -> usize {
+    let mut leaders = Vec::new();
+    for (i, gate) in gates.iter().enumerate() {
+        if gauge(&gate.metrics().await, "tollgate_fleet_leader") == 1.0 {
+            leaders.push(i);
+        }
+    }
+    assert_eq!(leaders.len(), 1, "exactly one replica leads: {leaders:?}");
+    leaders[0]
+}
+
+fn gauge(metrics: &tollgate_testkit::metrics::Metrics, name: &str) -> f64 {
+    metrics.value(name, &[])
+}
+
+/// Every replica sees `members`, exactly one leads, and the shares add up to `limit`.
+fn settled(members: usize, limit: u32) -> impl Fn(&[tollgate_testkit::metrics::Metrics]) -> Result<(), String> {
+    move |scrapes| {
+        let seen: Vec<f64> = scrapes
+            .iter()
+            .map(|m| gauge(m, "tollgate_fleet_members"))
+            .collect();
+        let leaders: f64 = scrapes.iter().map(|m| gauge(m, "tollgate_fleet_leader")).sum();
+        let shares: Vec<f64> = scrapes
+            .iter()
+            .map(|m| gauge(m, "tollgate_inflight_limit"))
+            .collect();
+        let total: f64 = shares.iter().sum();
+        if seen.iter().all(|&m| m == members as f64) && leaders == 1.0 && total == f64::from(limit)
+        {
+            Ok(())
+        } else {
+            Err(format!(
+                "members seen {seen:?} (want {members}), leaders {leaders}, shares {shares:?} \
+                 (want a sum of {limit})"
+            ))
+        }
+    }
+}
+
+const SETTLE: Duration = Duration::from_secs(15);
+
+/// The front proxy with its ext_proc cluster spread over `extprocs` by least request.
+fn front_proxy_over(extprocs: &[u16], upstream: u16) -> (String, EnvoyPorts) {
+    let config = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/front-proxy.yaml"),
+    )
+    .expect("read envoy/front-proxy.yaml");
+    let ports = EnvoyPorts::free(upstream, extprocs[0]);
+    let rendered =
+        tollgate_testkit::envoy::render_config(&config, &ports).expect("render front-proxy.yaml");
+    let one = format!(
+        "        - endpoint:\n            address:\n              socket_address: {{ address: 127.0.0.1, port_value: {} }}\n",
+        extprocs[0]
+    );
+    assert!(rendered.contains(&one), "the tollgate endpoint is where the test expects it");
+    let all: String = extprocs
+        .iter()
+        .map(|port| {
+            format!(
+                "        - endpoint:\n            address:\n              socket_address: {{ address: 127.0.0.1, port_value: {port} }}\n"
+            )
+        })
+        .collect();
+    let rendered = rendered.replacen(&one, &all, 1).replacen(
+        "  - name: tollgate\n    type: STATIC\n",
+        "  - name: tollgate\n    type: STATIC\n    lb_policy: LEAST_REQUEST\n",
+        1,
+    );
+    assert!(rendered.contains("lb_policy: LEAST_REQUEST"));
+    (rendered, ports)
+}
+
+async fn launch_envoy(name: &str, config: &str, ports: EnvoyPorts) -> Envoy {
+    Envoy::launch_rendered(
+        &envoy_binary(&e2e_envoy_version()),
+        name,
+        config,
+        ports.listen,
+        ports.admin,
+        None,
+    )
+    .await
+    .unwrap_or_else(|error| panic!("{error:#}"))
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(30))
+        .pool_max_idle_per_host(256)
+        .build()
+        .expect("HTTP client")
+}
+
+/// One chat request for `user` of `tier` through `envoy`, held `hold_ms` by the upstream before
+/// its first token; its status.
+async fn chat(client: &reqwest::Client, envoy: &Envoy, user: &str, tier: &str, hold_ms: u64) -> u16 {
+    let body = json!({
+        "model": "upstream-sim",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hello"}],
+    });
+    match client
+        .post(format!("http://{}/v1/chat/completions", envoy.listen))
+        .header("x-user-id", user)
+        .header("x-user-tier", tier)
+        .header("x-upstream-ttft-ms", hold_ms.to_string())
+        .json(&body)
+        .send()
+        .await
+    {
+        Ok(response) => {
+            let status = response.status().as_u16();
+            let _ = response.bytes().await;
+            status
+        }
+        Err(_) => 0,
+    }
+}
+
+async fn upstream_peak(upstream: &Upstream, reset: bool) -> u64 {
+    let client = client();
+    if reset {
+        client
+            .post(format!("http://{}/upstream/in-flight/reset", upstream.addr))
+            .send()
+            .await
+            .expect("reset the upstream's peak");
+    }
+    let stats: Value = client
+        .get(format!("http://{}/upstream/in-flight", upstream.addr))
+        .send()
+        .await
+        .expect("the upstream's in-flight judge")
+        .json()
+        .await
+        .expect("JSON");
+    stats["peak"].as_u64().expect("peak")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The limit holds across replicas
+// ---------------------------------------------------------------------------------------------
+
+/// The issue's measurement: thirty 2 s streams from thirty users over three replicas sharing a
+/// limit of 6. Before the fleet, the upstream saw 18 at once (each replica admitted 6).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_behind_one_envoy_hold_one_limit_and_use_all_of_it() {
+    let redis = RedisServer::start().await;
+    let upstream = Upstream::start(&[]);
+    let yaml = config(&redis, LIMIT, 3);
+    let gates = replicas(&yaml, 3).await;
+    let refs: Vec<&Tollgate> = gates.iter().collect();
+    eventually(&refs, SETTLE, settled(3, LIMIT)).await;
+    let ports: Vec<u16> = gates.iter().map(|g| g.grpc.port()).collect();
+    let (config, envoy_ports) = front_proxy_over(&ports, upstream.addr.port());
+    let envoy = launch_envoy("envoy-fleet", &config, envoy_ports).await;
+    let client = client();
+    assert_eq!(upstream_peak(&upstream, true).await, 0);
+
+    let requests = (0..30).map(|i| {
+        let client = client.clone();
+        let envoy = &envoy;
+        async move { chat(&client, envoy, &format!("user-{i}"), "light", 2_000).await }
+    });
+    let statuses = futures_util::future::join_all(requests).await;
+    let peak = upstream_peak(&upstream, false).await;
+    let admitted = statuses.iter().filter(|&&s| s == 200).count();
+    eprintln!("upstream peak {peak}, admitted {admitted} of 30");
+    assert!(
+        peak <= u64::from(LIMIT),
+        "the upstream saw {peak} in flight at once; the deployment's limit is {LIMIT} \
+         (statuses {statuses:?})"
+    );
+    assert!(
+        peak >= u64::from(LIMIT) - 1,
+        "the limit was not used: the upstream saw at most {peak} at once (statuses {statuses:?})"
+    );
+    assert!(admitted >= LIMIT as usize, "statuses {statuses:?}");
+    assert!(
+        statuses.iter().all(|&s| s == 200 || s == 503),
+        "every request is admitted or shed: {statuses:?}"
+    );
+}
+
+/// Tenant A (weight 3) reaches replica 1 only; tenant B (weight 1) reaches all three, each
+/// through its own Envoy. Both keep more requests waiting than their share, so completions
+/// split as the weights say, 3 : 1, across the deployment, not within each replica (which
+/// would give A 3/4 of replica 1 and B everything else: about 1 : 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weights_hold_across_the_deployment_when_traffic_is_uneven() {
+    const LIMIT: u32 = 24;
+    const HOLD_MS: u64 = 300;
+    let redis = RedisServer::start().await;
+    let upstream = Upstream::start(&[]);
+    let yaml = config(&redis, LIMIT, 3);
+    let gates = replicas(&yaml, 3).await;
+    let refs: Vec<&Tollgate> = gates.iter().collect();
+    eventually(&refs, SETTLE, settled(3, LIMIT)).await;
+    let mut envoys = Vec::new();
+    for (i, gate) in gates.iter().enumerate() {
+        let config = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/front-proxy.yaml"),
+        )
+        .expect("read envoy/front-proxy.yaml");
+        let ports = EnvoyPorts::free(upstream.addr.port(), gate.grpc.port());
+        let rendered = tollgate_testkit::envoy::render_config(&config, &ports).expect("render");
+        envoys.push(launch_envoy(&format!("envoy-{i}"), &rendered, ports).await);
+    }
+    let envoys = Arc::new(envoys);
+    let client = client();
+    let stop = Arc::new(AtomicBool::new(false));
+    let counting = Arc::new(AtomicBool::new(false));
+    let completed = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+    let mut workers = Vec::new();
+    // (tenant index, tier, envoy index): A's 30 clients on Envoy 0; B's 10 on each Envoy.
+    let mut plan = vec![(0usize, "heavy", 0usize); 30];
+    for envoy in 0..3 {
+        plan.extend(std::iter::repeat_n((1usize, "light", envoy), 10));
+    }
+    for (tenant, tier, envoy) in plan {
+        let (client, envoys, stop, counting, completed) = (
+            client.clone(),
+            envoys.clone(),
+            stop.clone(),
+            counting.clone(),
+            completed.clone(),
+        );
+        workers.push(tokio::spawn(async move {
+            let user = ["tenant-a", "tenant-b"][tenant];
+            while !stop.load(Ordering::SeqCst) {
+                let counted = counting.load(Ordering::SeqCst);
+                let status = chat(&client, &envoys[envoy], user, tier, HOLD_MS).await;
+                if status == 200 {
+                    if counted && counting.load(Ordering::SeqCst) {
+                        completed[tenant].fetch_add(1, Ordering::SeqCst);
+                    }
+                } else {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }));
+    }
+    // Warm up until the shares have followed the demand, then count requests that both started
+    // and ended inside the measured period.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    counting.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    counting.store(false, Ordering::SeqCst);
+    stop.store(true, Ordering::SeqCst);
+    for worker in workers {
+        worker.await.expect("worker");
+    }
+    let a = completed[0].load(Ordering::SeqCst) as f64;
+    let b = completed[1].load(Ordering::SeqCst) as f64;
+    let share = a / (a + b);
+    eprintln!("completions: A {a}, B {b}; A's share {share:.3} (weights say 0.75)");
+    assert!(
+        a + b >= 200.0,
+        "too few completions to judge shares: A {a}, B {b}"
+    );
+    assert!(
+        (share - 0.75).abs() <= 0.75 * 0.05,
+        "A completed {a} and B {b}: A's share {share:.3} is not within 5% of 0.75"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Membership
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_killed_started_and_stopped_move_the_shares_and_the_leadership() {
+    let redis = RedisServer::start().await;
+    let yaml = config(&redis, LIMIT, 3);
+    let mut gates = replicas(&yaml, 3).await;
+    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(3, LIMIT)).await;
+
+    // SIGKILL a replica that does not lead: the others drop it within the member TTL and take
+    // its share.
+    let leader = leader_of(&gates).await;
+    let follower = (0..gates.len()).find(|&i| i != leader).expect("a follower");
+    let mut killed = gates.remove(follower);
+    killed.kill();
+    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(2, LIMIT)).await;
+
+    // SIGKILL the leader: the survivor takes the lease within its TTL, and the whole limit.
+    let leader = leader_of(&gates).await;
+    let mut dead_leader = gates.remove(leader);
+    dead_leader.kill();
+    let survivor = &gates[0];
+    eventually(&[survivor], SETTLE, settled(1, LIMIT)).await;
+    assert_eq!(
+        survivor
+            .metrics()
+            .await
+            .value("tollgate_fleet_leaderships_total", &[]),
+        1.0,
+        "the survivor took the lease once"
+    );
+
+    // Scale up to 4, then down to 2 by SIGTERM: shares follow within seconds.
+    gates.extend(replicas(&yaml, 3).await);
+    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(4, LIMIT)).await;
+    for gate in &gates[2..] {
+        gate.terminate();
+    }
+    for gate in gates.iter_mut().skip(2) {
+        assert!(gate.wait_exit(Duration::from_secs(15)).await.success());
+    }
+    gates.truncate(2);
+    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(2, LIMIT)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_running_another_policy_is_kept_out_and_runs_alone() {
+    let redis = RedisServer::start().await;
+    let gates = replicas(&config(&redis, LIMIT, 3), 2).await;
+    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(2, LIMIT)).await;
+    // Another weight for the heavy tier: another policy.
+    let stranger = Tollgate::start(&config(&redis, LIMIT, 5)).await;
+    stranger
+        .wait_for_metric("tollgate_fleet_standing", &["standing=\"refused\""], 1.0)
+        .await;
+    stranger
+        .wait_for_metric(
+            "tollgate_fleet_fallbacks_total",
+            &["reason=\"policy_mismatch\""],
+            1.0,
+        )
+        .await;
+    assert!(
+        stranger.log().contains("the live replicas run another policy"),
+        "it says why: {}",
+        stranger.log()
+    );
+    // Nobody else's view changed: still two members sharing the whole limit.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(2, LIMIT)).await;
+    // Alone, it runs the limit split by the replicas it knows of (none: fallback_replicas, 1).
+    let metrics = stranger.metrics().await;
+    assert_eq!(gauge(&metrics, "tollgate_inflight_limit"), f64::from(LIMIT));
+    let logged = stranger.log().matches("another policy").count();
+    assert_eq!(logged, 1, "logged once, not once per sync");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Redis unreachable
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_redis_each_replica_runs_its_last_share_and_rejoins_when_it_returns() {
+    let mut redis = RedisServer::start().await;
+    let gates = replicas(&config(&redis, LIMIT, 3), 2).await;
+    let refs: Vec<&Tollgate> = gates.iter().collect();
+    eventually(&refs, SETTLE, settled(2, LIMIT)).await;
+
+    // Paused: the syncs time out, each replica falls back to its last share (3 of 6).
+    redis.cmd(&["CLIENT", "PAUSE", "3000", "ALL"]).await;
+    for gate in &gates {
+        gate.wait_for_metric("tollgate_fleet_standing", &["standing=\"fallback\""], 1.0)
+            .await;
+        assert_eq!(
+            gauge(&gate.metrics().await, "tollgate_inflight_limit"),
+            3.0,
+            "its last share"
+        );
+    }
+    // Back: members again, one limit.
+    eventually(&refs, SETTLE, settled(2, LIMIT)).await;
+
+    // Killed, then restarted empty: the same, and the fleet is rebuilt from nothing.
+    redis.kill();
+    for gate in &gates {
+        gate.wait_for_metric("tollgate_fleet_standing", &["standing=\"fallback\""], 1.0)
+            .await;
+        gate.wait_for_metric(
+            "tollgate_fleet_fallbacks_total",
+            &["reason=\"store_unreachable\""],
+            2.0,
+        )
+        .await;
+    }
+    redis.restart().await;
+    eventually(&refs, SETTLE, settled(2, LIMIT)).await;
+    for gate in &gates {
+        let log = gate.log();
+        assert_eq!(
+            log.matches("Redis cannot be reached").count(),
+            2,
+            "one warning per outage, not one per sync: {log}"
+        );
+    }
+}
