@@ -60,7 +60,7 @@ use crate::control::scrape::Scraper;
 use crate::control::window::{self, LatencyWindow};
 use crate::control::{Action, Aimd, AimdConfig, Observation, engine};
 use crate::lifecycle::{Lifecycle, reached};
-use crate::observe::{FleetStanding, Metrics};
+use crate::observe::{FleetCall, FleetStanding, Metrics};
 use crate::policy::Policy;
 use crate::scheduler::{Scheduler, Share, TenantKey};
 use share::{FlowDemand, MemberLoad};
@@ -235,6 +235,7 @@ impl Fleet {
                 joined = self.store.fleet_join(&heartbeat) => joined,
                 () = reached(&mut self.lifecycle, Lifecycle::Closing) => break,
             };
+            self.metrics.fleet_store_call(FleetCall::Join, joined.is_ok());
             match joined {
                 Ok(Joined::Member(view)) => {
                     if memory.standing != FleetStanding::Member {
@@ -312,7 +313,9 @@ impl Fleet {
                 memory.leadership.is_some(),
             );
         }
-        match self.store.fleet_leave(&fleet.name, &self.member_id).await {
+        let left = self.store.fleet_leave(&fleet.name, &self.member_id).await;
+        self.metrics.fleet_store_call(FleetCall::Leave, left.is_ok());
+        match left {
             Ok(()) => tracing::info!(member = %self.member_id, "fleet: left"),
             Err(error) => tracing::warn!(
                 %error,
@@ -448,7 +451,10 @@ impl Fleet {
             grants: &grants,
             member_ttl: Duration::from_millis(self.policy.fleet.member_ttl_ms),
         };
-        match self.store.fleet_publish(&publish).await {
+        let published = self.store.fleet_publish(&publish).await;
+        self.metrics
+            .fleet_store_call(FleetCall::Publish, published.is_ok());
+        match published {
             Ok(Published::Applied { .. }) => {
                 memory.global_limit = limit;
                 memory.window_epoch = Some(leadership.window_epoch);

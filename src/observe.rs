@@ -60,6 +60,7 @@ pub const FLEET_LEADER: &str = "tollgate_fleet_leader";
 pub const FLEET_STANDING: &str = "tollgate_fleet_standing";
 pub const FLEET_FALLBACKS: &str = "tollgate_fleet_fallbacks_total";
 pub const FLEET_LEADERSHIPS: &str = "tollgate_fleet_leaderships_total";
+pub const FLEET_STORE_CALLS: &str = "tollgate_fleet_store_calls_total";
 
 /// Seconds from first token targets of tens of ms up to the 30 s+ of an overloaded vLLM.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -170,6 +171,26 @@ impl FleetStanding {
             FleetStanding::Member => "member",
             FleetStanding::Fallback => "fallback",
             FleetStanding::Refused => "refused",
+        }
+    }
+}
+
+/// One of the fleet's Redis calls: the `op` label of `tollgate_fleet_store_calls_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FleetCall {
+    Join,
+    Publish,
+    Leave,
+}
+
+impl FleetCall {
+    const ALL: [FleetCall; 3] = [FleetCall::Join, FleetCall::Publish, FleetCall::Leave];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FleetCall::Join => "join",
+            FleetCall::Publish => "publish",
+            FleetCall::Leave => "leave",
         }
     }
 }
@@ -401,6 +422,8 @@ struct Inner {
     /// `[store_unreachable, policy_mismatch]`.
     fleet_fallbacks: [Counter; 2],
     fleet_leaderships: Counter,
+    /// `[join, publish, leave]` × `[ok, error]`.
+    fleet_store_calls: [[Counter; 2]; 3],
 }
 
 impl Metrics {
@@ -616,6 +639,12 @@ impl Metrics {
              policy_mismatch).",
         );
         r.describe_counter(
+            FLEET_STORE_CALLS,
+            Unit::Count,
+            "Redis calls the fleet's sync made (one EVALSHA each, off the request path), by op \
+             (join: every sync; publish: the leader's decision; leave: at shutdown) and result.",
+        );
+        r.describe_counter(
             FLEET_LEADERSHIPS,
             Unit::Count,
             "Times this replica took the fleet's leader lease.",
@@ -757,6 +786,14 @@ impl Metrics {
             fleet_fallbacks: ["store_unreachable", "policy_mismatch"]
                 .map(|reason| r.counter(FLEET_FALLBACKS, &[("reason", reason)])),
             fleet_leaderships: r.counter(FLEET_LEADERSHIPS, &[]),
+            fleet_store_calls: FleetCall::ALL.map(|call| {
+                ["ok", "error"].map(|result| {
+                    r.counter(
+                        FLEET_STORE_CALLS,
+                        &[("op", call.as_str()), ("result", result)],
+                    )
+                })
+            }),
             handle: recorder.handle(),
         };
         // Nothing scraped yet (or the engines' signal is off): unknown, not an idle engine.
@@ -934,6 +971,11 @@ impl Metrics {
     /// Counts a fall back to a local budget: `policy_mismatch` or else the store unreachable.
     pub fn fleet_fallback(&self, policy_mismatch: bool) {
         self.inner.fleet_fallbacks[usize::from(policy_mismatch)].increment(1);
+    }
+
+    /// Counts one of the fleet's Redis calls.
+    pub fn fleet_store_call(&self, call: FleetCall, ok: bool) {
+        self.inner.fleet_store_calls[call as usize][usize::from(!ok)].increment(1);
     }
 
     /// Counts a leadership taken.
