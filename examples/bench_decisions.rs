@@ -13,7 +13,9 @@
 //!    MONITOR shows as client `lua`) is counted per segment: the requirement is exactly one
 //!    `EVALSHA` in each, the same script in every admit segment, another in every settle one,
 //!    and nothing in an idle second after the last request. Start-up commands (`SCRIPT LOAD`,
-//!    connection setup) are reported separately. Leases are renewed every
+//!    connection setup) are reported separately, and so are the fleet's syncs (the budget the
+//!    replicas share: one `EVALSHA` a `fleet.sync_ms` on a connection of its own, told apart by
+//!    its `tollgate:fleet:` keys), which no request waits for. Leases are renewed every
 //!    `store.lease_renew_ms`; the configuration sets it to an hour so no renewal falls into the
 //!    run. MONITOR is closed before anything is timed: it slows Redis down.
 //!
@@ -39,7 +41,8 @@
 //!    the server's own histograms (`tollgate_decision_duration_seconds`,
 //!    `tollgate_store_request_duration_seconds`) and Redis's `INFO commandstats` (calls and µs
 //!    of `EVALSHA`) are read around each run, to show where the time goes, and `EVALSHA` calls
-//!    per decision are checked to be exactly 2 (a store that timed out would have let decisions
+//!    per decision (less the fleet's syncs, `tollgate_fleet_store_calls_total`) are checked to
+//!    be exactly 2 (a store that timed out would have let decisions
 //!    through without Redis and inflated the figures).
 //!
 //! The budgets are set never to refuse (10^9 tokens an hour, 100,000 concurrent per tenant), the
@@ -579,6 +582,8 @@ struct RoundTripCheck {
     idle: Vec<RedisCommand>,
     /// `cmdstat_evalsha` calls over the checked requests, from `INFO commandstats`.
     evalsha_calls: u64,
+    /// Of those, the fleet's syncs (one a `fleet.sync_ms`, on their own connection).
+    fleet_calls: u64,
     passed: bool,
 }
 
@@ -666,6 +671,7 @@ async fn round_trip_check(
 
     // Split the log at our markers; keep tollgate's own commands (not ours, not its scripts').
     let mut segments: Vec<(String, Vec<RedisCommand>)> = vec![("before".to_owned(), Vec::new())];
+    let mut fleet_calls = 0u64;
     for entry in log {
         if entry.client == own {
             if entry.command.name == "ECHO"
@@ -676,6 +682,13 @@ async fn round_trip_check(
             continue;
         }
         if entry.client == "lua" {
+            continue;
+        }
+        if entry.fleet {
+            // Counted once start-up is over, like the EVALSHA calls from INFO.
+            if segments.len() > 1 {
+                fleet_calls += 1;
+            }
             continue;
         }
         if let Some((_, commands)) = segments.last_mut() {
@@ -716,7 +729,7 @@ async fn round_trip_check(
     let settle_sha = single_script(&settle_segments);
     let passed = matches!((&reserve_sha, &settle_sha), (Some(r), Some(s)) if r != s)
         && idle.is_empty()
-        && evalsha_calls == 2 * requests as u64;
+        && evalsha_calls == 2 * requests as u64 + fleet_calls;
     Ok(RoundTripCheck {
         requests,
         startup,
@@ -724,6 +737,7 @@ async fn round_trip_check(
         settle_segments,
         idle,
         evalsha_calls,
+        fleet_calls,
         passed,
     })
 }
@@ -784,10 +798,12 @@ impl RoundTripCheck {
             (
                 "INFO commandstats cmdstat_evalsha calls".to_owned(),
                 format!(
-                    "{} for {} requests ({:.3} per request)",
+                    "{} for {} requests: {} fleet syncs (off the request path) and {:.3} per \
+                     request",
                     self.evalsha_calls,
                     self.requests,
-                    self.evalsha_calls as f64 / self.requests.max(1) as f64
+                    self.fleet_calls,
+                    (self.evalsha_calls - self.fleet_calls) as f64 / self.requests.max(1) as f64
                 ),
             ),
             (
@@ -809,6 +825,7 @@ impl RoundTripCheck {
             "settle_segments": Self::shapes(&self.settle_segments),
             "idle": self.idle.iter().map(RedisCommand::label).collect::<Vec<_>>(),
             "evalsha_calls": self.evalsha_calls,
+            "fleet_calls": self.fleet_calls,
             "passed": self.passed,
         })
     }
@@ -907,6 +924,9 @@ struct MonitorEntry {
     /// `ip:port` of the client, or `lua` for a command a script ran.
     client: String,
     command: RedisCommand,
+    /// A fleet sync (`EVALSHA` on `tollgate:fleet:{...}` keys): the shared budget's
+    /// coordination, on a connection of its own and off every request's path.
+    fleet: bool,
 }
 
 /// A MONITOR connection read by a task of its own into a shared log; closed on drop.
@@ -941,8 +961,9 @@ impl Monitor {
         Ok(Monitor { log, task })
     }
 
+    /// Entries so far, the fleet's periodic syncs left out (they never go quiet).
     fn len(&self) -> usize {
-        lock(&self.log).len()
+        lock(&self.log).iter().filter(|entry| !entry.fleet).count()
     }
 
     /// Waits until the marker `name` shows in the log, then stops monitoring and returns the log.
@@ -978,14 +999,18 @@ fn parse_monitor_line(line: &str) -> Option<MonitorEntry> {
     let close = open + rest[open..].find("] ")?;
     let source = &rest[open + 1..close];
     let client = source.split_once(' ').map_or(source, |(_, client)| client);
-    let mut tokens = quoted_tokens(&rest[close + 2..], 2).into_iter();
+    let mut tokens = quoted_tokens(&rest[close + 2..], 4).into_iter();
     let name = tokens.next()?.to_ascii_uppercase();
+    let arg = tokens.next().unwrap_or_default();
+    // EVALSHA sha numkeys key...: the first key tells a fleet sync.
+    let fleet = name == "EVALSHA"
+        && tokens
+            .nth(1)
+            .is_some_and(|key| key.starts_with("tollgate:fleet:"));
     Some(MonitorEntry {
         client: client.to_owned(),
-        command: RedisCommand {
-            name,
-            arg: tokens.next().unwrap_or_default(),
-        },
+        command: RedisCommand { name, arg },
+        fleet,
     })
 }
 
@@ -1171,7 +1196,10 @@ struct TollgateStats {
 
 /// Redis's view of a run, from `INFO commandstats` before and after.
 struct RedisStats {
+    /// `EVALSHA` calls of the decisions: Redis's count less the fleet's syncs (tollgate's
+    /// `tollgate_fleet_store_calls_total`), which run on their own, a few a second.
     evalsha_calls: u64,
+    fleet_calls: u64,
     /// Time Redis spent executing them (its main thread), µs per call.
     usec_per_evalsha: f64,
 }
@@ -1268,6 +1296,7 @@ impl Run {
             })),
             "redis": self.redis.as_ref().map(|r| json!({
                 "evalsha_calls": r.evalsha_calls,
+                "fleet_calls": r.fleet_calls,
                 "usec_per_evalsha": r.usec_per_evalsha,
             })),
             "clean": self.clean(),
@@ -1400,14 +1429,12 @@ async fn measure(
     let (calls0, usec0) = evalsha(&commands_before);
     let (calls1, usec1) = evalsha(&commands_after);
     let evalsha_calls = calls1 - calls0;
-    let redis_view = server.uses_redis.then(|| RedisStats {
-        evalsha_calls,
-        usec_per_evalsha: (usec1 - usec0) as f64 / evalsha_calls.max(1) as f64,
-    });
+    let mut fleet_calls = 0;
 
     let tollgate = match (server.admin, metrics_before) {
         (Some(admin), Some(before)) => {
             let delta = scrape(admin).await?.minus(&before);
+            fleet_calls = delta.sum("tollgate_fleet_store_calls_total", &[]) as u64;
             let store = "tollgate_store_request_duration_seconds";
             let micros = |seconds: f64| seconds * 1e6;
             Some(TollgateStats {
@@ -1436,6 +1463,11 @@ async fn measure(
         }
         _ => None,
     };
+    let redis_view = server.uses_redis.then(|| RedisStats {
+        evalsha_calls: evalsha_calls.saturating_sub(fleet_calls),
+        fleet_calls,
+        usec_per_evalsha: (usec1 - usec0) as f64 / evalsha_calls.max(1) as f64,
+    });
     Ok(Run {
         server: server.name,
         decisions: total.decisions,

@@ -404,7 +404,11 @@ async fn in_flight(State(judge): State<InFlight>) -> Response {
         "in_flight": judge.now.load(Ordering::SeqCst),
         "peak": judge.peak.load(Ordering::SeqCst),
     });
-    ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
 }
 
 async fn reset_in_flight(State(judge): State<InFlight>) -> Response {

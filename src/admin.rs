@@ -58,9 +58,10 @@ async fn metrics_text(State(state): State<AdminState>) -> impl IntoResponse {
 
 async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
     match *state.lifecycle.borrow() {
-        Lifecycle::Serving if !*state.budget_ready.borrow() => {
-            (StatusCode::SERVICE_UNAVAILABLE, "waiting for a share of the fleet's budget\n")
-        }
+        Lifecycle::Serving if !*state.budget_ready.borrow() => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "waiting for a share of the fleet's budget\n",
+        ),
         Lifecycle::Serving => (StatusCode::OK, "ready\n"),
         Lifecycle::Draining | Lifecycle::Closing => (StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
     }

@@ -235,7 +235,8 @@ impl Fleet {
                 joined = self.store.fleet_join(&heartbeat) => joined,
                 () = reached(&mut self.lifecycle, Lifecycle::Closing) => break,
             };
-            self.metrics.fleet_store_call(FleetCall::Join, joined.is_ok());
+            self.metrics
+                .fleet_store_call(FleetCall::Join, joined.is_ok());
             match joined {
                 Ok(Joined::Member(view)) => {
                     if memory.standing != FleetStanding::Member {
@@ -303,7 +304,8 @@ impl Fleet {
                 || memory.standing != FleetStanding::Member
                 || u64::from(memory.syncs) * fleet.sync_ms >= fleet.member_ttl_ms
             {
-                self.budget_ready.send_if_modified(|ready| !std::mem::replace(ready, true));
+                self.budget_ready
+                    .send_if_modified(|ready| !std::mem::replace(ready, true));
             }
             self.metrics.scheduler_load(load);
             self.metrics.fleet(
@@ -314,7 +316,8 @@ impl Fleet {
             );
         }
         let left = self.store.fleet_leave(&fleet.name, &self.member_id).await;
-        self.metrics.fleet_store_call(FleetCall::Leave, left.is_ok());
+        self.metrics
+            .fleet_store_call(FleetCall::Leave, left.is_ok());
         match left {
             Ok(()) => tracing::info!(member = %self.member_id, "fleet: left"),
             Err(error) => tracing::warn!(
@@ -421,7 +424,13 @@ impl Fleet {
             })
             .collect();
         let mut leadership = leadership;
-        self.lead(&mut leadership, &reports, control_due, engine_saturation, config);
+        self.lead(
+            &mut leadership,
+            &reports,
+            control_due,
+            engine_saturation,
+            config,
+        );
         let limit = if self.policy.control.enabled {
             leadership.aimd.limit()
         } else {
@@ -512,17 +521,16 @@ impl Fleet {
             window::lock(&self.ttft_window).restart(Instant::now());
         }
         self.metrics.controller_tick(action, p99);
-        tracing::debug!(?observation, ?action, limit = leadership.aimd.limit(), "fleet controller tick");
+        tracing::debug!(
+            ?observation,
+            ?action,
+            limit = leadership.aimd.limit(),
+            "fleet controller tick"
+        );
     }
 
     /// Runs on a local budget (see "When Redis cannot be reached").
-    fn alone(
-        &self,
-        memory: &mut Memory,
-        standing: FleetStanding,
-        control_due: bool,
-        now: Instant,
-    ) {
+    fn alone(&self, memory: &mut Memory, standing: FleetStanding, control_due: bool, now: Instant) {
         memory.standing = standing;
         memory.leadership = None;
         let control = &self.policy.control;
@@ -573,7 +581,12 @@ impl Fleet {
         let limit = if control.enabled {
             alone.aimd.limit()
         } else {
-            fallback_limit(fleet.fallback, memory.last_share, memory.global_limit, replicas)
+            fallback_limit(
+                fleet.fallback,
+                memory.last_share,
+                memory.global_limit,
+                replicas,
+            )
         };
         self.scheduler.set_share(limit, limit, Some(HashMap::new()));
     }

@@ -123,7 +123,9 @@ async fn read_password(path: &str) -> Result<String, Error> {
     Ok(tokio::fs::read_to_string(path)
         .await
         .map_err(|e| {
-            config::ConfigError(format!("store.redis_password_file: cannot read {path}: {e}"))
+            config::ConfigError(format!(
+                "store.redis_password_file: cannot read {path}: {e}"
+            ))
         })?
         .trim_end_matches(['\n', '\r'])
         .to_owned())

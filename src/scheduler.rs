@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::oneshot;
 
 use crate::observe::SchedulerGauges;
-pub use fair::{FlowClass, FlowLoad, SHARE_SCALE, Share, TenantKey};
 use fair::{EntryKey, FairQueue, FlowKey, Submit};
+pub use fair::{FlowClass, FlowLoad, SHARE_SCALE, Share, TenantKey};
 
 /// The global in-flight budget and the per-tenant queues in front of it.
 pub struct Scheduler {

@@ -257,7 +257,11 @@ impl LatencyWindow {
         }
         let current = self.advance(now);
         let ring = self.slots.len() as u64;
-        for slot in self.slots.iter().filter(|slot| is_live(slot, current, ring)) {
+        for slot in self
+            .slots
+            .iter()
+            .filter(|slot| is_live(slot, current, ring))
+        {
             for (total, count) in dense.iter_mut().zip(slot.counts.iter()) {
                 *total += count;
             }

@@ -89,7 +89,6 @@ pub struct MemberShare {
     pub overrides: HashMap<TenantKey, Share>,
 }
 
-
 /// Divides `limit` among `members` (see the module documentation). The answer is in the
 /// order of `members`.
 pub fn divide(limit: u32, members: &[MemberLoad<'_>]) -> Vec<MemberShare> {
@@ -126,10 +125,7 @@ struct Tenant {
 }
 
 /// Every replica's target (summing to `limit`) and its tenants' overrides.
-fn targets(
-    limit: u32,
-    members: &[MemberLoad<'_>],
-) -> (Vec<u32>, Vec<HashMap<TenantKey, Share>>) {
+fn targets(limit: u32, members: &[MemberLoad<'_>]) -> (Vec<u32>, Vec<HashMap<TenantKey, Share>>) {
     let mut tenants: BTreeMap<u64, Tenant> = BTreeMap::new();
     for flow in members.iter().flat_map(|member| member.flows) {
         let tenant = tenants.entry(flow.tenant).or_insert(Tenant {
@@ -162,8 +158,7 @@ fn targets(
             overrides.insert(
                 TenantKey(flow.tenant),
                 Share {
-                    weight: ((tenant.weight * part * f64::from(SHARE_SCALE)).round() as u32)
-                        .max(1),
+                    weight: ((tenant.weight * part * f64::from(SHARE_SCALE)).round() as u32).max(1),
                     reserved_slots: reserved.round() as u32,
                 },
             );

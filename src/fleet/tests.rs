@@ -42,7 +42,10 @@ fn overrides_survive_their_encoding() {
     .into();
     assert_eq!(decode_overrides(&encode_overrides(&overrides)), overrides);
     assert!(decode_overrides("").is_empty());
-    assert!(decode_overrides("not json").is_empty(), "a foreign value is no overrides");
+    assert!(
+        decode_overrides("not json").is_empty(),
+        "a foreign value is no overrides"
+    );
 }
 
 #[test]

@@ -73,7 +73,26 @@ impl TollgateCommand {
     }
 
     /// Starts it with its output in `<log_dir>/<name>.log`, and waits until it is ready.
+    ///
+    /// The ports are picked free and then bound by the child, so another process can take one
+    /// in between (many tests start processes at once): a child that exits saying so is started
+    /// again on fresh ports, up to `PORT_ATTEMPTS` times.
     pub async fn start(self, log_dir: &Path) -> Result<TollgateProcess> {
+        let mut attempt = 1;
+        loop {
+            match self.start_once(log_dir).await {
+                Err(error)
+                    if attempt < PORT_ATTEMPTS
+                        && format!("{error:#}").contains("Address already in use") =>
+                {
+                    attempt += 1;
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    async fn start_once(&self, log_dir: &Path) -> Result<TollgateProcess> {
         let grpc = free_addr();
         let admin = free_addr();
         let mut command = Command::new(&self.binary);
@@ -90,14 +109,19 @@ impl TollgateCommand {
                 command.env_remove(variable);
             }
         }
-        command.env("RUST_LOG", &self.rust_log).envs(self.envs);
+        command
+            .env("RUST_LOG", &self.rust_log)
+            .envs(self.envs.iter().cloned());
         let log = log_dir.join(format!("{}.log", self.name));
-        let proc = Proc::spawn_logged(self.name, &mut command, log)?;
+        let proc = Proc::spawn_logged(self.name.clone(), &mut command, log)?;
         let url = format!("http://{admin}/readyz");
         wait_until_http(&proc, self.ready_timeout, &url, |_| true).await?;
         Ok(TollgateProcess { grpc, admin, proc })
     }
 }
+
+/// Starts on fresh ports after a port was taken in between (see `TollgateCommand::start`).
+const PORT_ATTEMPTS: u32 = 3;
 
 /// A running tollgate; killed (and reaped) on drop.
 pub struct TollgateProcess {

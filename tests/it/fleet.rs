@@ -92,13 +92,19 @@ fn gauge(metrics: &tollgate_testkit::metrics::Metrics, name: &str) -> f64 {
 }
 
 /// Every replica sees `members`, exactly one leads, and the shares add up to `limit`.
-fn settled(members: usize, limit: u32) -> impl Fn(&[tollgate_testkit::metrics::Metrics]) -> Result<(), String> {
+fn settled(
+    members: usize,
+    limit: u32,
+) -> impl Fn(&[tollgate_testkit::metrics::Metrics]) -> Result<(), String> {
     move |scrapes| {
         let seen: Vec<f64> = scrapes
             .iter()
             .map(|m| gauge(m, "tollgate_fleet_members"))
             .collect();
-        let leaders: f64 = scrapes.iter().map(|m| gauge(m, "tollgate_fleet_leader")).sum();
+        let leaders: f64 = scrapes
+            .iter()
+            .map(|m| gauge(m, "tollgate_fleet_leader"))
+            .sum();
         let shares: Vec<f64> = scrapes
             .iter()
             .map(|m| gauge(m, "tollgate_inflight_limit"))
@@ -131,7 +137,10 @@ fn front_proxy_over(extprocs: &[u16], upstream: u16) -> (String, EnvoyPorts) {
         "        - endpoint:\n            address:\n              socket_address: {{ address: 127.0.0.1, port_value: {} }}\n",
         extprocs[0]
     );
-    assert!(rendered.contains(&one), "the tollgate endpoint is where the test expects it");
+    assert!(
+        rendered.contains(&one),
+        "the tollgate endpoint is where the test expects it"
+    );
     let all: String = extprocs
         .iter()
         .map(|port| {
@@ -173,7 +182,13 @@ fn client() -> reqwest::Client {
 
 /// One chat request for `user` of `tier` through `envoy`, held `hold_ms` by the upstream before
 /// its first token; its status.
-async fn chat(client: &reqwest::Client, envoy: &Envoy, user: &str, tier: &str, hold_ms: u64) -> u16 {
+async fn chat(
+    client: &reqwest::Client,
+    envoy: &Envoy,
+    user: &str,
+    tier: &str,
+    hold_ms: u64,
+) -> u16 {
     let body = json!({
         "model": "upstream-sim",
         "max_tokens": 4,
@@ -409,7 +424,9 @@ async fn a_replica_running_another_policy_is_kept_out_and_runs_alone() {
         )
         .await;
     assert!(
-        stranger.log().contains("the live replicas run another policy"),
+        stranger
+            .log()
+            .contains("the live replicas run another policy"),
         "it says why: {}",
         stranger.log()
     );

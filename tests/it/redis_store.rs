@@ -260,6 +260,16 @@ async fn a_flushed_script_cache_is_reloaded_and_usage_survives() {
         let windows = windows();
         let first = reserve_until_granted(&store, &reservation("alice", "l1", 100, &windows)).await;
         assert_eq!(first.windows[0].used, 100);
+        // The store loads its scripts in the background at start (four for budgets, three for
+        // the fleet): let it finish, or a late load would count as the reload below.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while server.command_calls("script|load").await < 7 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the scripts never loaded"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
 
         server.cmd(&["SCRIPT", "FLUSH"]).await;
         let loads = server.command_calls("script|load").await;

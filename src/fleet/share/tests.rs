@@ -61,7 +61,11 @@ fn targets_divide_by_tenant_not_by_replica() {
         // B the other half over three replicas.
         (
             12,
-            vec![vec![(1, 1, 50), (2, 1, 50)], vec![(2, 1, 50)], vec![(2, 1, 50)]],
+            vec![
+                vec![(1, 1, 50), (2, 1, 50)],
+                vec![(2, 1, 50)],
+                vec![(2, 1, 50)],
+            ],
             vec![8, 2, 2],
         ),
         // Weight 3 against 1, each on its own replica.
@@ -184,11 +188,7 @@ fn a_share_moves_only_once_the_replica_giving_it_up_confirmed() {
         ];
         let shares = divide(6, &members);
         assert_eq!(targets_of(&shares), [3, 3], "step {step}");
-        assert_eq!(
-            (shares[0].grant, shares[1].grant),
-            expected,
-            "step {step}"
-        );
+        assert_eq!((shares[0].grant, shares[1].grant), expected, "step {step}");
     }
 }
 

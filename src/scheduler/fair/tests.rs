@@ -778,7 +778,11 @@ fn set_limit_up_dispatches_more_and_down_never_preempts() {
     assert_eq!(q.dispatch_next(), Some((a, 5)));
 
     q.set_limit(0);
-    assert_eq!(q.limit(), 0, "a fleet member without a share admits nothing");
+    assert_eq!(
+        q.limit(),
+        0,
+        "a fleet member without a share admits nothing"
+    );
     q.release(a);
     assert_eq!(q.dispatch_next(), None);
     assert!(matches!(q.submit("b", class(1), 1, 6), Submit::Queued(_)));
@@ -1294,10 +1298,21 @@ fn the_fleets_shares_override_weights_and_reservations_of_present_and_future_flo
         .into(),
     );
     q.release(holder);
-    assert_eq!(q.dispatch_next().map(|(_, p)| p), Some(2), "y's reservation first");
+    assert_eq!(
+        q.dispatch_next().map(|(_, p)| p),
+        Some(2),
+        "y's reservation first"
+    );
     check_structure(&q);
     let flows = q.flows();
     assert_eq!(flows.len(), 2);
-    let y = flows.iter().find(|f| f.tenant == TenantKey::of("y")).unwrap();
-    assert_eq!((y.in_flight, y.queued, y.class.reserved_slots), (1, 0, 0), "as submitted");
+    let y = flows
+        .iter()
+        .find(|f| f.tenant == TenantKey::of("y"))
+        .unwrap();
+    assert_eq!(
+        (y.in_flight, y.queued, y.class.reserved_slots),
+        (1, 0, 0),
+        "as submitted"
+    );
 }
