@@ -308,9 +308,13 @@ impl Fleet {
                     .send_if_modified(|ready| !std::mem::replace(ready, true));
             }
             self.metrics.scheduler_load(load);
+            let members = match memory.standing {
+                FleetStanding::Member => memory.members.max(1),
+                _ => 1,
+            };
             self.metrics.fleet(
                 memory.standing,
-                memory.members.max(1),
+                members,
                 memory.global_limit,
                 memory.leadership.is_some(),
             );
@@ -394,9 +398,10 @@ impl Fleet {
         let leadership = match memory.leadership.take() {
             Some(leadership) if leadership.fence == fence => leadership,
             _ => {
-                let start = view
-                    .decision
-                    .map_or(self.policy.scheduling.initial_limit, |d| d.limit);
+                // The published limit; without one (a new fleet, or a Redis that restarted
+                // empty), the last this replica knew, so a lost store does not reset the
+                // controller's work.
+                let start = view.decision.map_or(memory.global_limit, |d| d.limit);
                 tracing::info!(
                     member = %self.member_id,
                     fence,
