@@ -63,8 +63,9 @@
 //! # Integer virtual time
 //!
 //! Tags are `u128` fixed point: a request is charged `cost * SCALE / weight`, with `SCALE` =
-//! 720,720 × 2^32, so the charge is exact for every weight up to 16 (720,720 = lcm(1..=16)) and
-//! has 32 fractional bits for the rest. With floats, tags would lose precision as virtual time
+//! 720,720 × 2^32 and the weight in `SHARE_SCALE`ths (1024, a power of two, so the fleet's
+//! per-replica shares can split a tier's weight finely), so the charge is exact for every tier
+//! weight up to 16 (720,720 = lcm(1..=16)) and has 22 fractional bits for the rest. With floats, tags would lose precision as virtual time
 //! grows (an f64 has 53 bits, so after some billions of token-weighted dispatches small costs
 //! would stop advancing tags) and ties would depend on rounding; integers make the order exact
 //! and reproducible. A `u128` holds 2^56 dispatches of a million tokens at weight 1 (over
@@ -197,8 +198,10 @@ impl TenantKey {
 /// present here and elsewhere gets here what the fleet allotted it here (see `crate::fleet`):
 /// the weight is the tier's weight times the part of the tenant's demand that is here, in
 /// `SHARE_SCALE`ths.
-/// A share's weight of `SHARE_SCALE` × w is a tier weight of w with all its demand here.
-pub const SHARE_SCALE: u32 = 100;
+/// A share's weight of `SHARE_SCALE` × w is a tier weight of w with all its demand here. A
+/// power of two, so charges stay exact for every tier weight up to 16 (the 2^32 of `SCALE`
+/// absorbs it), with 10 bits for the fleet's finer splits.
+pub const SHARE_SCALE: u32 = 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Share {
@@ -247,9 +250,6 @@ struct Flow {
     /// The fleet's override of `class.weight` and `class.reserved_slots`, if any (see
     /// `set_shares`).
     share: Option<Share>,
-    /// The fleet's shares are in force on this queue: a flow without one weighs its class's
-    /// weight in `SHARE_SCALE`ths, as if its whole demand were here.
-    scaled: bool,
     head: u32,
     tail: u32,
     queued: u32,
@@ -283,11 +283,15 @@ struct OrderKey {
 }
 
 impl Flow {
+    /// In `SHARE_SCALE`ths, always: a flow without a share weighs its class's weight as if its
+    /// whole demand were here. Always, and not only while the fleet's shares are in force, so
+    /// that a flow's last charge (its `finish`) is in the same unit before and after shares
+    /// arrive: charged at an unscaled weight of 1 and then competing against scaled ones, it
+    /// would wait a hundred-odd dispatches of its peers for one request.
     fn weight(&self) -> u32 {
         match self.share {
             Some(share) => share.weight,
-            None if self.scaled => self.class.weight.saturating_mul(SHARE_SCALE),
-            None => self.class.weight,
+            None => self.class.weight.max(1).saturating_mul(SHARE_SCALE),
         }
     }
 
@@ -355,19 +359,16 @@ impl<T> FairQueue<T> {
             let Some(flow) = self.flows[index as usize].flow.as_ref() else {
                 continue;
             };
-            let scaled = !self.shares.is_empty();
-            let share = if scaled {
-                self.shares.get(&TenantKey::of(&flow.name)).copied()
-            } else {
+            let share = if self.shares.is_empty() {
                 None
+            } else {
+                self.shares.get(&TenantKey::of(&flow.name)).copied()
             };
-            if flow.share == share && flow.scaled == scaled {
+            if flow.share == share {
                 continue;
             }
             let waiting = flow.queued;
-            let flow = self.flow_mut(index);
-            flow.share = share;
-            flow.scaled = scaled;
+            self.flow_mut(index).share = share;
             if waiting > 0 {
                 // The reservation decides the lane, which is part of the key.
                 self.rekey(index);
@@ -552,7 +553,6 @@ impl<T> FairQueue<T> {
             name: tenant.into(),
             class,
             share,
-            scaled: !self.shares.is_empty(),
             head: NIL,
             tail: NIL,
             queued: 0,

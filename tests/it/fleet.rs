@@ -284,7 +284,7 @@ async fn three_replicas_behind_one_envoy_hold_one_limit_and_use_all_of_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weights_hold_across_the_deployment_when_traffic_is_uneven() {
     const LIMIT: u32 = 24;
-    const HOLD_MS: u64 = 300;
+    const HOLD_MS: u64 = 600;
     let redis = RedisServer::start().await;
     let upstream = Upstream::start(&[]);
     let yaml = config(&redis, LIMIT, 3);
@@ -323,10 +323,12 @@ async fn weights_hold_across_the_deployment_when_traffic_is_uneven() {
         workers.push(tokio::spawn(async move {
             let user = ["tenant-a", "tenant-b"][tenant];
             while !stop.load(Ordering::SeqCst) {
-                let counted = counting.load(Ordering::SeqCst);
                 let status = chat(&client, &envoys[envoy], user, tier, HOLD_MS).await;
                 if status == 200 {
-                    if counted && counting.load(Ordering::SeqCst) {
+                    // Completions per unit of time: counted when they end inside the period,
+                    // whenever they started (a tenant whose requests wait longer would
+                    // otherwise lose more of them at the period's edges).
+                    if counting.load(Ordering::SeqCst) {
                         completed[tenant].fetch_add(1, Ordering::SeqCst);
                     }
                 } else {
@@ -335,11 +337,10 @@ async fn weights_hold_across_the_deployment_when_traffic_is_uneven() {
             }
         }));
     }
-    // Warm up until the shares have followed the demand, then count requests that both started
-    // and ended inside the measured period.
+    // Warm up until the shares have followed the demand, then count completions.
     tokio::time::sleep(Duration::from_secs(3)).await;
     counting.store(true, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
     counting.store(false, Ordering::SeqCst);
     stop.store(true, Ordering::SeqCst);
     for worker in workers {
@@ -487,4 +488,92 @@ async fn without_redis_each_replica_runs_its_last_share_and_rejoins_when_it_retu
             "one warning per outage, not one per sync: {log}"
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One controller
+// ---------------------------------------------------------------------------------------------
+
+/// With the controller on, the leader alone steps it on both replicas' merged TTFT: a slow
+/// upstream breaches the target, the deployment's limit comes down once per tick, and both
+/// replicas apply the same limit, their shares adding up to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_controller_cuts_the_deployments_limit_for_every_replica() {
+    const START: u32 = 12;
+    let redis = RedisServer::start().await;
+    let upstream = Upstream::start(&[]);
+    let yaml = config(&redis, START, 3).replace(
+        "control: {enabled: false}",
+        "control: {enabled: true, signal: upstream, upstream_target_p99_ttft_ms: 100, \
+         tick_ms: 500, window_ms: 3000, floor: 2, ceiling: 12, min_samples: 3, \
+         slow_start: false, cooldown_ticks: 0}",
+    );
+    let gates = replicas(&yaml, 2).await;
+    let refs: Vec<&Tollgate> = gates.iter().collect();
+    eventually(&refs, SETTLE, settled(2, START)).await;
+    let ports: Vec<u16> = gates.iter().map(|g| g.grpc.port()).collect();
+    let (config, envoy_ports) = front_proxy_over(&ports, upstream.addr.port());
+    let envoy = Arc::new(launch_envoy("envoy-control", &config, envoy_ports).await);
+    let client = client();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for i in 0..16 {
+        let (client, envoy, stop) = (client.clone(), envoy.clone(), stop.clone());
+        workers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                // 600 ms to the first token against a 100 ms target: every sample breaches.
+                if chat(&client, &envoy, &format!("user-{i}"), "light", 600).await != 200 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }));
+    }
+    let cut = |scrapes: &[tollgate_testkit::metrics::Metrics]| -> Result<(), String> {
+        let limits: Vec<f64> = scrapes
+            .iter()
+            .map(|m| gauge(m, "tollgate_fleet_inflight_limit"))
+            .collect();
+        if limits.iter().all(|&l| l < f64::from(START)) {
+            Ok(())
+        } else {
+            Err(format!(
+                "the deployment's limit as each replica sees it: {limits:?}"
+            ))
+        }
+    };
+    eventually(&refs, SETTLE, cut).await;
+    stop.store(true, Ordering::SeqCst);
+    for worker in workers {
+        worker.await.expect("worker");
+    }
+    // Idle now: the limit holds (no demand to grow on). Both replicas apply the same one, and
+    // their shares add up to it.
+    let agreed = |scrapes: &[tollgate_testkit::metrics::Metrics]| -> Result<(), String> {
+        let limits: Vec<f64> = scrapes
+            .iter()
+            .map(|m| gauge(m, "tollgate_fleet_inflight_limit"))
+            .collect();
+        let shares: f64 = scrapes
+            .iter()
+            .map(|m| gauge(m, "tollgate_inflight_limit"))
+            .sum();
+        if limits[0] == limits[1] && shares == limits[0] && limits[0] < f64::from(START) {
+            Ok(())
+        } else {
+            Err(format!("limits {limits:?}, shares adding up to {shares}"))
+        }
+    };
+    eventually(&refs, SETTLE, agreed).await;
+    // Only the leader stepped the controller.
+    let mut deciding = 0;
+    for gate in &gates {
+        let decreases = gate.metrics().await.value(
+            "tollgate_controller_actions_total",
+            &["action=\"decrease\""],
+        );
+        if decreases > 0.0 {
+            deciding += 1;
+        }
+    }
+    assert_eq!(deciding, 1, "one replica decided the cuts");
 }

@@ -108,9 +108,9 @@ fn local_weights_make_the_local_queue_split_the_target_as_the_fleet_did() {
         12,
         &[member("r1", &r1), member("r2", &r2), member("r3", &r3)],
     );
-    assert_eq!(weight(&shares[0], 1), 100);
-    assert_eq!(weight(&shares[0], 2), 33);
-    assert_eq!(weight(&shares[1], 2), 33);
+    assert_eq!(weight(&shares[0], 1), 1024);
+    assert_eq!(weight(&shares[0], 2), 341);
+    assert_eq!(weight(&shares[1], 2), 341);
 }
 
 #[test]

@@ -1236,7 +1236,7 @@ fn the_fleets_shares_override_weights_and_reservations_of_present_and_future_flo
     // Both tiers weigh 1, but the fleet allotted "a" three times what it allotted "b" here.
     let mut q = FairQueue::new(1);
     let mut shares: HashMap<TenantKey, Share> = HashMap::new();
-    for (tenant, weight) in [("a", 300), ("b", 100)] {
+    for (tenant, weight) in [("a", 3 * SHARE_SCALE), ("b", SHARE_SCALE)] {
         shares.insert(
             TenantKey::of(tenant),
             Share {
@@ -1247,22 +1247,27 @@ fn the_fleets_shares_override_weights_and_reservations_of_present_and_future_flo
     }
     q.set_shares(shares);
     let holder = granted(q.submit("a", class(1), 1, 0));
-    for i in 0..8 {
+    for i in 0..16 {
         queued(q.submit("a", class(1), 1, 100 + i));
         queued(q.submit("b", class(1), 1, 200 + i));
     }
     let mut order = Vec::new();
     q.release(holder);
-    for _ in 0..8 {
+    for _ in 0..16 {
         let (flow, payload) = q.dispatch_next().expect("a slot is free");
         order.push(if payload >= 200 { 'b' } else { 'a' });
         q.release(flow);
     }
     let a = order.iter().filter(|&&c| c == 'a').count();
-    assert_eq!(a, 6, "3:1 by the fleet's weights: {order:?}");
+    // 12 of 16 at 3:1, give or take the first dispatch (b starts at the present, a one charge
+    // behind it from the holder).
+    assert!(
+        (11..=13).contains(&a),
+        "3:1 by the fleet's weights: {order:?}"
+    );
 
     // A tenant the fleet has not seen yet weighs its tier's weight as if all its demand were
-    // here (100 for weight 1): not starved by the others' scaled weights.
+    // here (SHARE_SCALE for weight 1): not starved by the others' shares.
     queued(q.submit("c", class(1), 1, 300));
     let mut served_c = false;
     for _ in 0..3 {
