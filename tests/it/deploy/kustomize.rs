@@ -87,7 +87,9 @@ fn every_kustomization_builds_and_validates() {
 /// read-only root filesystem with no capabilities; its probes use grpc.health.v1 (readiness) and
 /// /healthz (liveness) on the ports its config listens on; the pod's grace period outlasts the
 /// preStop pause, the drain deadline and closing; the Services declare gRPC and select the pods
-/// (one of them headless); the PDB and HPA point at them; and each overlay's Redis is wired.
+/// (one of them headless); the PDB and HPA point at them; each overlay's Redis is wired; and the
+/// replicas share one in-flight budget as a fleet: member ids from the pod's name, the fallback
+/// budget sized for the autoscaler's minimum, prod's fleet named and falling back to its last share.
 #[test]
 fn overlays_run_tollgate_safely_and_consistently() {
     let (uid, gid) = dockerfile_user();
@@ -210,6 +212,31 @@ fn overlays_run_tollgate_safely_and_consistently() {
         );
         assert!(min >= 1 && min <= max, "{overlay}: HPA range {min}..{max}");
 
+        // The fleet (src/fleet.rs): one in-flight budget for the replicas sharing Redis.
+        let fleet = &config["fleet"];
+        assert_eq!(
+            fleet["member_id"], "",
+            "{overlay}: each replica joins the fleet as its host name (the pod's name)"
+        );
+        assert!(
+            pod.get("hostname").is_none() && pod.get("setHostnameAsFQDN").is_none(),
+            "{overlay}: HOSTNAME must stay the pod's name (fleet member ids)"
+        );
+        for var in c["env"].as_array().into_iter().flatten() {
+            if var["name"] == "HOSTNAME" {
+                assert_eq!(
+                    var["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name",
+                    "{overlay}: HOSTNAME, if set, must be the pod's name"
+                );
+            }
+        }
+        assert_eq!(
+            fleet["fallback_replicas"].as_u64(),
+            Some(min),
+            "{overlay}: fleet.fallback_replicas (the replicas a replica that never saw the fleet \
+             divides the limit by) must be the HPA's minReplicas"
+        );
+
         let redis_url = config["store"]["redis_url"]
             .as_str()
             .unwrap_or_else(|| panic!("{overlay}: budgets must be in Redis"));
@@ -247,6 +274,27 @@ fn overlays_run_tollgate_safely_and_consistently() {
                 pod["topologySpreadConstraints"].is_array(),
                 "spread over nodes"
             );
+            let names: Vec<&str> = c["env"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|var| var["name"].as_str())
+                .collect();
+            for setting in [
+                "TOLLGATE__FLEET__NAME",
+                "TOLLGATE__FLEET__FALLBACK",
+                "TOLLGATE__FLEET__FALLBACK_REPLICAS",
+            ] {
+                assert!(
+                    names.contains(&setting),
+                    "prod configures its fleet explicitly: {setting}"
+                );
+            }
+            assert_ne!(
+                fleet["name"], "tollgate",
+                "prod's fleet has a name of its own, not the default"
+            );
+            assert_eq!(fleet["fallback"], "last_share", "prod");
         }
     }
 }
