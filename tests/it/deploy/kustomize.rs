@@ -353,8 +353,9 @@ fn monitoring_objects_point_at_tollgate() {
 }
 
 /// Proves: every tollgate config shipped in a ConfigMap passes `tollgate check-config` with its
-/// container's environment (dev, prod, and the sidecar in the inference pod), and the settings
-/// Envoy must agree with are what envoy/ and istio/ use.
+/// container's environment (dev, prod, and the sidecar in the inference pod), the settings Envoy
+/// must agree with are what envoy/ and istio/ use, and each inference pod's sidecar is a fleet of
+/// its own.
 #[test]
 fn configmap_configs_pass_check_config() {
     for (dir, sidecar) in [
@@ -387,6 +388,14 @@ fn configmap_configs_pass_check_config() {
             assert_eq!(
                 tollgate.container["restartPolicy"], "Always",
                 "a native sidecar"
+            );
+            let fleet_name = tollgate.container["env"]
+                .as_array()
+                .and_then(|env| env.iter().find(|v| v["name"] == "TOLLGATE__FLEET__NAME"))
+                .expect("the sidecar names its fleet");
+            assert_eq!(
+                fleet_name["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name",
+                "each inference pod's tollgate is a fleet of its own: its budget is its engine's"
             );
         }
     }
