@@ -12,8 +12,8 @@ use super::manifests::{
 };
 use super::read;
 
-/// The oldest Kubernetes the manifests must validate against (native gRPC probes are GA since
-/// 1.27, native sidecars on by default since 1.29). The newest is whatever kubernetes-validate
+/// The oldest Kubernetes the manifests must validate against (native sidecars on by default since
+/// 1.29). The newest is whatever kubernetes-validate
 /// ships.
 const OLDEST_KUBERNETES: &str = "1.29";
 
@@ -84,10 +84,10 @@ fn every_kustomization_builds_and_validates() {
 }
 
 /// Proves, for the dev and prod overlays: tollgate runs as the Dockerfile's non-root user on a
-/// read-only root filesystem with no capabilities; its probes use grpc.health.v1 (readiness) and
-/// /healthz (liveness) on the ports its config listens on; the pod's grace period outlasts the
-/// preStop pause, the drain deadline and closing; the Services declare gRPC and select the pods
-/// (one of them headless); the PDB and HPA point at them; each overlay's Redis is wired; and the
+/// read-only root filesystem with no capabilities; its probes use /readyz (readiness: a share of
+/// the fleet's budget held, not draining) and /healthz (liveness) on the ports its config listens
+/// on; the pod's grace period outlasts the preStop pause, the drain deadline and closing; the
+/// Services declare gRPC and select the pods (one of them headless); the PDB and HPA point at them; each overlay's Redis is wired; and the
 /// replicas share one in-flight budget as a fleet: member ids from the pod's name, the fallback
 /// budget sized for the autoscaler's minimum, prod's fleet named and falling back to its last share.
 #[test]
@@ -147,7 +147,11 @@ fn overlays_run_tollgate_safely_and_consistently() {
             admin_port,
             port_of(config["listen"]["admin_addr"].as_str().expect("admin_addr"))
         );
-        assert_eq!(c["readinessProbe"]["grpc"]["port"], grpc_port, "{overlay}");
+        assert_eq!(
+            c["readinessProbe"]["httpGet"]["path"], "/readyz",
+            "{overlay}: ready once the replica holds its share of the fleet's budget"
+        );
+        assert_eq!(c["readinessProbe"]["httpGet"]["port"], "admin", "{overlay}");
         assert_eq!(
             c["livenessProbe"]["httpGet"]["path"], "/healthz",
             "{overlay}"
