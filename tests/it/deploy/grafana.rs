@@ -22,9 +22,10 @@ pub(super) fn dashboard_panels(dashboard: &Value) -> Vec<&Value> {
 }
 
 /// Proves: the dashboard has the panels of seeds 000 and 001 (per-tier submitted, admitted and
-/// shed; p99 TTFT against the target; global limit and in flight; controller actions), every
-/// panel queries through the dashboard's data source variable, panel ids are unique, and the
-/// layout has no overlapping panels.
+/// shed; p99 TTFT against the target; global limit and in flight; controller actions) and of the
+/// fleet (its limit, each replica's share, leader, standing, fallbacks), every panel queries
+/// through the dashboard's data source variable, panel ids are unique, and the layout has no
+/// overlapping panels.
 #[test]
 fn grafana_dashboard_has_the_seed_panels() {
     let dashboard = dashboard();
@@ -40,6 +41,12 @@ fn grafana_dashboard_has_the_seed_panels() {
         "Global in-flight budget",
         "Controller actions",
         "Stream completions",
+        // The fleet: one in-flight budget shared by the replicas.
+        "Fleet in-flight limit",
+        "Share and in flight per replica",
+        "Leader and members",
+        "Standing per replica",
+        "Fallbacks and leader changes",
     ] {
         assert!(
             titles.contains(wanted),

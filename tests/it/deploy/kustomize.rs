@@ -12,8 +12,8 @@ use super::manifests::{
 };
 use super::read;
 
-/// The oldest Kubernetes the manifests must validate against (native gRPC probes are GA since
-/// 1.27, native sidecars on by default since 1.29). The newest is whatever kubernetes-validate
+/// The oldest Kubernetes the manifests must validate against (native sidecars on by default since
+/// 1.29). The newest is whatever kubernetes-validate
 /// ships.
 const OLDEST_KUBERNETES: &str = "1.29";
 
@@ -84,10 +84,12 @@ fn every_kustomization_builds_and_validates() {
 }
 
 /// Proves, for the dev and prod overlays: tollgate runs as the Dockerfile's non-root user on a
-/// read-only root filesystem with no capabilities; its probes use grpc.health.v1 (readiness) and
-/// /healthz (liveness) on the ports its config listens on; the pod's grace period outlasts the
-/// preStop pause, the drain deadline and closing; the Services declare gRPC and select the pods
-/// (one of them headless); the PDB and HPA point at them; and each overlay's Redis is wired.
+/// read-only root filesystem with no capabilities; its probes use /readyz (readiness: a share of
+/// the fleet's budget held, not draining) and /healthz (liveness) on the ports its config listens
+/// on; the pod's grace period outlasts the preStop pause, the drain deadline and closing; the
+/// Services declare gRPC and select the pods (one of them headless); the PDB and HPA point at them; each overlay's Redis is wired; and the
+/// replicas share one in-flight budget as a fleet: member ids from the pod's name, the fallback
+/// budget sized for the autoscaler's minimum, prod's fleet named and falling back to its last share.
 #[test]
 fn overlays_run_tollgate_safely_and_consistently() {
     let (uid, gid) = dockerfile_user();
@@ -145,7 +147,11 @@ fn overlays_run_tollgate_safely_and_consistently() {
             admin_port,
             port_of(config["listen"]["admin_addr"].as_str().expect("admin_addr"))
         );
-        assert_eq!(c["readinessProbe"]["grpc"]["port"], grpc_port, "{overlay}");
+        assert_eq!(
+            c["readinessProbe"]["httpGet"]["path"], "/readyz",
+            "{overlay}: ready once the replica holds its share of the fleet's budget"
+        );
+        assert_eq!(c["readinessProbe"]["httpGet"]["port"], "admin", "{overlay}");
         assert_eq!(
             c["livenessProbe"]["httpGet"]["path"], "/healthz",
             "{overlay}"
@@ -210,6 +216,31 @@ fn overlays_run_tollgate_safely_and_consistently() {
         );
         assert!(min >= 1 && min <= max, "{overlay}: HPA range {min}..{max}");
 
+        // The fleet (src/fleet.rs): one in-flight budget for the replicas sharing Redis.
+        let fleet = &config["fleet"];
+        assert_eq!(
+            fleet["member_id"], "",
+            "{overlay}: each replica joins the fleet as its host name (the pod's name)"
+        );
+        assert!(
+            pod.get("hostname").is_none() && pod.get("setHostnameAsFQDN").is_none(),
+            "{overlay}: HOSTNAME must stay the pod's name (fleet member ids)"
+        );
+        for var in c["env"].as_array().into_iter().flatten() {
+            if var["name"] == "HOSTNAME" {
+                assert_eq!(
+                    var["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name",
+                    "{overlay}: HOSTNAME, if set, must be the pod's name"
+                );
+            }
+        }
+        assert_eq!(
+            fleet["fallback_replicas"].as_u64(),
+            Some(min),
+            "{overlay}: fleet.fallback_replicas (the replicas a replica that never saw the fleet \
+             divides the limit by) must be the HPA's minReplicas"
+        );
+
         let redis_url = config["store"]["redis_url"]
             .as_str()
             .unwrap_or_else(|| panic!("{overlay}: budgets must be in Redis"));
@@ -247,6 +278,27 @@ fn overlays_run_tollgate_safely_and_consistently() {
                 pod["topologySpreadConstraints"].is_array(),
                 "spread over nodes"
             );
+            let names: Vec<&str> = c["env"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|var| var["name"].as_str())
+                .collect();
+            for setting in [
+                "TOLLGATE__FLEET__NAME",
+                "TOLLGATE__FLEET__FALLBACK",
+                "TOLLGATE__FLEET__FALLBACK_REPLICAS",
+            ] {
+                assert!(
+                    names.contains(&setting),
+                    "prod configures its fleet explicitly: {setting}"
+                );
+            }
+            assert_ne!(
+                fleet["name"], "tollgate",
+                "prod's fleet has a name of its own, not the default"
+            );
+            assert_eq!(fleet["fallback"], "last_share", "prod");
         }
     }
 }
@@ -305,8 +357,9 @@ fn monitoring_objects_point_at_tollgate() {
 }
 
 /// Proves: every tollgate config shipped in a ConfigMap passes `tollgate check-config` with its
-/// container's environment (dev, prod, and the sidecar in the inference pod), and the settings
-/// Envoy must agree with are what envoy/ and istio/ use.
+/// container's environment (dev, prod, and the sidecar in the inference pod), the settings Envoy
+/// must agree with are what envoy/ and istio/ use, and each inference pod's sidecar is a fleet of
+/// its own.
 #[test]
 fn configmap_configs_pass_check_config() {
     for (dir, sidecar) in [
@@ -339,6 +392,14 @@ fn configmap_configs_pass_check_config() {
             assert_eq!(
                 tollgate.container["restartPolicy"], "Always",
                 "a native sidecar"
+            );
+            let fleet_name = tollgate.container["env"]
+                .as_array()
+                .and_then(|env| env.iter().find(|v| v["name"] == "TOLLGATE__FLEET__NAME"))
+                .expect("the sidecar names its fleet");
+            assert_eq!(
+                fleet_name["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name",
+                "each inference pod's tollgate is a fleet of its own: its budget is its engine's"
             );
         }
     }
