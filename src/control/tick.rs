@@ -13,7 +13,7 @@ use super::window::{self, LatencyWindow};
 use super::{Action, Aimd, AimdConfig, Observation, engine};
 use crate::config::{ControlConfig, ControlSignal};
 use crate::lifecycle::{Lifecycle, reached};
-use crate::observe::Metrics;
+use crate::observe::{FleetStanding, Metrics};
 use crate::scheduler::Scheduler;
 
 /// Runs until the server starts draining (a draining server admits nothing new, so resizing
@@ -80,6 +80,9 @@ pub async fn run(
             window::lock(&ttft_window).restart(now);
         }
         scheduler.set_limit(aimd.limit());
+        // Alone (no shared store: the fleet's task would run the controller otherwise), this
+        // replica's limit is the deployment's.
+        metrics.fleet(FleetStanding::Alone, 1, aimd.limit(), false);
         metrics.controller_tick(action, p99);
         metrics.scheduler_load(scheduler.load());
         tracing::debug!(
