@@ -346,6 +346,13 @@ impl Policy {
     /// should not mean deleting its settings).
     pub fn warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
+        if self.store.redis_url.is_none() && self.fleet != FleetConfig::default() {
+            warnings.push(
+                "fleet.* is set but store.redis_url is not: replicas share a budget only \
+                 through Redis, so this replica owns its whole budget alone"
+                    .to_owned(),
+            );
+        }
         if !self.control.enabled && !self.control.engine.metrics_urls.is_empty() {
             warnings.push(
                 "control.engine.metrics_urls is set but control.enabled is false: the \

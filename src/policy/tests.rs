@@ -860,8 +860,21 @@ fn settings_that_do_nothing_are_warned_of_not_refused() {
         c.control.engine.metrics_urls = vec!["http://10.0.0.7:8000/metrics".to_owned()];
     }
     type Case = (&'static str, fn(&mut Config), &'static [&'static str]);
-    let cases: [Case; 4] = [
+    let cases: [Case; 6] = [
         ("defaults", |_| {}, &[]),
+        (
+            "fleet settings without Redis",
+            |c| c.fleet.sync_ms = 100,
+            &["fleet.* is set but store.redis_url is not"],
+        ),
+        (
+            "fleet settings with Redis",
+            |c| {
+                c.fleet.sync_ms = 100;
+                c.store.redis_url = Some("redis://127.0.0.1:6379".to_owned());
+            },
+            &[],
+        ),
         ("engines read by the controller", engines, &[]),
         (
             "controller off, no engines",
@@ -891,4 +904,52 @@ fn settings_that_do_nothing_are_warned_of_not_refused() {
             }
         }
     }
+}
+
+#[test]
+fn fleet_settings_are_checked() {
+    type Case = (fn(&mut Config), &'static [&'static str]);
+    let cases: [Case; 5] = [
+        (|c| c.fleet.name = "a{b}".to_owned(), &["fleet.name:"]),
+        (|c| c.fleet.name = String::new(), &["fleet.name:"]),
+        (|c| c.fleet.member_ttl_ms = 500, &["fleet.member_ttl_ms:"]),
+        (
+            |c| {
+                c.fleet.sync_ms = 0;
+                c.fleet.fallback_replicas = 0;
+            },
+            &["fleet.sync_ms:", "fleet.fallback_replicas:"],
+        ),
+        (|c| c.fleet.leader_ttl_ms = 300, &["fleet.leader_ttl_ms:"]),
+    ];
+    for (edit, expected) in cases {
+        check_problems(edit, expected);
+    }
+}
+
+#[test]
+fn the_policy_hash_covers_what_replicas_must_share_and_nothing_of_their_own() {
+    let base = check_valid(|_| {}).hash;
+    let same: [fn(&mut Config); 4] = [
+        |c| c.listen.grpc_addr = "0.0.0.0:9".to_owned(),
+        |c| c.store.redis_url = Some("redis://elsewhere:6379".to_owned()),
+        |c| c.fleet.member_id = "pod-7".to_owned(),
+        |c| c.shutdown.drain_deadline_ms = 1,
+    ];
+    for edit in same {
+        assert_eq!(check_valid(edit).hash, base, "a replica's own setting");
+    }
+    let different: [fn(&mut Config); 5] = [
+        |c| c.tiers.get_mut("free").unwrap().weight = 7,
+        |c| c.scheduler.initial_limit = 64,
+        |c| c.control.floor = 8,
+        |c| c.fleet.sync_ms = 100,
+        |c| {
+            c.tenants.insert("team-a".to_owned(), Default::default());
+        },
+    ];
+    for edit in different {
+        assert_ne!(check_valid(edit).hash, base, "a shared setting");
+    }
+    assert_eq!(base.len(), 32, "16 bytes in hex");
 }

@@ -91,7 +91,9 @@
 //! lookup by tenant name (lookup only: no result depends on its iteration order), O(1) list
 //! surgery in a slab of entries (an intrusive doubly linked list per flow, so a cancel from the
 //! middle of a queue is O(1)), and at most one remove and one insert in a `BTreeSet` holding
-//! each backlogged flow's head. Nothing scans queues or tenants. Memory is O(peak queued + peak
+//! each backlogged flow's head (and, when a tenant's flow appears, one SHA-256 of its name: the
+//! key the fleet knows it by). Nothing on a request's path scans queues or tenants; `flows` and
+//! `set_shares`, the fleet's, are O(F) a few times a second. Memory is O(peak queued + peak
 //! flows): slab slots are reused, not returned.
 //!
 //! Handles (`FlowKey`, `EntryKey`) carry a generation, so a handle whose slot was reused is a
@@ -245,6 +247,9 @@ struct FlowSlot {
 
 struct Flow {
     name: Box<str>,
+    /// `TenantKey::of(name)`, computed once when the flow appears, so the fleet's report and
+    /// `set_shares` hash nothing while they hold the scheduler's lock.
+    key: TenantKey,
     /// As submitted: what the tenant's policy says.
     class: FlowClass,
     /// The fleet's override of `class.weight` and `class.reserved_slots`, if any (see
@@ -342,7 +347,7 @@ impl<T> FairQueue<T> {
             .iter()
             .filter_map(|slot| slot.flow.as_ref())
             .map(|flow| FlowLoad {
-                tenant: TenantKey::of(&flow.name),
+                tenant: flow.key,
                 class: flow.class,
                 in_flight: flow.in_flight,
                 queued: flow.queued,
@@ -362,7 +367,7 @@ impl<T> FairQueue<T> {
             let share = if self.shares.is_empty() {
                 None
             } else {
-                self.shares.get(&TenantKey::of(&flow.name)).copied()
+                self.shares.get(&flow.key).copied()
             };
             if flow.share == share {
                 continue;
@@ -544,13 +549,15 @@ impl<T> FairQueue<T> {
     }
 
     fn insert_flow(&mut self, tenant: &str, class: FlowClass) -> u32 {
+        let key = TenantKey::of(tenant);
         let share = if self.shares.is_empty() {
             None
         } else {
-            self.shares.get(&TenantKey::of(tenant)).copied()
+            self.shares.get(&key).copied()
         };
         let flow = Flow {
             name: tenant.into(),
+            key,
             class,
             share,
             head: NIL,
