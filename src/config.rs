@@ -243,9 +243,10 @@ pub struct FleetConfig {
     /// request path). Several per control tick, so a share moves within one tick.
     pub sync_ms: u64,
     /// A replica that has not reported for this long is dropped and its share handed on:
-    /// how long a SIGKILLed replica's share stays idle.
+    /// how long a SIGKILLed replica's share stays idle. At least eight `sync_ms`.
     pub member_ttl_ms: u64,
-    /// The leader's lease: a dead leader is replaced within it.
+    /// The leader's lease: a dead leader is replaced within it. At least three `sync_ms` (plus
+    /// the engines' scrape timeout when they are scraped).
     pub leader_ttl_ms: u64,
     /// The budget a replica runs alone while Redis is unreachable (or the fleet runs another
     /// policy): `last_share` (the share it last held; `split` if it never held one) or `split`

@@ -26,7 +26,8 @@
 //!
 //! A replica that stops syncing (SIGKILL) is dropped by the next sync after its
 //! `member_ttl_ms`; its commitment stops counting and its share is handed on. A replica that
-//! shuts down deliberately leaves at the end of its drain. A newcomer admits nothing until the
+//! shuts down deliberately leaves at the end of its drain (if its streams ended within the drain
+//! deadline; otherwise by its TTL, since what it admitted may still run upstream). A newcomer admits nothing until the
 //! leader grants it a share (one or two syncs). A dead leader's lease lapses within
 //! `leader_ttl_ms` and the next replica to sync takes it.
 //!
@@ -46,6 +47,7 @@
 pub mod share;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -115,7 +117,7 @@ fn decode_overrides(text: &str) -> HashMap<TenantKey, Share> {
 }
 
 /// The budget a replica runs alone (see "When Redis cannot be reached"): `last_share` if it
-/// held one and the config prefers it, else `limit / replicas`, at least 1.
+/// held one (not 0) and the config prefers it, else `limit / replicas`, at least 1.
 pub fn fallback_limit(
     fallback: FleetFallback,
     last_share: Option<u32>,
@@ -124,7 +126,9 @@ pub fn fallback_limit(
 ) -> u32 {
     let split = (limit / replicas.max(1)).max(1);
     match (fallback, last_share) {
-        (FleetFallback::LastShare, Some(share)) => share.max(1),
+        // A share of 0 (all the demand was elsewhere) is no share to run alone on: traffic
+        // reaches every replica once they stop coordinating.
+        (FleetFallback::LastShare, Some(share)) if share > 0 => share,
         _ => split,
     }
 }
@@ -140,6 +144,10 @@ pub struct Fleet {
     pub lifecycle: watch::Receiver<Lifecycle>,
     /// Set once this replica's budget is settled: a share granted, or a local budget.
     pub budget_ready: watch::Sender<bool>,
+    /// Set at shutdown when every stream ended within the drain deadline. Only then does the
+    /// replica leave the fleet at once; otherwise requests it admitted may still run upstream,
+    /// and its membership (and so its share) lapses by its TTL instead.
+    pub drained: Arc<AtomicBool>,
 }
 
 /// The leader's own state, kept while it holds the lease under one fence.
@@ -149,6 +157,11 @@ struct Leadership {
     window_epoch: u64,
     /// The highest sum of the members' reported peaks since the last control step.
     peak_in_flight: u32,
+    /// Until then nobody's grant grows (`share::hold`): the leadership began without a
+    /// published decision, so replicas may still run shares the leader cannot see yet (Redis
+    /// restarted empty, or evicted the fleet's keys) until each has synced once, within a
+    /// member TTL. A brand-new fleet waits the same: it cannot tell the two apart.
+    quiet_until: Option<Instant>,
 }
 
 /// The local budget's controller while alone.
@@ -176,7 +189,7 @@ struct Memory {
 }
 
 /// One slow answer from a briefly busy Redis is not a partition.
-const FAILURES_BEFORE_FALLBACK: u32 = 3;
+pub const FAILURES_BEFORE_FALLBACK: u32 = 3;
 
 impl Fleet {
     /// Runs until the server closes (after its drain: a draining replica still holds slots,
@@ -221,6 +234,23 @@ impl Fleet {
             if control_due {
                 next_control = now + control_tick;
             }
+            // The engines are read by whoever steps a controller: the leader (as of its last
+            // sync) or a replica alone. Before the sync, so that a leader's publish follows its
+            // read of the fleet by one round trip, not by a scrape as well.
+            let steps_controller =
+                memory.leadership.is_some() || memory.standing != FleetStanding::Member;
+            let engine_saturation = match (&mut scraper, control_due && steps_controller) {
+                (Some(scraper), true) => {
+                    let scrape = tokio::select! {
+                        scrape = scraper.scrape() => scrape,
+                        () = reached(&mut self.lifecycle, Lifecycle::Closing) => break,
+                    };
+                    let saturation = engine::saturation(&scrape.loads, &control.engine);
+                    self.metrics.engine_scrape(&scrape, saturation);
+                    saturation
+                }
+                _ => None,
+            };
             let report = self.report(now, breach_threshold);
             memory.peak_in_flight = memory.peak_in_flight.max(report.peak_in_flight);
             let heartbeat = Heartbeat {
@@ -249,15 +279,6 @@ impl Fleet {
                     memory.standing = FleetStanding::Member;
                     memory.alone = None;
                     memory.failures = 0;
-                    let engine_saturation = match (&mut scraper, control_due, &view.fence) {
-                        (Some(scraper), true, Some(_)) => {
-                            let scrape = scraper.scrape().await;
-                            let saturation = engine::saturation(&scrape.loads, &control.engine);
-                            self.metrics.engine_scrape(&scrape, saturation);
-                            saturation
-                        }
-                        _ => None,
-                    };
                     self.member(&mut memory, view, control_due, engine_saturation, &config)
                         .await;
                 }
@@ -274,7 +295,13 @@ impl Fleet {
                         );
                         self.metrics.fleet_fallback(true);
                     }
-                    self.alone(&mut memory, FleetStanding::Refused, control_due, now);
+                    self.alone(
+                        &mut memory,
+                        FleetStanding::Refused,
+                        control_due,
+                        engine_saturation,
+                        now,
+                    );
                 }
                 Err(error) => {
                     memory.failures += 1;
@@ -292,7 +319,13 @@ impl Fleet {
                         );
                         self.metrics.fleet_fallback(false);
                     }
-                    self.alone(&mut memory, FleetStanding::Fallback, control_due, now);
+                    self.alone(
+                        &mut memory,
+                        FleetStanding::Fallback,
+                        control_due,
+                        engine_saturation,
+                        now,
+                    );
                 }
             }
             let load = self.scheduler.load();
@@ -318,6 +351,14 @@ impl Fleet {
                 memory.global_limit,
                 memory.leadership.is_some(),
             );
+        }
+        if !self.drained.load(Ordering::SeqCst) {
+            tracing::info!(
+                member = %self.member_id,
+                "fleet: streams were still open at the drain deadline; the membership lapses \
+                 by its TTL instead of leaving now"
+            );
+            return;
         }
         let left = self.store.fleet_leave(&fleet.name, &self.member_id).await;
         self.metrics
@@ -415,6 +456,9 @@ impl Fleet {
                     aimd: Aimd::new(start, config),
                     window_epoch: view.decision.map_or(0, |d| d.window_epoch),
                     peak_in_flight: 0,
+                    quiet_until: view.decision.is_none().then(|| {
+                        Instant::now() + Duration::from_millis(self.policy.fleet.member_ttl_ms)
+                    }),
                 }
             }
         };
@@ -451,7 +495,13 @@ impl Fleet {
                 flows: &report.flows,
             })
             .collect();
-        let shares = share::divide(limit, &loads);
+        let mut shares = share::divide(limit, &loads);
+        if leadership
+            .quiet_until
+            .is_some_and(|until| Instant::now() < until)
+        {
+            shares = share::hold(shares, &loads);
+        }
         let grants: Vec<(String, u32, String)> = shares
             .iter()
             .map(|s| (s.member.clone(), s.grant, encode_overrides(&s.overrides)))
@@ -535,7 +585,14 @@ impl Fleet {
     }
 
     /// Runs on a local budget (see "When Redis cannot be reached").
-    fn alone(&self, memory: &mut Memory, standing: FleetStanding, control_due: bool, now: Instant) {
+    fn alone(
+        &self,
+        memory: &mut Memory,
+        standing: FleetStanding,
+        control_due: bool,
+        engine_saturation: Option<f64>,
+        now: Instant,
+    ) {
         memory.standing = standing;
         memory.leadership = None;
         let control = &self.policy.control;
@@ -578,7 +635,7 @@ impl Fleet {
                 peak_in_flight: std::mem::take(&mut memory.peak_in_flight).max(load.in_flight),
                 queued: load.queued,
                 samples,
-                engine_saturation: None,
+                engine_saturation,
             };
             let action = alone.aimd.step(&alone.config, observation);
             self.metrics.controller_tick(action, p99);

@@ -238,6 +238,7 @@ where
         lifecycle: lifecycle.clone(),
         open_streams: OpenStreams::default(),
     });
+    let drained = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let fleet_task = fleet.map(|store| {
         let member_id = fleet_member_id(&policy.fleet);
         tracing::info!(fleet = %policy.fleet.name, member = %member_id, policy_hash = %policy.hash, "fleet: sharing the in-flight budget through Redis");
@@ -251,6 +252,7 @@ where
                 metrics: metrics.clone(),
                 lifecycle: lifecycle.clone(),
                 budget_ready: budget_ready_tx,
+                drained: drained.clone(),
             }
             .run(),
         )
@@ -358,6 +360,9 @@ where
             open = shared.open_streams.count(),
             "shutdown: drain deadline passed; ending the remaining streams"
         );
+    } else {
+        // Nothing of ours is in flight upstream any more: the fleet may hand our share on.
+        drained.store(true, std::sync::atomic::Ordering::SeqCst);
     }
     let _ = lifecycle_tx.send(Lifecycle::Closing);
     let grpc_result = match tokio::time::timeout(GRPC_CLOSE_GRACE, &mut grpc_server).await {

@@ -293,7 +293,7 @@ impl Policy {
         }
         problems.extend(control_problems(&config.control));
         problems.extend(store_problems(&config.store));
-        problems.extend(fleet_problems(&config.fleet));
+        problems.extend(fleet_problems(&config.fleet, &config.control));
 
         if !problems.is_empty() {
             return Err(ConfigError(problems.join("\n")));
@@ -577,7 +577,7 @@ fn store_problems(store: &StoreConfig) -> Vec<String> {
     problems
 }
 
-fn fleet_problems(fleet: &FleetConfig) -> Vec<String> {
+fn fleet_problems(fleet: &FleetConfig, control: &ControlConfig) -> Vec<String> {
     let mut problems = Vec::new();
     if fleet.name.is_empty()
         || fleet.name.len() > 64
@@ -593,17 +593,29 @@ fn fleet_problems(fleet: &FleetConfig) -> Vec<String> {
     if fleet.sync_ms == 0 {
         problems.push("fleet.sync_ms: must be positive".to_owned());
     }
-    if fleet.member_ttl_ms < fleet.sync_ms.saturating_mul(3) {
+    // A failing sync takes up to a sync period to time out, and the next starts a period later:
+    // three failures (`fleet::FAILURES_BEFORE_FALLBACK`) take up to six periods, and the
+    // replica must fall back to its own budget before the others drop it and hand its share on.
+    if fleet.member_ttl_ms < fleet.sync_ms.saturating_mul(8) {
         problems.push(format!(
-            "fleet.member_ttl_ms: {} must be at least three fleet.sync_ms ({}), so a replica \
-             that misses a sync or two is not dropped",
+            "fleet.member_ttl_ms: {} must be at least eight fleet.sync_ms ({}), so a replica \
+             whose syncs fail falls back to its own budget before the others drop it",
             fleet.member_ttl_ms, fleet.sync_ms
         ));
     }
-    if fleet.leader_ttl_ms < fleet.sync_ms.saturating_mul(2) {
+    // A leader's round is its sync, the engines' scrape and its publish (each bounded by a sync
+    // period or the scrape timeout); the lease must outlast a slow one with room to spare.
+    let scrape_ms = if control.enabled && !control.engine.metrics_urls.is_empty() {
+        control.engine.scrape_timeout_ms
+    } else {
+        0
+    };
+    let leader_round = fleet.sync_ms.saturating_mul(3).saturating_add(scrape_ms);
+    if fleet.leader_ttl_ms < leader_round {
         problems.push(format!(
-            "fleet.leader_ttl_ms: {} must be at least two fleet.sync_ms ({}), so the leader \
-             renews its lease before it lapses",
+            "fleet.leader_ttl_ms: {} must be at least three fleet.sync_ms ({}) plus \
+             control.engine.scrape_timeout_ms when engines are scraped ({scrape_ms}), so the \
+             leader renews its lease before a slow round lets it lapse",
             fleet.leader_ttl_ms, fleet.sync_ms
         ));
     }

@@ -68,7 +68,7 @@ pub struct MemberLoad<'a> {
 
 impl MemberLoad<'_> {
     /// The most this replica may hold before it syncs again.
-    fn commitment(&self) -> u32 {
+    pub fn commitment(&self) -> u32 {
         self.in_flight
             .max(self.applied)
             .max(self.handed.unwrap_or(0))
@@ -113,6 +113,16 @@ pub fn divide(limit: u32, members: &[MemberLoad<'_>]) -> Vec<MemberShare> {
             },
         })
         .collect()
+}
+
+/// `shares` with no grant above its replica's commitment: nobody grows. What a leader publishes
+/// while the fleet re-forms (a Redis that lost its keys: replicas still run the shares they
+/// had, and the leader learns of them only as each syncs and reports the limit it applies).
+pub fn hold(mut shares: Vec<MemberShare>, members: &[MemberLoad<'_>]) -> Vec<MemberShare> {
+    for (share, member) in shares.iter_mut().zip(members) {
+        share.grant = share.grant.min(member.commitment());
+    }
+    shares
 }
 
 /// A tenant over the whole fleet.

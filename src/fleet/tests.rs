@@ -9,7 +9,7 @@ fn fallback_budgets_follow_the_configured_rule() {
         (LastShare, None, 12, 3, 4),
         (Split, Some(5), 12, 3, 4),
         (Split, None, 12, 0, 12),
-        (LastShare, Some(0), 12, 3, 1),
+        (LastShare, Some(0), 12, 3, 4),
         (Split, None, 2, 4, 1),
     ];
     for (rule, last, limit, replicas, expected) in rows {

@@ -912,7 +912,7 @@ fn fleet_settings_are_checked() {
     let cases: [Case; 5] = [
         (|c| c.fleet.name = "a{b}".to_owned(), &["fleet.name:"]),
         (|c| c.fleet.name = String::new(), &["fleet.name:"]),
-        (|c| c.fleet.member_ttl_ms = 500, &["fleet.member_ttl_ms:"]),
+        (|c| c.fleet.member_ttl_ms = 1_500, &["fleet.member_ttl_ms:"]),
         (
             |c| {
                 c.fleet.sync_ms = 0;
@@ -920,7 +920,7 @@ fn fleet_settings_are_checked() {
             },
             &["fleet.sync_ms:", "fleet.fallback_replicas:"],
         ),
-        (|c| c.fleet.leader_ttl_ms = 300, &["fleet.leader_ttl_ms:"]),
+        (|c| c.fleet.leader_ttl_ms = 500, &["fleet.leader_ttl_ms:"]),
     ];
     for (edit, expected) in cases {
         check_problems(edit, expected);

@@ -223,12 +223,26 @@ async fn published_grants_reach_the_followers_and_show_as_handed() {
             [record("a", "ra", Some(3)), record("b", "rb", Some(5))]
         );
 
+        // b has not synced since a decision that grants it more: the leader counts that grant,
+        // since b may read it any moment before the next publish.
+        let grants = [grant("a", 3, "oa"), grant("b", 9, "ob")];
+        let applied = store.fleet_publish(&publish("a", fence, &grants)).await;
+        assert_eq!(applied.unwrap(), Published::Applied { seq: 2 });
+        let a = member(join(&store, &beat("a", "p1", "ra")).await);
+        let mut reports = a.reports;
+        reports.sort_by(|x, y| x.member.cmp(&y.member));
+        assert_eq!(
+            reports,
+            [record("a", "ra", Some(3)), record("b", "rb", Some(9))]
+        );
+        member(join(&store, &beat("b", "p1", "rb")).await);
+
         // A new decision replaces the old one whole: b is no longer named in it.
         let grants = [grant("a", 7, "")];
         let applied = store.fleet_publish(&publish("a", fence, &grants)).await;
-        assert_eq!(applied.unwrap(), Published::Applied { seq: 2 });
+        assert_eq!(applied.unwrap(), Published::Applied { seq: 3 });
         let b = member(join(&store, &beat("b", "p1", "rb")).await);
-        assert_eq!(b.decision.map(|d| d.seq), Some(2));
+        assert_eq!(b.decision.map(|d| d.seq), Some(3));
         assert_eq!(b.grant, None);
         assert_eq!(b.overrides, "");
         assert_eq!(server.cmd(&["HEXISTS", &key("decision"), "g:b"]).await, "0");

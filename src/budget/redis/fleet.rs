@@ -101,7 +101,9 @@ pub struct MemberRecord {
     pub member: String,
     /// Its last report (opaque).
     pub report: String,
-    /// The grant last handed to it by a heartbeat, if any.
+    /// The most it may have been handed: the larger of the grant its last heartbeat read and
+    /// its grant in the decision standing now (which it may read at any moment before the
+    /// next publish), if either exists.
     pub handed: Option<u32>,
 }
 

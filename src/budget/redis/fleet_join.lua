@@ -19,9 +19,14 @@
 --   registered: 1, live members, leader, fence (nil unless the caller leads), decision seq,
 --               limit, window_epoch, fence (those four nil without a decision), the caller's
 --               grant, its overrides, then, only for the leader, per live member: id, report,
---               handed grant
+--               the larger of its handed grant and its grant in the standing decision
 local members, reports, handed = KEYS[1], KEYS[2], KEYS[3]
 local policy_key, leader_key, fence_key, decision = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+-- Redis 3.2 to 4 need this to allow writes after TIME; later versions replicate effects anyway.
+if redis.replicate_commands then
+  redis.replicate_commands()
+end
+
 local member, policy_hash, report = ARGV[1], ARGV[2], ARGV[5]
 local member_ttl = tonumber(ARGV[3])
 -- SET PX refuses 0.
@@ -104,7 +109,16 @@ if leader == member then
   for _, id in ipairs(redis.call('ZRANGE', members, 0, -1)) do
     reply[#reply + 1] = id
     reply[#reply + 1] = redis.call('HGET', reports, id)
-    reply[#reply + 1] = redis.call('HGET', handed, id)
+    -- The most it may have been handed: the grant it last read, or its grant in the decision
+    -- standing now, which it may read at any moment until the leader publishes again (the
+    -- leader must count it whether or not that member has synced since).
+    local got = tonumber(redis.call('HGET', handed, id))
+    local standing = tonumber(redis.call('HGET', decision, 'g:' .. id))
+    local most = got
+    if standing and (not most or standing > most) then
+      most = standing
+    end
+    reply[#reply + 1] = most and int(most) or false
   end
 end
 return reply

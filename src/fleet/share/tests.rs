@@ -213,6 +213,31 @@ fn growers_split_what_is_free_by_what_they_lack() {
     assert_eq!(grants_of(&shares), [4, 2, 1]);
 }
 
+#[test]
+fn while_the_fleet_reforms_nobody_grows() {
+    let busy = [flow(1, 1, 50)];
+    // Redis lost its keys: r1 (the new leader) had nothing; r2 still runs the 6 it had.
+    let members = [
+        member("r1", &busy),
+        MemberLoad {
+            in_flight: 6,
+            applied: 6,
+            ..member("r2", &busy)
+        },
+    ];
+    let shares = divide(12, &members);
+    assert_eq!(grants_of(&shares), [6, 6], "what dividing would give");
+    assert_eq!(
+        grants_of(&hold(shares, &members)),
+        [0, 6],
+        "r1 waits, r2 keeps what it runs"
+    );
+    // Before r2 has re-registered, the leader sees only itself: it would take everything.
+    let alone = [member("r1", &busy)];
+    assert_eq!(grants_of(&divide(12, &alone)), [12]);
+    assert_eq!(grants_of(&hold(divide(12, &alone), &alone)), [0]);
+}
+
 fn arbitrary_member() -> impl Strategy<Value = (u32, u32, Option<u32>, Vec<FlowDemand>)> {
     // One tenant has one class everywhere (one policy), so the class follows from its number.
     let flow = (0u64..6, 0u32..8, 0u32..8).prop_map(|(tenant, in_flight, queued)| FlowDemand {
