@@ -68,7 +68,7 @@ use crate::scheduler::{Scheduler, Share, TenantKey};
 use share::{FlowDemand, MemberLoad};
 
 /// What a replica reports with each sync. JSON: the leader decodes every member's, the scripts
-/// never look inside.
+/// never look inside. A change of its shape changes `policy::FLEET_PROTOCOL`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Report {
     pub in_flight: u32,
@@ -279,6 +279,10 @@ impl Fleet {
                     memory.standing = FleetStanding::Member;
                     memory.alone = None;
                     memory.failures = 0;
+                    if control_due {
+                        // The local peak feeds only a controller run alone: start it afresh.
+                        memory.peak_in_flight = 0;
+                    }
                     self.member(&mut memory, view, control_due, engine_saturation, &config)
                         .await;
                 }
@@ -466,8 +470,9 @@ impl Fleet {
             .reports
             .iter()
             .map(|record| {
-                // A report that does not decode (a foreign build) counts as an idle member
-                // holding nothing: it still gets a share of the spare.
+                // Builds with another report format have another policy hash and are kept
+                // out, so a report that does not decode is corrupt: count the member by what
+                // it was handed alone.
                 let report = serde_json::from_str(&record.report).unwrap_or_default();
                 (record, report)
             })

@@ -625,6 +625,9 @@ fn fleet_problems(fleet: &FleetConfig, control: &ControlConfig) -> Vec<String> {
     problems
 }
 
+/// Changes whenever the fleet's reports or overrides change shape (`crate::fleet::Report`).
+const FLEET_PROTOCOL: &str = "tollgate fleet protocol 1\n";
+
 /// The hash a fleet member publishes so that replicas running different policies do not share
 /// a budget: SHA-256 (first 16 bytes, hex) of the configuration as JSON, without what is each
 /// replica's own (listen addresses, the store's address and credentials, the member id,
@@ -637,7 +640,12 @@ pub fn policy_hash(config: &Config) -> String {
     shared.fleet.member_id = String::new();
     // Serializing a `Config` cannot fail: every map key is a string.
     let json = serde_json::to_vec(&shared).unwrap_or_default();
-    hex::encode(&Sha256::digest(&json)[..16])
+    let mut hasher = Sha256::new();
+    // The fleet's wire format (its reports and overrides) is part of what must agree: a build
+    // that speaks another one is kept out rather than misread.
+    hasher.update(FLEET_PROTOCOL.as_bytes());
+    hasher.update(&json);
+    hex::encode(&hasher.finalize()[..16])
 }
 
 /// Every check of the controller's settings (`control::AimdConfig` has none of its own).
