@@ -19,6 +19,11 @@
 //! controller times are divided by 4, and every latency the client measures is multiplied by
 //! 4 before it is reported: a 120 s scenario takes 30 s of wall time.
 //!
+//! With `replicas: N` the lab starts N tollgate replicas sharing one budget through a
+//! redis-server of its own, behind the one Envoy (see `lab/stack.rs`), and reports the
+//! deployment's figures plus each replica's. `lab --compare BASE/summary.json
+//! OTHER/summary.json` prints the ratios of two results, run by run.
+//!
 //! Output: a seed-style table per run and an overview on stdout, a progress line on stderr,
 //! and under `--out` (default `target/lab/<scenario>/`): `summary.json`, `summary.csv`,
 //! `tables.md`, and per run `<run>.requests.csv` and `<run>.png`.
@@ -49,7 +54,12 @@ use stack::{Binaries, Stack};
 #[command(name = "lab", about = "Run a load-lab scenario (see docs/lab.md)")]
 struct Args {
     /// The scenario file.
-    scenario: PathBuf,
+    #[arg(required_unless_present = "compare")]
+    scenario: Option<PathBuf>,
+    /// Compare two runs' results instead of running anything: `BASE OTHER`, two `summary.json`
+    /// files (e.g. one replica against three); prints a table of ratios, run by run.
+    #[arg(long, num_args = 2, value_names = ["BASE", "OTHER"])]
+    compare: Vec<PathBuf>,
     /// Simulated seconds per real second [default: the scenario's `time_scale`].
     #[arg(long)]
     time_scale: Option<f64>,
@@ -80,7 +90,17 @@ fn main() -> ExitCode {
 }
 
 async fn lab(args: &Args) -> Result<()> {
-    let scenario = Scenario::load(&args.scenario)?;
+    if let [base, other] = &args.compare[..] {
+        let read = |path: &PathBuf| -> Result<Value> {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("read {}", path.display()))?;
+            serde_json::from_str(&text).with_context(|| format!("parse {}", path.display()))
+        };
+        print!("{}", report::compare(&read(base)?, &read(other)?));
+        return Ok(());
+    }
+    let scenario_file = args.scenario.as_ref().context("no scenario file")?;
+    let scenario = Scenario::load(scenario_file)?;
     let time_scale = args.time_scale.unwrap_or(scenario.time_scale);
     ensure!(time_scale > 0.0, "--time-scale must be positive");
     let runs: Vec<&scenario::Run> = scenario
@@ -122,12 +142,20 @@ async fn lab(args: &Args) -> Result<()> {
         eprintln!("{}", scenario.description.trim());
     }
     eprintln!(
-        "scenario {}: {} run(s), {} s simulated each (+ up to {} s drain) at time scale {}",
+        "scenario {}: {} run(s), {} s simulated each (+ up to {} s drain) at time scale {}{}",
         scenario.name,
         runs.len(),
         scenario.duration_s,
         scenario.drain_s,
-        time_scale
+        time_scale,
+        if scenario.replicas > 1 {
+            format!(
+                ", {} tollgate replicas sharing one budget in Redis",
+                scenario.replicas
+            )
+        } else {
+            String::new()
+        }
     );
     let mut summaries = Vec::new();
     let mut tables = String::new();
@@ -141,6 +169,7 @@ async fn lab(args: &Args) -> Result<()> {
                 &binaries,
                 &upstream_args,
                 tollgate_config.as_ref(),
+                scenario.replicas,
                 &front_proxy,
             )
             .await
@@ -160,7 +189,7 @@ async fn lab(args: &Args) -> Result<()> {
         let target = load::Target {
             url: format!("http://{}/v1/chat/completions", stack.envoy_listen),
             upstream: stack.upstream_addr,
-            tollgate_admin: stack.tollgate_admin,
+            tollgate_admins: stack.tollgate_admins.clone(),
             identities: scenario
                 .tenants
                 .iter()
@@ -194,6 +223,11 @@ async fn lab(args: &Args) -> Result<()> {
                 window: scenario.window_s,
                 slo_ttft_ms: scenario.slo_ttft_ms,
                 tenant_names: tenant_names.clone(),
+                replicas: if tollgate_config.is_some() {
+                    scenario.replicas as usize
+                } else {
+                    0
+                },
             },
             &outcome,
         );
@@ -228,7 +262,8 @@ async fn lab(args: &Args) -> Result<()> {
     std::fs::write(out.join("summary.csv"), report::summary_csv(&only))?;
     let report = json!({
         "scenario": scenario.name,
-        "file": args.scenario,
+        "file": scenario_file,
+        "replicas": scenario.replicas,
         "time_scale": time_scale,
         "command": std::env::args().collect::<Vec<_>>(),
         "runs": summaries.iter().map(|(summary, config)| json!({

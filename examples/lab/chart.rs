@@ -174,14 +174,28 @@ fn err(e: impl std::fmt::Display) -> anyhow::Error {
 }
 
 /// Three panels: TTFT of every admitted request by arrival time and tenant; the global limit,
-/// in-flight and vLLM's running/waiting/KV over time; admitted and shed per tenant.
+/// in-flight and vLLM's running/waiting/KV over time; admitted and shed per tenant. With
+/// several tollgate replicas, the second panel is the deployment's (the fleet's limit, the sum
+/// of the shares, the sum of in flight) and a fourth shows each replica's share and in flight.
 pub fn run_chart(
     path: &Path,
     summary: &RunSummary,
     outcome: &Outcome,
     tenant_names: &[String],
 ) -> Result<()> {
-    let backend = Pixels(BitMapBackend::new(path, (900, 960)));
+    let replicas = outcome
+        .samples
+        .iter()
+        .map(|s| s.replicas.len())
+        .max()
+        .unwrap_or(0);
+    let panel_count = if replicas > 1 { 4 } else { 3 };
+    // About the size of a three-panel chart either way: the PNGs are kept in docs/lab/.
+    let panel_height = if replicas > 1 { 240 } else { 310 };
+    let backend = Pixels(BitMapBackend::new(
+        path,
+        (900, 30 + panel_height * panel_count),
+    ));
     let root = backend.into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let title = format!(
@@ -193,7 +207,7 @@ pub fn run_chart(
     let (top, rest) = root.split_vertically(30);
     top.draw(&Text::new(title, (10, 8), ("sans-serif", 16).into_font()))
         .map_err(err)?;
-    let panels = rest.split_evenly((3, 1));
+    let panels = rest.split_evenly((panel_count as usize, 1));
     let end = outcome
         .records
         .iter()
@@ -255,9 +269,29 @@ pub fn run_chart(
         RGBColor,
         fn(&crate::load::Sample) -> Option<f64>,
     );
-    let series: [Series; 5] = [
-        ("tollgate limit", RGBColor(0, 0, 0), |s| s.tollgate_limit),
-        ("tollgate in flight", RGBColor(127, 127, 127), |s| {
+    let (limit_label, inflight_label, caption) = if replicas > 1 {
+        (
+            "deployment limit",
+            "in flight, all replicas",
+            format!("All {replicas} replicas: limit, shares, in flight; vLLM"),
+        )
+    } else {
+        (
+            "tollgate limit",
+            "tollgate in flight",
+            "Global limit, in flight, vLLM running / waiting / KV %".to_owned(),
+        )
+    };
+    let series: [Series; 6] = [
+        (limit_label, RGBColor(0, 0, 0), |s| s.tollgate_limit),
+        ("sum of the shares", RGBColor(255, 127, 14), |s| {
+            s.replicas
+                .iter()
+                .map(|r| r.share)
+                .try_fold(0.0, |sum, share| Some(sum + share?))
+                .filter(|_| s.replicas.len() > 1)
+        }),
+        (inflight_label, RGBColor(127, 127, 127), |s| {
             s.tollgate_inflight
         }),
         ("vLLM running", RGBColor(31, 119, 180), |s| s.vllm_running),
@@ -273,10 +307,7 @@ pub fn run_chart(
         .fold(10.0, f64::max)
         * 1.1;
     let mut chart = ChartBuilder::on(&panels[1])
-        .caption(
-            "Global limit, in flight, vLLM running / waiting / KV %",
-            ("sans-serif", 16),
-        )
+        .caption(caption, ("sans-serif", 16))
         .margin(8)
         .x_label_area_size(24)
         .y_label_area_size(56)
@@ -385,12 +416,79 @@ pub fn run_chart(
     }
     chart
         .configure_series_labels()
-        .label_font(label_font)
+        .label_font(label_font.clone())
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .position(SeriesLabelPosition::UpperRight)
         .draw()
         .map_err(err)?;
+
+    // 4. Each replica's share and in flight.
+    if replicas > 1 {
+        let top = outcome
+            .samples
+            .iter()
+            .flat_map(|s| s.replicas.iter())
+            .flat_map(|r| [r.share, r.inflight])
+            .flatten()
+            .fold(4.0, f64::max)
+            * 1.15;
+        let mut chart = ChartBuilder::on(&panels[3])
+            .caption(
+                "Each replica: share (thick), in flight (thin)",
+                ("sans-serif", 16),
+            )
+            .margin(8)
+            .x_label_area_size(24)
+            .y_label_area_size(56)
+            .build_cartesian_2d(0.0..end, 0.0..top)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .light_line_style(TRANSPARENT)
+            .label_style(label_font.clone())
+            .x_labels(10)
+            .draw()
+            .map_err(err)?;
+        for index in 0..replicas {
+            let color = REPLICA_COLORS[index % REPLICA_COLORS.len()];
+            type Gauge = fn(&crate::load::ReplicaSample) -> Option<f64>;
+            let gauges: [(&str, u32, Gauge); 2] =
+                [("share", 2, |r| r.share), ("in flight", 1, |r| r.inflight)];
+            for (what, width, gauge) in gauges {
+                let points: Vec<(f64, f64)> = outcome
+                    .samples
+                    .iter()
+                    .filter_map(|s| Some((s.t, gauge(s.replicas.get(index)?)?)))
+                    .collect();
+                chart
+                    .draw_series(LineSeries::new(points, Color::stroke_width(&color, width)))
+                    .map_err(err)?
+                    .label(legend(&format!("replica {} {what}", index + 1)))
+                    .legend(move |(x, y)| {
+                        PathElement::new(
+                            vec![(x, y), (x + 16, y)],
+                            Color::stroke_width(&color, width),
+                        )
+                    });
+            }
+        }
+        chart
+            .configure_series_labels()
+            .label_font(label_font)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()
+            .map_err(err)?;
+    }
     root.present().map_err(err)?;
     Ok(())
 }
+
+const REPLICA_COLORS: [RGBColor; 4] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(148, 103, 189),
+];

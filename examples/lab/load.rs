@@ -1,7 +1,9 @@
 //! The open-loop load: every request is sent at its due time whatever happened to the earlier
 //! ones, and measured from that due time (so a slow system cannot hide its queue by slowing
 //! the client). Also the sampler: vLLM's and tollgate's gauges, and the client's in-flight
-//! requests per tenant, every `sample_every_s`, with a progress line.
+//! requests per tenant, every `sample_every_s`, with a progress line. With several tollgate
+//! replicas every one is scraped: the deployment's figures (the fleet's limit, the sums of
+//! in flight and queued, the leader's controller p99) and each replica's own.
 
 use std::io::{IsTerminal, Write as _};
 use std::net::SocketAddr;
@@ -57,19 +59,49 @@ pub struct Sample {
     pub vllm_running: Option<f64>,
     pub vllm_waiting: Option<f64>,
     pub vllm_kv_usage: Option<f64>,
+    /// The deployment's limit: the one replica's, or the fleet's (`tollgate_fleet_inflight_limit`
+    /// as the leader reports it).
     pub tollgate_limit: Option<f64>,
+    /// Summed over the replicas.
     pub tollgate_inflight: Option<f64>,
     pub tollgate_queued: Option<f64>,
-    /// The p99 TTFT the controller saw at its last tick, in real seconds (NaN: no samples).
+    /// The p99 TTFT the controller saw at its last tick, in real seconds (NaN: no samples); with
+    /// several replicas, the leader's (all replicas' windows merged).
     pub tollgate_controller_p99: Option<f64>,
     /// Requests each tenant has open (sent, not yet answered in full).
     pub client_inflight: Vec<u64>,
+    /// Each replica's own gauges, with more than one replica (absent with one).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<ReplicaSample>,
+}
+
+/// One replica's gauges in a sample (`None`: its scrape failed).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ReplicaSample {
+    /// Its share of the deployment's limit (`tollgate_inflight_limit`).
+    pub share: Option<f64>,
+    pub inflight: Option<f64>,
+    pub queued: Option<f64>,
+    pub leader: Option<bool>,
+    pub members: Option<f64>,
+}
+
+/// One replica's counters at the end of a run (with more than one replica).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ReplicaEnd {
+    /// Requests the scheduler admitted (at once or after a wait), by tier.
+    pub admitted_by_tier: std::collections::BTreeMap<String, u64>,
+    /// Times it took the leader lease (`tollgate_fleet_leaderships_total`).
+    pub leaderships: u64,
+    /// Times it fell back to a local budget (`tollgate_fleet_fallbacks_total`).
+    pub fallbacks: u64,
 }
 
 pub struct Target {
     pub url: String,
     pub upstream: SocketAddr,
-    pub tollgate_admin: Option<SocketAddr>,
+    /// Every replica's admin address (empty: tollgate off).
+    pub tollgate_admins: Vec<SocketAddr>,
     /// `(x-user-id, x-user-tier)` per tenant.
     pub identities: Vec<(String, Option<String>)>,
     pub time_scale: f64,
@@ -86,6 +118,8 @@ pub struct Outcome {
     /// 99th percentile of how late requests were sent after their due time (real ms): a busy
     /// machine shows here.
     pub send_lag_p99_ms: f64,
+    /// Each replica's counters at the end, with more than one replica (empty with one).
+    pub replicas: Vec<ReplicaEnd>,
 }
 
 struct Shared {
@@ -114,7 +148,7 @@ pub async fn run(target: &Target, arrivals: &[Arrival], client: &reqwest::Client
     let sampler = tokio::spawn(sample_loop(
         SamplerArgs {
             upstream: target.upstream,
-            tollgate_admin: target.tollgate_admin,
+            tollgate_admins: target.tollgate_admins.clone(),
             every: target.sample_every,
             scale,
             end: target.duration + target.drain,
@@ -195,6 +229,13 @@ pub async fn run(target: &Target, arrivals: &[Arrival], client: &reqwest::Client
     let send_lag_p99_ms = lags
         .get((lags.len() * 99 / 100).min(lags.len().saturating_sub(1)))
         .map_or(0.0, |us| *us as f64 / 1000.0);
+    let mut replicas = Vec::new();
+    if target.tollgate_admins.len() > 1 {
+        for &admin in &target.tollgate_admins {
+            let text = scrape(client, admin).await.unwrap_or_default();
+            replicas.push(replica_end(&text));
+        }
+    }
     Outcome {
         records,
         samples: shared.samples.lock().unwrap().clone(),
@@ -204,6 +245,39 @@ pub async fn run(target: &Target, arrivals: &[Arrival], client: &reqwest::Client
             .map(|p| p.load(Ordering::Relaxed))
             .collect(),
         send_lag_p99_ms,
+        replicas,
+    }
+}
+
+/// A replica's end-of-run counters from its `/metrics`.
+fn replica_end(text: &str) -> ReplicaEnd {
+    let mut admitted_by_tier = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("tollgate_scheduler_outcomes_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        let label = |name: &str| {
+            labels
+                .split(',')
+                .find_map(|pair| pair.strip_prefix(&format!("{name}=\"")))
+                .map(|v| v.trim_end_matches('"').to_owned())
+        };
+        let (Some(tier), Some(outcome)) = (label("tier"), label("outcome")) else {
+            continue;
+        };
+        if outcome.starts_with("admitted") {
+            let n = value.trim().parse::<f64>().unwrap_or(0.0) as u64;
+            *admitted_by_tier.entry(tier).or_insert(0) += n;
+        }
+    }
+    let count = |name: &str| metric(text, name).unwrap_or(0.0) as u64;
+    ReplicaEnd {
+        admitted_by_tier,
+        leaderships: count("tollgate_fleet_leaderships_total"),
+        fallbacks: count("tollgate_fleet_fallbacks_total"),
     }
 }
 
@@ -287,7 +361,7 @@ async fn send(request: reqwest::RequestBuilder, due: Instant, scale: f64) -> Rec
 
 struct SamplerArgs {
     upstream: SocketAddr,
-    tollgate_admin: Option<SocketAddr>,
+    tollgate_admins: Vec<SocketAddr>,
     every: f64,
     scale: f64,
     end: f64,
@@ -305,31 +379,81 @@ async fn sample_loop(args: SamplerArgs, shared: Arc<Shared>, client: reqwest::Cl
         tokio::time::sleep_until(next).await;
         next += Duration::from_secs_f64(args.every / args.scale);
         let t = args.start.elapsed().as_secs_f64() * args.scale;
-        let vllm = scrape(&client, args.upstream).await;
-        let tollgate = match args.tollgate_admin {
-            Some(admin) => scrape(&client, admin).await,
-            None => None,
-        };
+        // Every endpoint at once, so the replicas' gauges are of the same moment.
+        let (vllm, tollgates) = tokio::join!(
+            scrape(&client, args.upstream),
+            futures_util::future::join_all(
+                args.tollgate_admins
+                    .iter()
+                    .map(|&admin| scrape(&client, admin))
+            )
+        );
         let value =
             |text: &Option<String>, name: &str| text.as_deref().and_then(|t| metric(t, name));
-        let sample = Sample {
-            t,
-            vllm_running: value(&vllm, "vllm:num_requests_running"),
-            vllm_waiting: value(&vllm, "vllm:num_requests_waiting"),
-            vllm_kv_usage: value(&vllm, "vllm:kv_cache_usage_perc"),
-            tollgate_limit: value(&tollgate, "tollgate_inflight_limit"),
-            tollgate_inflight: value(&tollgate, "tollgate_inflight_requests"),
-            tollgate_queued: value(&tollgate, "tollgate_queued_requests"),
-            tollgate_controller_p99: value(
-                &tollgate,
-                "tollgate_controller_observed_p99_ttft_seconds",
-            )
-            .filter(|p| p.is_finite()),
-            client_inflight: shared
-                .inflight
+        let sum = |name: &str| {
+            tollgates
                 .iter()
-                .map(|n| n.load(Ordering::Relaxed))
-                .collect(),
+                .filter_map(|t| value(t, name))
+                .reduce(|a, b| a + b)
+        };
+        let controller_p99 =
+            |text: &Option<String>| value(text, CONTROLLER_P99).filter(|p| p.is_finite());
+        let client_inflight = shared
+            .inflight
+            .iter()
+            .map(|n| n.load(Ordering::Relaxed))
+            .collect();
+        let sample = match &tollgates[..] {
+            [] | [_] => {
+                let tollgate = tollgates.first().cloned().flatten();
+                Sample {
+                    t,
+                    vllm_running: value(&vllm, "vllm:num_requests_running"),
+                    vllm_waiting: value(&vllm, "vllm:num_requests_waiting"),
+                    vllm_kv_usage: value(&vllm, "vllm:kv_cache_usage_perc"),
+                    tollgate_limit: value(&tollgate, "tollgate_inflight_limit"),
+                    tollgate_inflight: value(&tollgate, "tollgate_inflight_requests"),
+                    tollgate_queued: value(&tollgate, "tollgate_queued_requests"),
+                    tollgate_controller_p99: controller_p99(&tollgate),
+                    client_inflight,
+                    replicas: Vec::new(),
+                }
+            }
+            several => {
+                let replicas: Vec<ReplicaSample> = several
+                    .iter()
+                    .map(|text| ReplicaSample {
+                        share: value(text, "tollgate_inflight_limit"),
+                        inflight: value(text, "tollgate_inflight_requests"),
+                        queued: value(text, "tollgate_queued_requests"),
+                        leader: value(text, "tollgate_fleet_leader").map(|l| l == 1.0),
+                        members: value(text, "tollgate_fleet_members"),
+                    })
+                    .collect();
+                let leader = replicas
+                    .iter()
+                    .position(|r| r.leader == Some(true))
+                    .map(|i| &several[i]);
+                Sample {
+                    t,
+                    vllm_running: value(&vllm, "vllm:num_requests_running"),
+                    vllm_waiting: value(&vllm, "vllm:num_requests_waiting"),
+                    vllm_kv_usage: value(&vllm, "vllm:kv_cache_usage_perc"),
+                    // The leader's word on the deployment's limit; between leaders, the
+                    // highest any replica last applied.
+                    tollgate_limit: leader.and_then(|l| value(l, FLEET_LIMIT)).or_else(|| {
+                        several
+                            .iter()
+                            .filter_map(|t| value(t, FLEET_LIMIT))
+                            .reduce(f64::max)
+                    }),
+                    tollgate_inflight: sum("tollgate_inflight_requests"),
+                    tollgate_queued: sum("tollgate_queued_requests"),
+                    tollgate_controller_p99: leader.and_then(controller_p99),
+                    client_inflight,
+                    replicas,
+                }
+            }
         };
         let open: u64 = sample.client_inflight.iter().sum();
         let line = format!(
@@ -345,7 +469,17 @@ async fn sample_loop(args: SamplerArgs, shared: Arc<Shared>, client: reqwest::Cl
             sample.vllm_kv_usage.unwrap_or(0.0) * 100.0,
             match sample.tollgate_limit {
                 Some(limit) => format!(
-                    "  tollgate limit {limit} in flight {} queued {}",
+                    "  tollgate limit {limit}{} in flight {} queued {}",
+                    if sample.replicas.is_empty() {
+                        String::new()
+                    } else {
+                        let shares: Vec<String> = sample
+                            .replicas
+                            .iter()
+                            .map(|r| r.share.map_or("?".to_owned(), |s| s.to_string()))
+                            .collect();
+                        format!(" (shares {})", shares.join("+"))
+                    },
                     sample.tollgate_inflight.unwrap_or(0.0),
                     sample.tollgate_queued.unwrap_or(0.0)
                 ),
@@ -362,6 +496,9 @@ async fn sample_loop(args: SamplerArgs, shared: Arc<Shared>, client: reqwest::Cl
         shared.samples.lock().unwrap().push(sample);
     }
 }
+
+const CONTROLLER_P99: &str = "tollgate_controller_observed_p99_ttft_seconds";
+const FLEET_LIMIT: &str = "tollgate_fleet_inflight_limit";
 
 async fn scrape(client: &reqwest::Client, addr: SocketAddr) -> Option<String> {
     let response = client

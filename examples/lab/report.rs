@@ -6,6 +6,8 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use serde_json::Value;
+
 use crate::load::{Outcome, Record};
 
 #[derive(Debug, Clone, Serialize)]
@@ -59,6 +61,32 @@ pub struct RunSummary {
     pub limit_max: Option<f64>,
     pub limit_last: Option<f64>,
     pub send_lag_p99_ms: f64,
+    /// p99 TTFT of every completed request, all tenants together (what the controller targets).
+    pub ttft_p99_all_ms: Option<f64>,
+    /// tollgate replicas behind Envoy (0: tollgate off).
+    pub replicas: usize,
+    /// Each replica's own figures, with more than one (the rest of the summary is the
+    /// deployment's).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replica_summaries: Vec<ReplicaSummary>,
+}
+
+/// One replica of several, from its sampled gauges and its counters at the end.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplicaSummary {
+    /// 1-based, in start order.
+    pub replica: usize,
+    pub share_min: Option<f64>,
+    pub share_max: Option<f64>,
+    pub share_mean: Option<f64>,
+    pub inflight_mean: Option<f64>,
+    pub inflight_peak: Option<f64>,
+    pub queued_peak: Option<f64>,
+    /// Fraction of the samples in which it held the leader lease.
+    pub leader_fraction: f64,
+    pub admitted_by_tier: BTreeMap<String, u64>,
+    pub leaderships: u64,
+    pub fallbacks: u64,
 }
 
 /// Nearest-rank percentile.
@@ -82,6 +110,8 @@ pub struct RunInfo<'a> {
     pub window: Option<[f64; 2]>,
     pub slo_ttft_ms: f64,
     pub tenant_names: Vec<String>,
+    /// tollgate replicas (0: tollgate off).
+    pub replicas: usize,
 }
 
 pub fn summarize(info: &RunInfo<'_>, outcome: &Outcome) -> RunSummary {
@@ -149,6 +179,7 @@ pub fn summarize(info: &RunInfo<'_>, outcome: &Outcome) -> RunSummary {
         .iter()
         .filter(|r| r.ttft.is_some_and(|t| t * 1000.0 <= info.slo_ttft_ms))
         .count();
+    let all_ttfts: Vec<f64> = completed.iter().filter_map(|r| r.ttft).collect();
     let max = |f: fn(&crate::load::Sample) -> Option<f64>| {
         outcome.samples.iter().filter_map(f).reduce(f64::max)
     };
@@ -175,7 +206,55 @@ pub fn summarize(info: &RunInfo<'_>, outcome: &Outcome) -> RunSummary {
         limit_max: max(|s| s.tollgate_limit),
         limit_last: outcome.samples.iter().rev().find_map(|s| s.tollgate_limit),
         send_lag_p99_ms: outcome.send_lag_p99_ms,
+        ttft_p99_all_ms: ms(percentile(&all_ttfts, 99.0)),
+        replicas: info.replicas,
+        replica_summaries: replica_summaries(outcome),
     }
+}
+
+fn replica_summaries(outcome: &Outcome) -> Vec<ReplicaSummary> {
+    let count = outcome
+        .samples
+        .iter()
+        .map(|s| s.replicas.len())
+        .max()
+        .unwrap_or(0)
+        .max(outcome.replicas.len());
+    (0..count)
+        .map(|index| {
+            let samples: Vec<&crate::load::ReplicaSample> = outcome
+                .samples
+                .iter()
+                .filter_map(|s| s.replicas.get(index))
+                .collect();
+            let values = |f: fn(&crate::load::ReplicaSample) -> Option<f64>| -> Vec<f64> {
+                samples.iter().filter_map(|s| f(s)).collect()
+            };
+            let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+            let shares = values(|s| s.share);
+            let inflight = values(|s| s.inflight);
+            let queued = values(|s| s.queued);
+            let end = outcome.replicas.get(index).cloned().unwrap_or_default();
+            ReplicaSummary {
+                replica: index + 1,
+                share_min: shares.iter().copied().reduce(f64::min),
+                share_max: shares.iter().copied().reduce(f64::max),
+                share_mean: mean(&shares),
+                inflight_mean: mean(&inflight),
+                inflight_peak: inflight.iter().copied().reduce(f64::max),
+                queued_peak: queued.iter().copied().reduce(f64::max),
+                leader_fraction: if samples.is_empty() {
+                    0.0
+                } else {
+                    samples.iter().filter(|s| s.leader == Some(true)).count() as f64
+                        / samples.len() as f64
+                },
+                admitted_by_tier: end.admitted_by_tier,
+                leaderships: end.leaderships,
+                fallbacks: end.fallbacks,
+            }
+        })
+        .collect()
 }
 
 fn thousands(n: f64) -> String {
@@ -260,26 +339,189 @@ pub fn table(summary: &RunSummary, window: Option<[f64; 2]>) -> String {
     }
     let _ = writeln!(
         out,
-        "\nGoodput {:.2} req/s ({:.2} req/s with TTFT ≤ {} ms), {} output tokens/s; vLLM peak \
-         KV {}, peak running {}, peak waiting {}{}; client send lag p99 {:.1} ms (real).\n",
+        "\nGoodput {:.2} req/s ({:.2} req/s with TTFT ≤ {} ms), {} output tokens/s; p99 TTFT of \
+         all completed requests {}; vLLM peak KV {}, peak running {}, peak waiting {}{}; client \
+         send lag p99 {:.1} ms (real).\n",
         summary.goodput_rps,
         summary.slo_goodput_rps,
         thousands(summary.slo_ttft_ms),
         thousands(summary.output_tokens_per_s),
+        ms_cell(summary.ttft_p99_all_ms),
         summary
             .peak_kv_usage
             .map_or("–".to_owned(), |kv| format!("{:.0}%", kv * 100.0)),
         summary.peak_vllm_running.map_or("–".to_owned(), thousands),
         summary.peak_vllm_waiting.map_or("–".to_owned(), thousands),
         match (summary.limit_min, summary.limit_max, summary.limit_last) {
-            (Some(min), Some(max), Some(last)) => {
+            (Some(min), Some(max), Some(last)) if summary.replica_summaries.is_empty() => {
                 format!("; tollgate limit {min}..{max}, last {last}")
             }
+            (Some(min), Some(max), Some(last)) => format!(
+                "; the deployment's limit ({} replicas) {min}..{max}, last {last}",
+                summary.replica_summaries.len()
+            ),
             _ => String::new(),
         },
         summary.send_lag_p99_ms,
     );
+    if !summary.replica_summaries.is_empty() {
+        out.push_str(&replicas_table(&summary.replica_summaries));
+        out.push('\n');
+    }
     out
+}
+
+/// One line per replica: its share of the limit, its in flight, how long it led, what it
+/// admitted by tier.
+pub fn replicas_table(replicas: &[ReplicaSummary]) -> String {
+    let tiers: Vec<&String> = replicas
+        .iter()
+        .flat_map(|r| r.admitted_by_tier.keys())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let number = |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{v:.0}"));
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "| replica | share min..max (mean) | in flight mean / peak | queued peak | led (samples) | \
+         leaderships | fallbacks | {} |",
+        tiers
+            .iter()
+            .map(|t| format!("admitted {t}"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    let _ = writeln!(
+        out,
+        "|---|---|---|---|---|---|---|{}",
+        "---|".repeat(tiers.len())
+    );
+    for r in replicas {
+        let admitted: Vec<String> = tiers
+            .iter()
+            .map(|t| r.admitted_by_tier.get(*t).copied().unwrap_or(0).to_string())
+            .collect();
+        let _ = writeln!(
+            out,
+            "| {} | {}..{} ({}) | {} / {} | {} | {:.0}% | {} | {} | {} |",
+            r.replica,
+            number(r.share_min),
+            number(r.share_max),
+            r.share_mean.map_or("–".to_owned(), |v| format!("{v:.1}")),
+            r.inflight_mean
+                .map_or("–".to_owned(), |v| format!("{v:.1}")),
+            number(r.inflight_peak),
+            number(r.queued_peak),
+            r.leader_fraction * 100.0,
+            r.leaderships,
+            r.fallbacks,
+            admitted.join(" | ")
+        );
+    }
+    out
+}
+
+/// Run by run (matched by name), `other`'s figures against `base`'s, from two `summary.json`
+/// files: goodput, goodput within the SLO, p99 TTFT of all requests and per tenant, and the
+/// tenants' shares of admissions (of arrivals in the scenario's window if it has one, else of
+/// the whole run). Markdown.
+pub fn compare(base: &Value, other: &Value) -> String {
+    let runs = |report: &Value| report["runs"].as_array().cloned().unwrap_or_default();
+    let name = |report: &Value| report["scenario"].as_str().unwrap_or("?").to_owned();
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{} (base) against {}: ratio = other / base.\n",
+        name(base),
+        name(other)
+    );
+    let _ = writeln!(
+        out,
+        "| run | goodput req/s | ratio | within SLO req/s | ratio | all p99 TTFT | ratio | \
+         p99 TTFT by tenant | shares of admissions |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|");
+    let f = |v: &Value| v.as_f64();
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if a > 0.0 => format!("{:.2}×", b / a),
+        _ => "–".to_owned(),
+    };
+    for run in runs(base) {
+        let run_name = run["summary"]["run"].as_str().unwrap_or("?");
+        let Some(theirs) = runs(other)
+            .into_iter()
+            .find(|r| r["summary"]["run"].as_str() == Some(run_name))
+        else {
+            continue;
+        };
+        let (a, b) = (&run["summary"], &theirs["summary"]);
+        let pair_rps = |field: &str| {
+            format!(
+                "{} → {}",
+                f(&a[field]).map_or("–".to_owned(), |v| format!("{v:.2}")),
+                f(&b[field]).map_or("–".to_owned(), |v| format!("{v:.2}"))
+            )
+        };
+        let pair_ms = |x: Option<f64>, y: Option<f64>| format!("{} → {}", ms_cell(x), ms_cell(y));
+        let tenants = |s: &Value| s["tenants"].as_array().cloned().unwrap_or_default();
+        let by_tenant: Vec<String> = tenants(a)
+            .iter()
+            .zip(tenants(b))
+            .map(|(x, y)| {
+                format!(
+                    "{} {}",
+                    x["name"].as_str().unwrap_or("?"),
+                    ratio(f(&x["ttft_p99_ms"]), f(&y["ttft_p99_ms"]))
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "| {run_name} | {} | {} | {} | {} | {} | {} | {} | {} → {} |",
+            pair_rps("goodput_rps"),
+            ratio(f(&a["goodput_rps"]), f(&b["goodput_rps"])),
+            pair_rps("slo_goodput_rps"),
+            ratio(f(&a["slo_goodput_rps"]), f(&b["slo_goodput_rps"])),
+            pair_ms(f(&a["ttft_p99_all_ms"]), f(&b["ttft_p99_all_ms"])),
+            ratio(f(&a["ttft_p99_all_ms"]), f(&b["ttft_p99_all_ms"])),
+            by_tenant.join(", "),
+            shares(a),
+            shares(b),
+        );
+    }
+    out
+}
+
+/// `A 66.5% / B 33.5%`: each tenant's share of admissions, of arrivals in the window if the
+/// run counted any there, else of the whole run.
+fn shares(summary: &Value) -> String {
+    let tenants = summary["tenants"].as_array().cloned().unwrap_or_default();
+    let field = |key: &str| -> Vec<u64> {
+        tenants
+            .iter()
+            .map(|t| t[key].as_u64().unwrap_or(0))
+            .collect()
+    };
+    let window = field("window_admitted");
+    let (counts, scope) = if window.iter().sum::<u64>() > 0 {
+        (window, "window")
+    } else {
+        (field("admitted"), "run")
+    };
+    let total = counts.iter().sum::<u64>().max(1) as f64;
+    let parts: Vec<String> = tenants
+        .iter()
+        .zip(&counts)
+        .map(|(t, &n)| {
+            format!(
+                "{} {:.1}%",
+                t["name"].as_str().unwrap_or("?"),
+                100.0 * n as f64 / total
+            )
+        })
+        .collect();
+    format!("{} ({scope})", parts.join(" / "))
 }
 
 /// One row per run: the comparison across runs (e.g. a sweep).

@@ -49,6 +49,12 @@ pub struct Scenario {
     /// simulated milliseconds).
     #[serde(default)]
     pub tollgate: Value,
+    /// tollgate replicas behind the one Envoy (`LEAST_REQUEST`). Above 1, the lab also starts a
+    /// redis-server, points every replica's `store.redis_url` at it, and the replicas share
+    /// one in-flight budget (`fleet`, tollgate's defaults unless the scenario names them):
+    /// `scheduler.initial_limit` and the controller's floor and ceiling are the deployment's.
+    #[serde(default = "one_u32")]
+    pub replicas: u32,
     pub runs: Vec<Run>,
 }
 
@@ -122,6 +128,10 @@ fn one_u64() -> u64 {
     1
 }
 
+fn one_u32() -> u32 {
+    1
+}
+
 fn default_slo() -> f64 {
     2000.0
 }
@@ -144,9 +154,11 @@ impl Scenario {
     pub fn load(path: &Path) -> Result<Scenario> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
-        let value = yaml_to_json(&text).with_context(|| format!("parse {}", path.display()))?;
-        let scenario: Scenario =
-            serde_json::from_value(value).with_context(|| format!("load {}", path.display()))?;
+        Scenario::parse(&text).with_context(|| format!("load {}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<Scenario> {
+        let scenario: Scenario = serde_json::from_value(yaml_to_json(text)?)?;
         scenario.validate()?;
         Ok(scenario)
     }
@@ -158,6 +170,10 @@ impl Scenario {
         ensure!(self.sample_every_s > 0.0, "sample_every_s must be positive");
         ensure!(!self.tenants.is_empty(), "no tenants");
         ensure!(!self.runs.is_empty(), "no runs");
+        ensure!(
+            (1..=16).contains(&self.replicas),
+            "replicas must be between 1 and 16"
+        );
         for run in &self.runs {
             for name in run
                 .without
@@ -193,6 +209,9 @@ impl Scenario {
         }
         if config.is_null() {
             config = Value::Object(Map::new());
+        }
+        if self.replicas > 1 {
+            fill_fleet_defaults(&mut config);
         }
         scale_times(&mut config, time_scale);
         Some(config)
@@ -325,6 +344,13 @@ fn scale_times(config: &mut Value, scale: f64) {
         }
         _ => {}
     });
+    if let Some(fleet) = config.get_mut("fleet").and_then(Value::as_object_mut) {
+        for key in ["sync_ms", "member_ttl_ms", "leader_ttl_ms"] {
+            if let Some(value) = fleet.get_mut(key) {
+                divide(value);
+            }
+        }
+    }
     if let Some(control) = config.get_mut("control").and_then(Value::as_object_mut) {
         for key in [
             "tick_ms",
@@ -389,6 +415,29 @@ fn fill_time_defaults(config: &mut Value) {
             root.insert("tiers".to_owned(), tiers);
         }
         Some(_) => {}
+    }
+}
+
+/// Writes tollgate's defaults for the fleet's times (sync, member and leader leases) into
+/// `config` where it names none, so that [`scale_times`] puts them on the simulated clock too:
+/// at the defaults, a share moves within one (scaled) controller tick. Only for scenarios with
+/// more than one replica; a lone replica has no fleet, and its configuration stays as it was.
+fn fill_fleet_defaults(config: &mut Value) {
+    let Some(root) = config.as_object_mut() else {
+        return;
+    };
+    let fleet = tollgate::config::FleetConfig::default();
+    if let Value::Object(map) = root
+        .entry("fleet")
+        .or_insert_with(|| Value::Object(Map::new()))
+    {
+        for (key, default) in [
+            ("sync_ms", fleet.sync_ms),
+            ("member_ttl_ms", fleet.member_ttl_ms),
+            ("leader_ttl_ms", fleet.leader_ttl_ms),
+        ] {
+            map.entry(key).or_insert(Value::from(default));
+        }
     }
 }
 
@@ -527,6 +576,48 @@ mod tests {
             assert_eq!(times, poisson(&mut Rng::new(7), rate, 0.0, seconds));
         }
         assert!(poisson(&mut Rng::new(7), 0.0, 0.0, 10.0).is_empty());
+    }
+
+    const REPLICAS: &str = "name: r\nduration_s: 10\ntenants: [{name: A, rate: 1}]\n\
+                            tollgate: {scheduler: {initial_limit: 32}}\nruns: [{name: on}]\n";
+
+    #[test]
+    fn one_replica_by_default_with_no_fleet_settings() {
+        let scenario = Scenario::parse(REPLICAS).unwrap();
+        assert_eq!(scenario.replicas, 1);
+        let config = scenario.tollgate_config(&scenario.runs[0], 4.0).unwrap();
+        assert_eq!(config.get("fleet"), None);
+        assert_eq!(config.get("store"), None);
+        assert_eq!(config["scheduler"]["initial_limit"], json!(32));
+    }
+
+    #[test]
+    fn replicas_get_the_fleet_times_on_the_simulated_clock() {
+        let scenario = Scenario::parse(&format!("{REPLICAS}replicas: 3\n")).unwrap();
+        assert_eq!(scenario.replicas, 3);
+        let config = scenario.tollgate_config(&scenario.runs[0], 4.0).unwrap();
+        // tollgate's defaults (200 ms, 2 s, 2 s), divided by the time scale; the limit stays
+        // the deployment's.
+        assert_eq!(
+            config["fleet"],
+            json!({"sync_ms": 50, "member_ttl_ms": 500, "leader_ttl_ms": 500})
+        );
+        assert_eq!(config["scheduler"]["initial_limit"], json!(32));
+        // A scenario's own fleet times win, and scale too.
+        let named = format!("{REPLICAS}replicas: 3\n").replace(
+            "tollgate: {",
+            "tollgate: {fleet: {sync_ms: 400, member_ttl_ms: 4000}, ",
+        );
+        let scenario = Scenario::parse(&named).unwrap();
+        let config = scenario.tollgate_config(&scenario.runs[0], 4.0).unwrap();
+        assert_eq!(
+            config["fleet"],
+            json!({"sync_ms": 100, "member_ttl_ms": 1000, "leader_ttl_ms": 500})
+        );
+        for bad in ["replicas: 0\n", "replicas: 17\n"] {
+            let error = Scenario::parse(&format!("{REPLICAS}{bad}")).unwrap_err();
+            assert!(format!("{error:#}").contains("replicas"), "{error:#}");
+        }
     }
 
     #[test]

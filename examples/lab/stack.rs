@@ -3,16 +3,28 @@
 //! `envoy/front-proxy.yaml` rendered on free loopback ports (or, for "tollgate off", the same
 //! file with the ext_proc filter and the tollgate cluster cut out at run time). Every child is
 //! killed and reaped on drop.
+//!
+//! With `replicas: N` (N > 1) there are N tollgate processes on the same configuration plus
+//! `store.redis_url` of a redis-server of the lab's own (testkit), so they share one in-flight
+//! budget (`src/fleet.rs`), and Envoy's tollgate cluster lists all N with `LEAST_REQUEST`. The
+//! run starts once every replica sees all N members and one of them leads.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
-use anyhow::{Context, Result};
-use serde_json::Value;
+use anyhow::{Context, Result, bail, ensure};
+use serde_json::{Value, json};
+use tokio::time::Instant;
 use tollgate_testkit::bins;
-use tollgate_testkit::envoy::{self, ENVOY_VERSION, Envoy, EnvoyPorts, without_ext_proc};
+use tollgate_testkit::envoy::{
+    self, ENVOY_VERSION, Envoy, EnvoyPorts, render_config, without_ext_proc,
+};
+use tollgate_testkit::redis::{RedisOptions, RedisServer};
 use tollgate_testkit::tollgate::{TollgateCommand, TollgateProcess};
 use tollgate_testkit::upstream::Upstream;
+
+use crate::scenario::merge;
 
 pub struct Binaries {
     pub envoy: PathBuf,
@@ -46,19 +58,27 @@ impl Binaries {
 pub struct Stack {
     pub envoy_listen: SocketAddr,
     pub upstream_addr: SocketAddr,
-    pub tollgate_admin: Option<SocketAddr>,
-    // Drop order: Envoy first, then tollgate and the upstream; the temp dir (configs, logs) last.
+    /// Every replica's admin address (empty: tollgate off).
+    pub tollgate_admins: Vec<SocketAddr>,
+    // Drop order: Envoy first, then tollgate, Redis and the upstream; the temp dir (configs,
+    // logs) last.
     envoy: Envoy,
-    tollgate: Option<TollgateProcess>,
+    tollgates: Vec<TollgateProcess>,
+    redis: Option<RedisServer>,
     upstream: Upstream,
     _dir: tempfile::TempDir,
 }
+
+/// How long N replicas may take to see each other and elect a leader: a few syncs when idle;
+/// the margin is for a shared 2-core machine.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl Stack {
     pub async fn start(
         binaries: &Binaries,
         upstream_args: &[String],
         tollgate_config: Option<&Value>,
+        replicas: u32,
         front_proxy: &str,
     ) -> Result<Stack> {
         let dir = tempfile::Builder::new()
@@ -72,36 +92,77 @@ impl Stack {
         let upstream = Upstream::start(&binaries.upstream, upstream_args, Some(dir.path()))?;
         let upstream_addr = upstream.addr;
 
-        let tollgate = match tollgate_config {
-            Some(config) => {
-                let path = dir.path().join("tollgate.yaml");
-                let config = with_upstream(config, &format!("http://{upstream_addr}"));
-                // JSON is YAML.
-                std::fs::write(&path, serde_json::to_string_pretty(&config)?)?;
-                Some(
+        let mut redis = None;
+        let mut tollgates = Vec::new();
+        if let Some(config) = tollgate_config {
+            let path = dir.path().join("tollgate.yaml");
+            let mut config = with_upstream(config, &format!("http://{upstream_addr}"));
+            if replicas > 1 {
+                let server = RedisServer::launch(RedisOptions::default()).await?;
+                merge(
+                    &mut config,
+                    &json!({"store": {"redis_url": server.url_without_password()}}),
+                );
+                redis = Some(server);
+            }
+            // JSON is YAML.
+            std::fs::write(&path, serde_json::to_string_pretty(&config)?)?;
+            for index in 0..replicas {
+                let name = if replicas > 1 {
+                    format!("tollgate-{}", index + 1)
+                } else {
+                    "tollgate".to_owned()
+                };
+                tollgates.push(
                     TollgateCommand::new(&binaries.tollgate, &path)
+                        .name(&name)
                         .start(dir.path())
                         .await?,
-                )
+                );
             }
-            None => None,
-        };
+            if replicas > 1 {
+                settle(&tollgates).await?;
+            }
+        }
 
-        let grpc_port = tollgate.as_ref().map(|tollgate| tollgate.grpc.port());
-        let text = match grpc_port {
-            Some(_) => front_proxy.to_owned(),
-            None => without_ext_proc(front_proxy)?,
+        let grpc_ports: Vec<u16> = tollgates.iter().map(|t| t.grpc.port()).collect();
+        let ports = EnvoyPorts::free_with(upstream_addr.port(), grpc_ports.first().copied());
+        let envoy = match &grpc_ports[..] {
+            [] => {
+                let text = without_ext_proc(front_proxy)?;
+                Envoy::launch(&binaries.envoy, "envoy", &text, &ports, Some(dir.path())).await?
+            }
+            [_] => {
+                Envoy::launch(
+                    &binaries.envoy,
+                    "envoy",
+                    front_proxy,
+                    &ports,
+                    Some(dir.path()),
+                )
+                .await?
+            }
+            several => {
+                let text = front_proxy_over(front_proxy, &ports, several)?;
+                Envoy::launch_rendered(
+                    &binaries.envoy,
+                    "envoy",
+                    &text,
+                    ports.listen,
+                    ports.admin,
+                    Some(dir.path()),
+                )
+                .await?
+            }
         };
-        let ports = EnvoyPorts::free_with(upstream_addr.port(), grpc_port);
-        let envoy =
-            Envoy::launch(&binaries.envoy, "envoy", &text, &ports, Some(dir.path())).await?;
 
         Ok(Stack {
             envoy_listen: envoy.listen,
             upstream_addr,
-            tollgate_admin: tollgate.as_ref().map(|tollgate| tollgate.admin),
+            tollgate_admins: tollgates.iter().map(|t| t.admin).collect(),
             envoy,
-            tollgate,
+            tollgates,
+            redis,
             upstream,
             _dir: dir,
         })
@@ -110,11 +171,67 @@ impl Stack {
     /// Fails if any child has exited.
     pub fn check_alive(&mut self) -> Result<()> {
         self.upstream.proc().check_alive()?;
-        if let Some(tollgate) = &self.tollgate {
+        for tollgate in &self.tollgates {
             tollgate.proc().check_alive()?;
+        }
+        if let Some(redis) = &self.redis {
+            redis.proc()?.check_alive()?;
         }
         self.envoy.proc().check_alive()
     }
+}
+
+/// Waits until every replica counts all of them as members and exactly one leads.
+async fn settle(tollgates: &[TollgateProcess]) -> Result<()> {
+    let deadline = Instant::now() + SETTLE_TIMEOUT;
+    loop {
+        let mut members = Vec::new();
+        let mut leaders = 0.0;
+        for tollgate in tollgates {
+            let metrics = tollgate.metrics().await?;
+            members.push(metrics.value("tollgate_fleet_members", &[]));
+            leaders += metrics.value("tollgate_fleet_leader", &[]);
+        }
+        if members.iter().all(|&m| m == tollgates.len() as f64) && leaders == 1.0 {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "the {} replicas did not settle within {SETTLE_TIMEOUT:?}: members seen \
+                 {members:?}, {leaders} leader(s)",
+                tollgates.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `front_proxy` rendered on `ports`, with its tollgate cluster's one endpoint replaced by one
+/// per gRPC port in `extprocs` and `lb_policy: LEAST_REQUEST` (as in tests/it/fleet.rs).
+fn front_proxy_over(front_proxy: &str, ports: &EnvoyPorts, extprocs: &[u16]) -> Result<String> {
+    let rendered = render_config(front_proxy, ports)?;
+    let endpoint = |port: u16| {
+        format!(
+            "        - endpoint:\n            address:\n              socket_address: \
+             {{ address: 127.0.0.1, port_value: {port} }}\n"
+        )
+    };
+    let one = endpoint(extprocs[0]);
+    ensure!(
+        rendered.matches(&one).count() == 1,
+        "envoy/front-proxy.yaml: the tollgate endpoint is not where the lab expects it"
+    );
+    let all: String = extprocs.iter().map(|&port| endpoint(port)).collect();
+    let cluster = "  - name: tollgate\n    type: STATIC\n";
+    ensure!(
+        rendered.matches(cluster).count() == 1,
+        "envoy/front-proxy.yaml: the tollgate cluster is not where the lab expects it"
+    );
+    Ok(rendered.replacen(&one, &all, 1).replacen(
+        cluster,
+        &format!("{cluster}    lb_policy: LEAST_REQUEST\n"),
+        1,
+    ))
 }
 
 /// `config` with `{upstream}` in every string replaced by the simulated vLLM's base URL, so a
@@ -138,7 +255,22 @@ fn with_upstream(config: &Value, base_url: &str) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+
+    #[test]
+    fn several_replicas_become_one_least_request_cluster() {
+        let front_proxy = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/front-proxy.yaml"),
+        )
+        .unwrap();
+        let ports = EnvoyPorts::free_with(8001, Some(50101));
+        let text = front_proxy_over(&front_proxy, &ports, &[50101, 50102, 50103]).unwrap();
+        for port in [50101, 50102, 50103] {
+            assert_eq!(text.matches(&format!("port_value: {port} ")).count(), 1);
+        }
+        assert_eq!(text.matches("lb_policy: LEAST_REQUEST").count(), 1);
+        let cluster = text.split("  - name: tollgate\n").nth(1).unwrap();
+        assert!(cluster.starts_with("    type: STATIC\n    lb_policy: LEAST_REQUEST\n"));
+    }
 
     #[test]
     fn upstream_placeholders_become_the_simulated_vllms_url() {

@@ -15,6 +15,12 @@
 //! its unloaded ~0.3-0.4 s: more than 10× under the bound, and a slow machine only makes the
 //! "off" side worse (its queue is in simulated time). Also: B's excess got 429 or 503 and nothing
 //! else; no request hung or was truncated.
+//!
+//! A second, shorter test runs the lab's `replicas: 3` path: three tollgate binaries sharing one
+//! budget through a redis-server the lab starts, behind one Envoy. It asserts the run's
+//! structure, not its speed: one summary per replica, one leader at a time, the replicas'
+//! admissions adding up to the client's 200s, and never more than the deployment's limit
+//! running in the simulated vLLM.
 
 use std::process::Command;
 
@@ -65,14 +71,15 @@ fn count(tenant: &Value, field: &str) -> u64 {
         .unwrap_or_else(|| panic!("{field} in {tenant}"))
 }
 
-#[test]
-fn tollgate_keeps_the_steady_tenant_fast_through_a_burst_that_floods_vllm_without_it() {
+/// Runs the lab binary on `scenario` (YAML text) with the test's binaries; its `summary.json`
+/// and stdout.
+fn run_lab(scenario: &str) -> (Value, String) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let scenario = dir.path().join("scenario.yaml");
-    std::fs::write(&scenario, SCENARIO).expect("write scenario");
+    let path = dir.path().join("scenario.yaml");
+    std::fs::write(&path, scenario).expect("write scenario");
     let out = dir.path().join("out");
     let output = Command::new(example_binary("lab"))
-        .arg(&scenario)
+        .arg(&path)
         .arg("--out")
         .arg(&out)
         .arg("--envoy-bin")
@@ -83,7 +90,7 @@ fn tollgate_keeps_the_steady_tenant_fast_through_a_burst_that_floods_vllm_withou
         .arg(example_binary("upstream"))
         .output()
         .expect("run the lab");
-    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
         "lab failed ({}):\n{stdout}\n{}",
@@ -94,6 +101,78 @@ fn tollgate_keeps_the_steady_tenant_fast_through_a_burst_that_floods_vllm_withou
         &std::fs::read_to_string(out.join("summary.json")).expect("summary.json"),
     )
     .expect("summary.json is JSON");
+    (report, stdout)
+}
+
+const THREE_REPLICAS: &str = r#"
+name: lab-test-replicas
+time_scale: 5
+duration_s: 30
+drain_s: 60
+seed: 5
+sample_every_s: 1
+replicas: 3
+upstream: {stream_interval: 16}
+request: {prompt_tokens: 512, output_tokens: 64, stream: true}
+tenants:
+  - {name: A, user: tenant-a, tier: paid, rate: 4}
+  - {name: B, user: tenant-b, tier: free, rate: 4}
+tollgate:
+  default_tier: free
+  tiers:
+    free: {weight: 1, queue_max: 8, queue_deadline_ms: 2000}
+    paid: {weight: 2, queue_max: 8, queue_deadline_ms: 2000}
+  scheduler: {initial_limit: 12}
+  control: {enabled: false}
+runs:
+  - {name: fleet}
+"#;
+
+#[test]
+fn three_replicas_share_one_budget_in_the_lab() {
+    let (report, stdout) = run_lab(THREE_REPLICAS);
+    assert_eq!(report["replicas"], 3);
+    let summary = &report["runs"][0]["summary"];
+    assert_eq!(summary["replicas"], 3, "{stdout}");
+    // The tollgate config the replicas ran: the fleet's times on the simulated clock.
+    let fleet = &report["runs"][0]["tollgate_config"]["fleet"];
+    assert_eq!(fleet["sync_ms"], 40, "{fleet}");
+    let replicas = summary["replica_summaries"].as_array().expect("replicas");
+    assert_eq!(replicas.len(), 3, "{stdout}");
+    let led: f64 = replicas
+        .iter()
+        .map(|r| r["leader_fraction"].as_f64().unwrap())
+        .sum();
+    assert!(
+        (0.9..=1.01).contains(&led),
+        "one leader at a time: {led}\n{stdout}"
+    );
+    let admitted_by_replicas: u64 = replicas
+        .iter()
+        .flat_map(|r| r["admitted_by_tier"].as_object().unwrap().values())
+        .map(|n| n.as_u64().unwrap())
+        .sum();
+    let admitted_by_client: u64 = ["A", "B"]
+        .iter()
+        .map(|name| count(tenant(&report["runs"][0], name), "admitted"))
+        .sum();
+    assert!(admitted_by_client > 0, "{stdout}");
+    assert_eq!(admitted_by_replicas, admitted_by_client, "{stdout}");
+    assert!(
+        summary["peak_vllm_running"].as_f64().unwrap() <= 12.0,
+        "more than the deployment's limit ran upstream:\n{stdout}"
+    );
+    for name in ["A", "B"] {
+        let t = tenant(&report["runs"][0], name);
+        assert_eq!(count(t, "unfinished"), 0, "{name} hung:\n{stdout}");
+        assert_eq!(count(t, "truncated"), 0, "{name} truncated:\n{stdout}");
+        assert_eq!(count(t, "other_errors"), 0, "{name} errors:\n{stdout}");
+    }
+}
+
+#[test]
+fn tollgate_keeps_the_steady_tenant_fast_through_a_burst_that_floods_vllm_without_it() {
+    let (report, stdout) = run_lab(SCENARIO);
     let runs = report["runs"].as_array().expect("runs");
     let [off, on] = &runs[..] else {
         panic!("expected two runs:\n{stdout}");
