@@ -398,6 +398,7 @@ impl Fleet {
                     reserved: flow.class.reserved_slots,
                     in_flight: flow.in_flight,
                     queued: flow.queued,
+                    cost: flow.mean_cost,
                 })
                 .collect(),
         }

@@ -28,8 +28,11 @@
 //!    flight never exceeds the limit, however the syncs interleave. The cost is latency: a
 //!    share moves in two syncs (the shrinking replica confirms, then the growing one learns).
 //!
-//! Token cost (`scheduler.cost: tokens`) applies within each replica's fair queue; between
-//! replicas the division is by requests. Floats are fine here: one leader computes, and the
+//! Token cost (`scheduler.cost: tokens`): each replica reports the mean cost of each tenant's
+//! requests, and a tenant's weight in the division is its tier's weight over that cost, so a
+//! tenant sending prompts ten times larger gets a tenth of the slots: the same tokens per unit
+//! of weight, as one fair queue charging tokens would give. The local fair queue, charging
+//! tokens itself, keeps the tier's weight. Floats are fine here: one leader computes, and the
 //! result is rounded once, by largest remainder, to whole slots.
 
 use std::collections::{BTreeMap, HashMap};
@@ -46,6 +49,13 @@ pub struct FlowDemand {
     pub reserved: u32,
     pub in_flight: u32,
     pub queued: u32,
+    /// The mean cost of its requests (`scheduler.cost`: 1 per request, or worst-case tokens).
+    #[serde(default = "one")]
+    pub cost: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 impl FlowDemand {
@@ -127,7 +137,14 @@ pub fn hold(mut shares: Vec<MemberShare>, members: &[MemberLoad<'_>]) -> Vec<Mem
 
 /// A tenant over the whole fleet.
 struct Tenant {
+    /// Its tier's weight divided by the mean cost of its requests: in slots, what one fair
+    /// queue over the deployment would give it (a tenant whose requests cost ten times more
+    /// gets a tenth of the slots, the same cost per unit of weight).
     weight: f64,
+    /// Demand-weighted sum of the replicas' mean costs, while aggregating.
+    cost_sum: f64,
+    /// Its tier's weight, as configured: the local fair queue divides by cost itself.
+    tier_weight: f64,
     band: u8,
     reserved: f64,
     demand: f64,
@@ -140,12 +157,20 @@ fn targets(limit: u32, members: &[MemberLoad<'_>]) -> (Vec<u32>, Vec<HashMap<Ten
     for flow in members.iter().flat_map(|member| member.flows) {
         let tenant = tenants.entry(flow.tenant).or_insert(Tenant {
             weight: f64::from(flow.weight.max(1)),
+            tier_weight: f64::from(flow.weight.max(1)),
+            cost_sum: 0.0,
             band: flow.band,
             reserved: f64::from(flow.reserved),
             demand: 0.0,
             allotted: 0.0,
         });
         tenant.demand += flow.demand();
+        tenant.cost_sum += flow.demand() * flow.cost.max(1) as f64;
+    }
+    for tenant in tenants.values_mut() {
+        if tenant.demand > 0.0 {
+            tenant.weight /= tenant.cost_sum / tenant.demand;
+        }
     }
     let capacity = f64::from(limit);
     allot(capacity, &mut tenants);

@@ -63,6 +63,7 @@ fn a_report_survives_its_encoding() {
             reserved: 0,
             in_flight: 3,
             queued: 9,
+            cost: 640,
         }],
     };
     let text = serde_json::to_string(&report).unwrap();

@@ -219,6 +219,8 @@ pub struct FlowLoad {
     pub class: FlowClass,
     pub in_flight: u32,
     pub queued: u32,
+    /// The mean cost of the requests the flow was submitted (1 with request costs), at least 1.
+    pub mean_cost: u64,
 }
 
 struct EntrySlot<T> {
@@ -255,6 +257,10 @@ struct Flow {
     /// The fleet's override of `class.weight` and `class.reserved_slots`, if any (see
     /// `set_shares`).
     share: Option<Share>,
+    /// The cost of every request submitted to this flow while it lived, and how many: the
+    /// fleet divides its budget by cost as the fair order does (`FlowLoad::mean_cost`).
+    submitted_cost: u128,
+    submitted: u64,
     head: u32,
     tail: u32,
     queued: u32,
@@ -298,6 +304,11 @@ impl Flow {
             Some(share) => share.weight,
             None => self.class.weight.max(1).saturating_mul(SHARE_SCALE),
         }
+    }
+
+    fn note_submitted(&mut self, cost: u64) {
+        self.submitted_cost = self.submitted_cost.saturating_add(u128::from(cost.max(1)));
+        self.submitted = self.submitted.saturating_add(1);
     }
 
     fn reserved_slots(&self) -> u32 {
@@ -351,6 +362,9 @@ impl<T> FairQueue<T> {
                 class: flow.class,
                 in_flight: flow.in_flight,
                 queued: flow.queued,
+                mean_cost: u64::try_from(flow.submitted_cost / u128::from(flow.submitted.max(1)))
+                    .unwrap_or(u64::MAX)
+                    .max(1),
             })
             .collect()
     }
@@ -427,6 +441,7 @@ impl<T> FairQueue<T> {
 
         if self.in_flight < self.limit && self.queued == 0 {
             let index = existing.unwrap_or_else(|| self.insert_flow(tenant, class));
+            self.flow_mut(index).note_submitted(cost);
             let flow = self.flow(index);
             let start = self.virtual_time[usize::from(flow.class.band)].max(flow.finish);
             self.take_slot(index, start, cost);
@@ -438,6 +453,7 @@ impl<T> FairQueue<T> {
             return Submit::Full(payload);
         }
         let index = existing.unwrap_or_else(|| self.insert_flow(tenant, class));
+        self.flow_mut(index).note_submitted(cost);
         Submit::Queued(self.push_entry(index, cost, payload))
     }
 
@@ -560,6 +576,8 @@ impl<T> FairQueue<T> {
             key,
             class,
             share,
+            submitted_cost: 0,
+            submitted: 0,
             head: NIL,
             tail: NIL,
             queued: 0,

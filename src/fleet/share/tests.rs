@@ -1,6 +1,7 @@
 use proptest::prelude::*;
 
 use super::*;
+use crate::scheduler::SHARE_SCALE;
 
 /// A backlogged flow: `demand` requests waiting, none in flight.
 fn flow(tenant: u64, weight: u32, demand: u32) -> FlowDemand {
@@ -11,6 +12,7 @@ fn flow(tenant: u64, weight: u32, demand: u32) -> FlowDemand {
         reserved: 0,
         in_flight: 0,
         queued: demand,
+        cost: 1,
     }
 }
 
@@ -214,6 +216,31 @@ fn growers_split_what_is_free_by_what_they_lack() {
 }
 
 #[test]
+fn token_cost_divides_slots_so_that_tokens_follow_the_weights() {
+    // Equal weights; A's requests cost ten times B's (worst-case tokens), each on its own
+    // replica: A gets a tenth of B's slots, so both get the same tokens.
+    let a = [FlowDemand {
+        cost: 5_000,
+        ..flow(1, 1, 50)
+    }];
+    let b = [FlowDemand {
+        cost: 500,
+        ..flow(2, 1, 50)
+    }];
+    let shares = divide(11, &[member("r1", &a), member("r2", &b)]);
+    assert_eq!(targets_of(&shares), [1, 10]);
+    // Weight 10 against 1 with that cost ratio: even.
+    let a = [FlowDemand {
+        cost: 5_000,
+        ..flow(1, 10, 50)
+    }];
+    let shares = divide(10, &[member("r1", &a), member("r2", &b)]);
+    assert_eq!(targets_of(&shares), [5, 5]);
+    // The local weights stay the tiers' (the local queue charges tokens itself).
+    assert_eq!(shares[0].overrides[&TenantKey(1)].weight, 10 * SHARE_SCALE);
+}
+
+#[test]
 fn while_the_fleet_reforms_nobody_grows() {
     let busy = [flow(1, 1, 50)];
     // Redis lost its keys: r1 (the new leader) had nothing; r2 still runs the 6 it had.
@@ -247,6 +274,7 @@ fn arbitrary_member() -> impl Strategy<Value = (u32, u32, Option<u32>, Vec<FlowD
         reserved: (tenant as u32 % 2) * 2,
         in_flight,
         queued,
+        cost: 1 + tenant * 100,
     });
     (
         0u32..10,
