@@ -193,7 +193,8 @@ fn targets(limit: u32, members: &[MemberLoad<'_>]) -> (Vec<u32>, Vec<HashMap<Ten
             overrides.insert(
                 TenantKey(flow.tenant),
                 Share {
-                    weight: ((tenant.weight * part * f64::from(SHARE_SCALE)).round() as u32).max(1),
+                    weight: ((tenant.tier_weight * part * f64::from(SHARE_SCALE)).round() as u32)
+                        .max(1),
                     reserved_slots: reserved.round() as u32,
                 },
             );

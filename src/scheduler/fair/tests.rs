@@ -1321,3 +1321,16 @@ fn the_fleets_shares_override_weights_and_reservations_of_present_and_future_flo
         "as submitted"
     );
 }
+
+#[test]
+fn a_flow_reports_the_mean_cost_of_its_requests() {
+    let mut q = FairQueue::new(1);
+    let holder = granted(q.submit("a", class(1), 100, 0));
+    queued(q.submit("a", class(1), 300, 1));
+    queued(q.submit("b", class(1), 0, 2));
+    let mut flows = q.flows();
+    flows.sort_by_key(|f| f.tenant != TenantKey::of("a"));
+    assert_eq!(flows[0].mean_cost, 200, "granted and queued alike");
+    assert_eq!(flows[1].mean_cost, 1, "a cost of 0 counts as 1");
+    q.release(holder);
+}
