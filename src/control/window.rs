@@ -221,18 +221,7 @@ impl LatencyWindow {
         overdue_after: Duration,
     ) -> (Option<f64>, u64) {
         let mut overdue = [0u64; BUCKETS];
-        let mut count = 0;
-        for (&started, &n) in &self.pending {
-            let age = now.saturating_duration_since(started);
-            if age <= overdue_after {
-                // The map is ordered by start: every later entry is younger.
-                break;
-            }
-            if let Some(bucket) = bucket_of(age.as_secs_f64()) {
-                overdue[bucket] += u64::from(n);
-                count += u64::from(n);
-            }
-        }
+        let count = self.add_overdue(now, overdue_after, &mut overdue);
         let quantile = self.quantile_with(now, q, Some(&overdue));
         (quantile, self.count(now) + count)
     }
@@ -246,15 +235,7 @@ impl LatencyWindow {
         overdue_after: Duration,
     ) -> Vec<(u16, u64)> {
         let mut dense = vec![0u64; BUCKETS];
-        for (&started, &n) in &self.pending {
-            let age = now.saturating_duration_since(started);
-            if age <= overdue_after {
-                break;
-            }
-            if let Some(bucket) = bucket_of(age.as_secs_f64()) {
-                dense[bucket] += u64::from(n);
-            }
-        }
+        self.add_overdue(now, overdue_after, &mut dense);
         let current = self.advance(now);
         let ring = self.slots.len() as u64;
         for slot in self
@@ -274,6 +255,24 @@ impl LatencyWindow {
             .collect()
     }
 
+    /// Adds every pending request older than `overdue_after` to `counts` at its age so far;
+    /// returns how many.
+    fn add_overdue(&self, now: Instant, overdue_after: Duration, counts: &mut [u64]) -> u64 {
+        let mut added = 0;
+        for (&started, &n) in &self.pending {
+            let age = now.saturating_duration_since(started);
+            if age <= overdue_after {
+                // The map is ordered by start: every later entry is younger.
+                break;
+            }
+            if let Some(bucket) = bucket_of(age.as_secs_f64()) {
+                counts[bucket] += u64::from(n);
+                added += u64::from(n);
+            }
+        }
+        added
+    }
+
     fn quantile_with(&mut self, now: Instant, q: f64, extra: Option<&[u64]>) -> Option<f64> {
         let current = self.advance(now);
         let extra_at = |bucket: usize| extra.map_or(0, |extra| extra[bucket]);
@@ -281,10 +280,7 @@ impl LatencyWindow {
         if total == 0 {
             return None;
         }
-        // The tiny nudge keeps float noise from rounding an exact rank up: p99 of 100 samples
-        // is the 99th, not the 100th.
-        let rank = (q.clamp(0.0, 1.0) * total as f64 - 1e-9).ceil();
-        let rank = (rank as u64).clamp(1, total);
+        let rank = nearest_rank(q, total);
         let ring = self.slots.len() as u64;
         let mut seen = 0;
         for bucket in 0..BUCKETS {
@@ -349,8 +345,7 @@ pub fn merged_quantile<'a>(
     if total == 0 {
         return (None, 0);
     }
-    let rank = (q.clamp(0.0, 1.0) * total as f64 - 1e-9).ceil();
-    let rank = (rank as u64).clamp(1, total);
+    let rank = nearest_rank(q, total);
     let mut seen = 0;
     for (bucket, count) in dense.iter().enumerate() {
         seen += count;
@@ -359,6 +354,14 @@ pub fn merged_quantile<'a>(
         }
     }
     (Some(bucket_midpoint(BUCKETS - 1)), total)
+}
+
+/// The rank (1-based) of the q-quantile among `total` samples, by nearest rank. The tiny nudge
+/// keeps float noise from rounding an exact rank up: p99 of 100 samples is the 99th, not the
+/// 100th.
+fn nearest_rank(q: f64, total: u64) -> u64 {
+    let rank = (q.clamp(0.0, 1.0) * total as f64 - 1e-9).ceil();
+    (rank as u64).clamp(1, total)
 }
 
 /// A request counted as pending in a shared window (`LatencyWindow::start`), ended exactly

@@ -75,6 +75,19 @@ async fn eventually(
     }
 }
 
+/// SIGTERMs every replica after the first two, as Kubernetes scales down; each drains, leaves
+/// and exits 0, and the two left share the whole limit.
+async fn scale_down_to_two(gates: &mut Vec<Tollgate>) {
+    for gate in &gates[2..] {
+        gate.terminate();
+    }
+    for gate in gates.iter_mut().skip(2) {
+        assert!(gate.wait_exit(Duration::from_secs(15)).await.success());
+    }
+    gates.truncate(2);
+    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(2, LIMIT)).await;
+}
+
 /// Which of `gates` holds the leader lease now (exactly one must).
 async fn leader_of(gates: &[Tollgate]) -> usize {
     let mut leaders = Vec::new();
@@ -87,6 +100,11 @@ async fn leader_of(gates: &[Tollgate]) -> usize {
     leaders[0]
 }
 
+/// `name` (unlabelled) on each of `scrapes`.
+fn gauges(scrapes: &[tollgate_testkit::metrics::Metrics], name: &str) -> Vec<f64> {
+    scrapes.iter().map(|m| gauge(m, name)).collect()
+}
+
 fn gauge(metrics: &tollgate_testkit::metrics::Metrics, name: &str) -> f64 {
     metrics.value(name, &[])
 }
@@ -97,18 +115,9 @@ fn settled(
     limit: u32,
 ) -> impl Fn(&[tollgate_testkit::metrics::Metrics]) -> Result<(), String> {
     move |scrapes| {
-        let seen: Vec<f64> = scrapes
-            .iter()
-            .map(|m| gauge(m, "tollgate_fleet_members"))
-            .collect();
-        let leaders: f64 = scrapes
-            .iter()
-            .map(|m| gauge(m, "tollgate_fleet_leader"))
-            .sum();
-        let shares: Vec<f64> = scrapes
-            .iter()
-            .map(|m| gauge(m, "tollgate_inflight_limit"))
-            .collect();
+        let seen: Vec<f64> = gauges(scrapes, "tollgate_fleet_members");
+        let leaders: f64 = gauges(scrapes, "tollgate_fleet_leader").iter().sum();
+        let shares: Vec<f64> = gauges(scrapes, "tollgate_inflight_limit");
         let total: f64 = shares.iter().sum();
         if seen.iter().all(|&m| m == members as f64) && leaders == 1.0 && total == f64::from(limit)
         {
@@ -126,13 +135,8 @@ const SETTLE: Duration = Duration::from_secs(15);
 
 /// The front proxy with its ext_proc cluster spread over `extprocs` by least request.
 fn front_proxy_over(extprocs: &[u16], upstream: u16) -> (String, EnvoyPorts) {
-    let config = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/front-proxy.yaml"),
-    )
-    .expect("read envoy/front-proxy.yaml");
     let ports = EnvoyPorts::free(upstream, extprocs[0]);
-    let rendered =
-        tollgate_testkit::envoy::render_config(&config, &ports).expect("render front-proxy.yaml");
+    let rendered = front_proxy(&ports);
     let one = format!(
         "        - endpoint:\n            address:\n              socket_address: {{ address: 127.0.0.1, port_value: {} }}\n",
         extprocs[0]
@@ -293,13 +297,7 @@ async fn weights_hold_across_the_deployment_when_traffic_is_uneven() {
     eventually(&refs, SETTLE, settled(3, LIMIT)).await;
     let mut envoys = Vec::new();
     for (i, gate) in gates.iter().enumerate() {
-        let config = std::fs::read_to_string(
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/front-proxy.yaml"),
-        )
-        .expect("read envoy/front-proxy.yaml");
-        let ports = EnvoyPorts::free(upstream.addr.port(), gate.grpc.port());
-        let rendered = tollgate_testkit::envoy::render_config(&config, &ports).expect("render");
-        envoys.push(launch_envoy(&format!("envoy-{i}"), &rendered, ports).await);
+        envoys.push(envoy_for(gate, &upstream, &format!("envoy-{i}")).await);
     }
     let envoys = Arc::new(envoys);
     let client = client();
@@ -397,14 +395,7 @@ async fn replicas_killed_started_and_stopped_move_the_shares_and_the_leadership(
     // Scale up to 4, then down to 2 by SIGTERM: shares follow within seconds.
     gates.extend(replicas(&yaml, 3).await);
     eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(4, LIMIT)).await;
-    for gate in &gates[2..] {
-        gate.terminate();
-    }
-    for gate in gates.iter_mut().skip(2) {
-        assert!(gate.wait_exit(Duration::from_secs(15)).await.success());
-    }
-    gates.truncate(2);
-    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(2, LIMIT)).await;
+    scale_down_to_two(&mut gates).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -529,10 +520,7 @@ async fn one_controller_cuts_the_deployments_limit_for_every_replica() {
         }));
     }
     let cut = |scrapes: &[tollgate_testkit::metrics::Metrics]| -> Result<(), String> {
-        let limits: Vec<f64> = scrapes
-            .iter()
-            .map(|m| gauge(m, "tollgate_fleet_inflight_limit"))
-            .collect();
+        let limits: Vec<f64> = gauges(scrapes, "tollgate_fleet_inflight_limit");
         if limits.iter().all(|&l| l < f64::from(START)) {
             Ok(())
         } else {
@@ -549,14 +537,8 @@ async fn one_controller_cuts_the_deployments_limit_for_every_replica() {
     // Idle now: the limit holds (no demand to grow on). Both replicas apply the same one, and
     // their shares add up to it.
     let agreed = |scrapes: &[tollgate_testkit::metrics::Metrics]| -> Result<(), String> {
-        let limits: Vec<f64> = scrapes
-            .iter()
-            .map(|m| gauge(m, "tollgate_fleet_inflight_limit"))
-            .collect();
-        let shares: f64 = scrapes
-            .iter()
-            .map(|m| gauge(m, "tollgate_inflight_limit"))
-            .sum();
+        let limits: Vec<f64> = gauges(scrapes, "tollgate_fleet_inflight_limit");
+        let shares: f64 = gauges(scrapes, "tollgate_inflight_limit").iter().sum();
         if limits[0] == limits[1] && shares == limits[0] && limits[0] < f64::from(START) {
             Ok(())
         } else {
@@ -606,14 +588,19 @@ fn keep_busy(
         .collect()
 }
 
+/// Real Envoy (`envoy/front-proxy.yaml`) in front of `gate` alone.
 async fn envoy_for(gate: &Tollgate, upstream: &Upstream, name: &str) -> Arc<Envoy> {
+    let ports = EnvoyPorts::free(upstream.addr.port(), gate.grpc.port());
+    Arc::new(launch_envoy(name, &front_proxy(&ports), ports).await)
+}
+
+/// `envoy/front-proxy.yaml` rendered on `ports`.
+fn front_proxy(ports: &EnvoyPorts) -> String {
     let config = std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/front-proxy.yaml"),
     )
     .expect("read envoy/front-proxy.yaml");
-    let ports = EnvoyPorts::free(upstream.addr.port(), gate.grpc.port());
-    let rendered = tollgate_testkit::envoy::render_config(&config, &ports).expect("render");
-    Arc::new(launch_envoy(name, &rendered, ports).await)
+    tollgate_testkit::envoy::render_config(&config, ports).expect("render front-proxy.yaml")
 }
 
 /// Two idle replicas split the limit; when demand reaches only one, its share grows to the
@@ -675,10 +662,7 @@ async fn scaling_from_two_to_four_replicas_and_back_never_overshoots() {
         gates.push(gate);
     }
     eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, |scrapes| {
-        let members: Vec<f64> = scrapes
-            .iter()
-            .map(|m| gauge(m, "tollgate_fleet_members"))
-            .collect();
+        let members: Vec<f64> = gauges(scrapes, "tollgate_fleet_members");
         let granted = scrapes
             .iter()
             .filter(|m| gauge(m, "tollgate_inflight_limit") > 0.0)
@@ -691,14 +675,7 @@ async fn scaling_from_two_to_four_replicas_and_back_never_overshoots() {
     tokio::time::sleep(Duration::from_secs(2)).await;
 
     // Back to two, by SIGTERM, under load.
-    for gate in &gates[2..] {
-        gate.terminate();
-    }
-    for gate in gates.iter_mut().skip(2) {
-        assert!(gate.wait_exit(Duration::from_secs(15)).await.success());
-    }
-    gates.truncate(2);
-    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(2, LIMIT)).await;
+    scale_down_to_two(&mut gates).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     stop.store(true, Ordering::SeqCst);
     for worker in workers {
