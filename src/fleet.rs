@@ -60,7 +60,7 @@ use crate::budget::redis::fleet::{Heartbeat, Joined, MemberRecord, Publish, Publ
 use crate::config::{ControlSignal, FleetFallback};
 use crate::control::scrape::Scraper;
 use crate::control::window::{self, LatencyWindow};
-use crate::control::{Action, Aimd, AimdConfig, Observation, engine};
+use crate::control::{Action, Aimd, AimdConfig, Observation};
 use crate::lifecycle::{Lifecycle, reached};
 use crate::observe::{FleetCall, FleetStanding, Metrics};
 use crate::policy::Policy;
@@ -240,15 +240,10 @@ impl Fleet {
             let steps_controller =
                 memory.leadership.is_some() || memory.standing != FleetStanding::Member;
             let engine_saturation = match (&mut scraper, control_due && steps_controller) {
-                (Some(scraper), true) => {
-                    let scrape = tokio::select! {
-                        scrape = scraper.scrape() => scrape,
-                        () = reached(&mut self.lifecycle, Lifecycle::Closing) => break,
-                    };
-                    let saturation = engine::saturation(&scrape.loads, &control.engine);
-                    self.metrics.engine_scrape(&scrape, saturation);
-                    saturation
-                }
+                (Some(scraper), true) => tokio::select! {
+                    saturation = scraper.saturation(&self.metrics) => saturation,
+                    () = reached(&mut self.lifecycle, Lifecycle::Closing) => break,
+                },
                 _ => None,
             };
             let report = self.report(now, breach_threshold);

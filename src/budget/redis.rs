@@ -94,7 +94,8 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::io::tcp::TcpSettings;
 use redis::{
-    Client, ErrorKind, IntoConnectionInfo, RedisError, RedisResult, Script, ServerErrorKind,
+    Client, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult, Script,
+    ScriptInvocation, ServerErrorKind,
 };
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
@@ -297,13 +298,7 @@ impl RedisStore {
                 .arg(exact(limit.bucket_ms))
                 .arg(exact(limit.limit));
         }
-        let (generation, mut connection) = this.connection();
-        let reply = tokio::time::timeout(
-            this.timeout,
-            invocation.invoke_async::<Vec<i64>>(&mut connection),
-        )
-        .await;
-        let reply = this.answer(generation, reply)?;
+        let reply = this.invoke::<Vec<i64>>(&invocation).await?;
         decode_reserve(&reply, r.windows, r.max_concurrent)
     }
 
@@ -329,13 +324,7 @@ impl RedisStore {
                 .arg(exact(limit.window_ms))
                 .arg(exact(limit.bucket_ms));
         }
-        let (generation, mut connection) = this.connection();
-        let reply = tokio::time::timeout(
-            this.timeout,
-            invocation.invoke_async::<redis::Value>(&mut connection),
-        )
-        .await;
-        this.answer(generation, reply).map(drop)
+        this.invoke::<redis::Value>(&invocation).await.map(drop)
     }
 
     /// One `EVALSHA` of `renew.lua` per tenant, all in one pipeline (one round trip; a
@@ -399,19 +388,25 @@ impl RedisStore {
                 .arg(exact(limit.window_ms))
                 .arg(exact(limit.bucket_ms));
         }
-        let (generation, mut connection) = this.connection();
-        let reply = tokio::time::timeout(
-            this.timeout,
-            invocation.invoke_async::<Vec<i64>>(&mut connection),
-        )
-        .await;
-        let reply = this.answer(generation, reply)?;
+        let reply = this.invoke::<Vec<i64>>(&invocation).await?;
         decode_usage(&reply, windows)
     }
 }
 
 impl Inner {
     /// The current connection manager (a cheap clone of a shared handle) and its generation.
+    /// One `EVALSHA` of `invocation` (with redis-rs's one `SCRIPT LOAD` and retry on
+    /// `NOSCRIPT`), bounded by the store's timeout, its outcome mapped by `answer`.
+    async fn invoke<T: FromRedisValue>(
+        &self,
+        invocation: &ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
+        let (generation, mut connection) = self.connection();
+        let reply =
+            tokio::time::timeout(self.timeout, invocation.invoke_async::<T>(&mut connection)).await;
+        self.answer(generation, reply)
+    }
+
     fn connection(&self) -> (u64, ConnectionManager) {
         let connection = self
             .connection

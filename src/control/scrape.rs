@@ -34,7 +34,7 @@ use tokio::time::Instant;
 
 use super::engine::{self, EngineLoad};
 use crate::config::EngineMetricsConfig;
-use crate::observe::{EngineReading, EngineScrape};
+use crate::observe::{EngineReading, EngineScrape, Metrics};
 
 /// vLLM serves about 100 KB of metrics with its histograms; a body past this is not an
 /// engine's metrics page.
@@ -123,6 +123,15 @@ impl Scraper {
             config: config.clone(),
             resolver: system_resolver,
         })
+    }
+
+    /// Scrapes every engine and returns their saturation (`engine::saturation`, None if none
+    /// answered), having recorded the scrape in `metrics`: what a controller's tick reads.
+    pub async fn saturation(&mut self, metrics: &Metrics) -> Option<f64> {
+        let scrape = self.scrape().await;
+        let saturation = engine::saturation(&scrape.loads, &self.config);
+        metrics.engine_scrape(&scrape, saturation);
+        saturation
     }
 
     /// Every engine, concurrently, within the timeout.

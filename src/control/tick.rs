@@ -10,7 +10,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 
 use super::scrape::Scraper;
 use super::window::{self, LatencyWindow};
-use super::{Action, Aimd, AimdConfig, Observation, engine};
+use super::{Action, Aimd, AimdConfig, Observation};
 use crate::config::{ControlConfig, ControlSignal};
 use crate::lifecycle::{Lifecycle, reached};
 use crate::observe::{FleetStanding, Metrics};
@@ -46,15 +46,10 @@ pub async fn run(
         }
         // First, so the latency and the peak in flight below are read after it, as fresh.
         let engine_saturation = match &mut scraper {
-            Some(scraper) => {
-                let scrape = tokio::select! {
-                    scrape = scraper.scrape() => scrape,
-                    () = reached(&mut lifecycle, Lifecycle::Draining) => return,
-                };
-                let saturation = engine::saturation(&scrape.loads, &control.engine);
-                metrics.engine_scrape(&scrape, saturation);
-                saturation
-            }
+            Some(scraper) => tokio::select! {
+                saturation = scraper.saturation(&metrics) => saturation,
+                () = reached(&mut lifecycle, Lifecycle::Draining) => return,
+            },
             None => None,
         };
         let now = Instant::now();

@@ -91,8 +91,8 @@
 //! lookup by tenant name (lookup only: no result depends on its iteration order), O(1) list
 //! surgery in a slab of entries (an intrusive doubly linked list per flow, so a cancel from the
 //! middle of a queue is O(1)), and at most one remove and one insert in a `BTreeSet` holding
-//! each backlogged flow's head (and, when a tenant's flow appears, one SHA-256 of its name: the
-//! key the fleet knows it by). Nothing on a request's path scans queues or tenants; `flows` and
+//! each backlogged flow's head (and, on a fleet member, when a tenant's flow appears, one
+//! SHA-256 of its name: the key the fleet knows it by). Nothing on a request's path scans queues or tenants; `flows` and
 //! `set_shares`, the fleet's, are O(F) a few times a second. Memory is O(peak queued + peak
 //! flows): slab slots are reused, not returned.
 //!
@@ -178,6 +178,8 @@ pub struct FairQueue<T> {
     next_seq: u64,
     /// The fleet's per-tenant overrides (`set_shares`); empty on a lone replica.
     shares: HashMap<TenantKey, Share>,
+    /// Set by the fleet's first `flows` or `set_shares`: new flows get their key at once.
+    keyed: bool,
 }
 
 /// A tenant's name as the fleet knows it: the first 8 bytes of SHA-256 of the name, the same in
@@ -249,9 +251,10 @@ struct FlowSlot {
 
 struct Flow {
     name: Box<str>,
-    /// `TenantKey::of(name)`, computed once when the flow appears, so the fleet's report and
-    /// `set_shares` hash nothing while they hold the scheduler's lock.
-    key: TenantKey,
+    /// `TenantKey::of(name)`, once the fleet has asked for keys (`keyed`): computed when the
+    /// flow appears, so the fleet's report and `set_shares` hash only flows older than that
+    /// while they hold the scheduler's lock, and a lone replica never hashes at all.
+    key: Option<TenantKey>,
     /// As submitted: what the tenant's policy says.
     class: FlowClass,
     /// The fleet's override of `class.weight` and `class.reserved_slots`, if any (see
@@ -348,17 +351,20 @@ impl<T> FairQueue<T> {
             order: BTreeSet::new(),
             next_seq: 0,
             shares: HashMap::new(),
+            keyed: false,
         }
     }
 
     /// Every flow (tenant with requests waiting or in flight) and its load: O(F), for the
     /// fleet's report, never on a request's path.
-    pub fn flows(&self) -> Vec<FlowLoad> {
+    pub fn flows(&mut self) -> Vec<FlowLoad> {
+        self.key_flows();
         self.flows
             .iter()
             .filter_map(|slot| slot.flow.as_ref())
             .map(|flow| FlowLoad {
-                tenant: flow.key,
+                // Always set by `key_flows` just above.
+                tenant: flow.key.unwrap_or_else(|| TenantKey::of(&flow.name)),
                 class: flow.class,
                 in_flight: flow.in_flight,
                 queued: flow.queued,
@@ -369,11 +375,22 @@ impl<T> FairQueue<T> {
             .collect()
     }
 
+    /// From now on flows carry their `TenantKey`; the ones that do not yet get it now.
+    fn key_flows(&mut self) {
+        self.keyed = true;
+        for flow in self.flows.iter_mut().filter_map(|slot| slot.flow.as_mut()) {
+            if flow.key.is_none() {
+                flow.key = Some(TenantKey::of(&flow.name));
+            }
+        }
+    }
+
     /// Replaces the fleet's overrides: flows of tenants named in `shares` take its weight and
     /// reservation instead of their class's, now and when they next arrive; others go back to
     /// their class. O(F log F), never on a request's path.
     pub fn set_shares(&mut self, shares: HashMap<TenantKey, Share>) {
         self.shares = shares;
+        self.key_flows();
         for index in 0..self.flows.len() as u32 {
             let Some(flow) = self.flows[index as usize].flow.as_ref() else {
                 continue;
@@ -381,7 +398,7 @@ impl<T> FairQueue<T> {
             let share = if self.shares.is_empty() {
                 None
             } else {
-                self.shares.get(&flow.key).copied()
+                flow.key.and_then(|key| self.shares.get(&key).copied())
             };
             if flow.share == share {
                 continue;
@@ -565,12 +582,8 @@ impl<T> FairQueue<T> {
     }
 
     fn insert_flow(&mut self, tenant: &str, class: FlowClass) -> u32 {
-        let key = TenantKey::of(tenant);
-        let share = if self.shares.is_empty() {
-            None
-        } else {
-            self.shares.get(&key).copied()
-        };
+        let key = self.keyed.then(|| TenantKey::of(tenant));
+        let share = key.and_then(|key| self.shares.get(&key).copied());
         let flow = Flow {
             name: tenant.into(),
             key,

@@ -46,6 +46,19 @@ fn config(redis: &RedisServer, limit: u32, heavy_weight: u32) -> String {
     )
 }
 
+/// Waits until `gates` form one fleet of their number: see `settled`.
+async fn wait_settled(gates: &[Tollgate], limit: u32) {
+    let refs: Vec<&Tollgate> = gates.iter().collect();
+    eventually(&refs, SETTLE, settled(gates.len(), limit)).await;
+}
+
+/// `count` replicas on `yaml`, once they share `limit` as one fleet.
+async fn fleet_of(yaml: &str, count: usize, limit: u32) -> Vec<Tollgate> {
+    let gates = replicas(yaml, count).await;
+    wait_settled(&gates, limit).await;
+    gates
+}
+
 async fn replicas(yaml: &str, count: usize) -> Vec<Tollgate> {
     let mut replicas = Vec::new();
     for _ in 0..count {
@@ -85,7 +98,7 @@ async fn scale_down_to_two(gates: &mut Vec<Tollgate>) {
         assert!(gate.wait_exit(Duration::from_secs(15)).await.success());
     }
     gates.truncate(2);
-    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(2, LIMIT)).await;
+    wait_settled(gates, LIMIT).await;
 }
 
 /// Which of `gates` holds the leader lease now (exactly one must).
@@ -241,15 +254,14 @@ async fn upstream_peak(upstream: &Upstream, reset: bool) -> u64 {
 // ---------------------------------------------------------------------------------------------
 
 /// The issue's measurement: thirty 2 s streams from thirty users over three replicas sharing a
-/// limit of 6. Before the fleet, the upstream saw 18 at once (each replica admitted 6).
+/// limit of 6. Before the fleet, the upstream saw 18 at once (each replica admitted 6: issue
+/// 15's measurement at 5bda9fe).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_behind_one_envoy_hold_one_limit_and_use_all_of_it() {
     let redis = RedisServer::start().await;
     let upstream = Upstream::start(&[]);
     let yaml = config(&redis, LIMIT, 3);
-    let gates = replicas(&yaml, 3).await;
-    let refs: Vec<&Tollgate> = gates.iter().collect();
-    eventually(&refs, SETTLE, settled(3, LIMIT)).await;
+    let gates = fleet_of(&yaml, 3, LIMIT).await;
     let ports: Vec<u16> = gates.iter().map(|g| g.grpc.port()).collect();
     let (config, envoy_ports) = front_proxy_over(&ports, upstream.addr.port());
     let envoy = launch_envoy("envoy-fleet", &config, envoy_ports).await;
@@ -292,9 +304,7 @@ async fn weights_hold_across_the_deployment_when_traffic_is_uneven() {
     let redis = RedisServer::start().await;
     let upstream = Upstream::start(&[]);
     let yaml = config(&redis, LIMIT, 3);
-    let gates = replicas(&yaml, 3).await;
-    let refs: Vec<&Tollgate> = gates.iter().collect();
-    eventually(&refs, SETTLE, settled(3, LIMIT)).await;
+    let gates = fleet_of(&yaml, 3, LIMIT).await;
     let mut envoys = Vec::new();
     for (i, gate) in gates.iter().enumerate() {
         envoys.push(envoy_for(gate, &upstream, &format!("envoy-{i}")).await);
@@ -366,8 +376,7 @@ async fn weights_hold_across_the_deployment_when_traffic_is_uneven() {
 async fn replicas_killed_started_and_stopped_move_the_shares_and_the_leadership() {
     let redis = RedisServer::start().await;
     let yaml = config(&redis, LIMIT, 3);
-    let mut gates = replicas(&yaml, 3).await;
-    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(3, LIMIT)).await;
+    let mut gates = fleet_of(&yaml, 3, LIMIT).await;
 
     // SIGKILL a replica that does not lead: the others drop it within the member TTL and take
     // its share.
@@ -375,14 +384,14 @@ async fn replicas_killed_started_and_stopped_move_the_shares_and_the_leadership(
     let follower = (0..gates.len()).find(|&i| i != leader).expect("a follower");
     let mut killed = gates.remove(follower);
     killed.kill();
-    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(2, LIMIT)).await;
+    wait_settled(&gates, LIMIT).await;
 
     // SIGKILL the leader: the survivor takes the lease within its TTL, and the whole limit.
     let leader = leader_of(&gates).await;
     let mut dead_leader = gates.remove(leader);
     dead_leader.kill();
+    wait_settled(&gates, LIMIT).await;
     let survivor = &gates[0];
-    eventually(&[survivor], SETTLE, settled(1, LIMIT)).await;
     assert_eq!(
         survivor
             .metrics()
@@ -394,15 +403,14 @@ async fn replicas_killed_started_and_stopped_move_the_shares_and_the_leadership(
 
     // Scale up to 4, then down to 2 by SIGTERM: shares follow within seconds.
     gates.extend(replicas(&yaml, 3).await);
-    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(4, LIMIT)).await;
+    wait_settled(&gates, LIMIT).await;
     scale_down_to_two(&mut gates).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_running_another_policy_is_kept_out_and_runs_alone() {
     let redis = RedisServer::start().await;
-    let gates = replicas(&config(&redis, LIMIT, 3), 2).await;
-    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(2, LIMIT)).await;
+    let gates = fleet_of(&config(&redis, LIMIT, 3), 2, LIMIT).await;
     // Another weight for the heavy tier: another policy.
     let stranger = Tollgate::start(&config(&redis, LIMIT, 5)).await;
     stranger
@@ -424,7 +432,7 @@ async fn a_replica_running_another_policy_is_kept_out_and_runs_alone() {
     );
     // Nobody else's view changed: still two members sharing the whole limit.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(2, LIMIT)).await;
+    wait_settled(&gates, LIMIT).await;
     // Alone, it runs the limit split by the replicas it knows of (none: fallback_replicas, 1).
     let metrics = stranger.metrics().await;
     assert_eq!(gauge(&metrics, "tollgate_inflight_limit"), f64::from(LIMIT));
@@ -439,9 +447,7 @@ async fn a_replica_running_another_policy_is_kept_out_and_runs_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_redis_each_replica_runs_its_last_share_and_rejoins_when_it_returns() {
     let mut redis = RedisServer::start().await;
-    let gates = replicas(&config(&redis, LIMIT, 3), 2).await;
-    let refs: Vec<&Tollgate> = gates.iter().collect();
-    eventually(&refs, SETTLE, settled(2, LIMIT)).await;
+    let gates = fleet_of(&config(&redis, LIMIT, 3), 2, LIMIT).await;
 
     // Paused: the syncs time out, each replica falls back to its last share (3 of 6).
     redis.cmd(&["CLIENT", "PAUSE", "3000", "ALL"]).await;
@@ -455,7 +461,7 @@ async fn without_redis_each_replica_runs_its_last_share_and_rejoins_when_it_retu
         );
     }
     // Back: members again, one limit.
-    eventually(&refs, SETTLE, settled(2, LIMIT)).await;
+    wait_settled(&gates, LIMIT).await;
 
     // Killed, then restarted empty: the same, and the fleet is rebuilt from nothing.
     redis.kill();
@@ -470,7 +476,7 @@ async fn without_redis_each_replica_runs_its_last_share_and_rejoins_when_it_retu
         .await;
     }
     redis.restart().await;
-    eventually(&refs, SETTLE, settled(2, LIMIT)).await;
+    wait_settled(&gates, LIMIT).await;
     for gate in &gates {
         let log = gate.log();
         assert_eq!(
@@ -499,9 +505,8 @@ async fn one_controller_cuts_the_deployments_limit_for_every_replica() {
          tick_ms: 500, window_ms: 3000, floor: 2, ceiling: 12, min_samples: 3, \
          slow_start: false, cooldown_ticks: 0}",
     );
-    let gates = replicas(&yaml, 2).await;
+    let gates = fleet_of(&yaml, 2, START).await;
     let refs: Vec<&Tollgate> = gates.iter().collect();
-    eventually(&refs, SETTLE, settled(2, START)).await;
     let ports: Vec<u16> = gates.iter().map(|g| g.grpc.port()).collect();
     let (config, envoy_ports) = front_proxy_over(&ports, upstream.addr.port());
     let envoy = Arc::new(launch_envoy("envoy-control", &config, envoy_ports).await);
@@ -609,8 +614,7 @@ fn front_proxy(ports: &EnvoyPorts) -> String {
 async fn an_idle_replicas_share_moves_to_the_busy_one() {
     let redis = RedisServer::start().await;
     let upstream = Upstream::start(&[]);
-    let gates = replicas(&config(&redis, LIMIT, 3), 2).await;
-    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(2, LIMIT)).await;
+    let gates = fleet_of(&config(&redis, LIMIT, 3), 2, LIMIT).await;
     let envoy = envoy_for(&gates[0], &upstream, "envoy-busy").await;
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
@@ -639,8 +643,7 @@ async fn scaling_from_two_to_four_replicas_and_back_never_overshoots() {
     let redis = RedisServer::start().await;
     let upstream = Upstream::start(&[]);
     let yaml = config(&redis, LIMIT, 3);
-    let mut gates = replicas(&yaml, 2).await;
-    eventually(&gates.iter().collect::<Vec<_>>(), SETTLE, settled(2, LIMIT)).await;
+    let mut gates = fleet_of(&yaml, 2, LIMIT).await;
     let stop = Arc::new(AtomicBool::new(false));
     let mut workers = Vec::new();
     let mut envoys = Vec::new();

@@ -151,13 +151,7 @@ impl RedisStore {
             .arg(millis(heartbeat.member_ttl))
             .arg(millis(heartbeat.leader_ttl))
             .arg(heartbeat.report);
-        let (generation, mut connection) = this.connection();
-        let reply = tokio::time::timeout(
-            this.timeout,
-            invocation.invoke_async::<Vec<Value>>(&mut connection),
-        )
-        .await;
-        let reply = this.answer(generation, reply)?;
+        let reply = this.invoke::<Vec<Value>>(&invocation).await?;
         decode_join(&reply)
     }
 
@@ -181,13 +175,7 @@ impl RedisStore {
         for (member, grant, overrides) in publish.grants {
             invocation.arg(member).arg(grant).arg(overrides);
         }
-        let (generation, mut connection) = this.connection();
-        let reply = tokio::time::timeout(
-            this.timeout,
-            invocation.invoke_async::<Vec<Value>>(&mut connection),
-        )
-        .await;
-        let reply = this.answer(generation, reply)?;
+        let reply = this.invoke::<Vec<Value>>(&invocation).await?;
         match reply.as_slice() {
             [flag, seq] if number::<u8>(flag, "publish flag")? == 1 => Ok(Published::Applied {
                 seq: number(seq, "decision seq")?,
@@ -208,13 +196,7 @@ impl RedisStore {
             invocation.key(fleet_key(fleet, part));
         }
         invocation.arg(member);
-        let (generation, mut connection) = this.connection();
-        let reply = tokio::time::timeout(
-            this.timeout,
-            invocation.invoke_async::<Value>(&mut connection),
-        )
-        .await;
-        this.answer(generation, reply).map(drop)
+        this.invoke::<Value>(&invocation).await.map(drop)
     }
 }
 
