@@ -71,27 +71,6 @@ const TTFT_WINDOW_SLOTS: u32 = 30;
 /// How long shutdown waits for the fleet task to leave the fleet (one Redis call).
 const FLEET_LEAVE_GRACE: Duration = Duration::from_secs(2);
 
-/// The fleet's own connection to Redis, so its syncs never queue behind requests' decisions
-/// (nor theirs behind a leader's larger reads); bounded by one sync period rather than the
-/// decisions' tight timeout.
-async fn open_fleet_store(policy: &Policy) -> Result<budget::redis::RedisStore, Error> {
-    let Some(url) = &policy.store.redis_url else {
-        return Err(Error::Config(config::ConfigError(
-            "fleet: no store.redis_url".to_owned(),
-        )));
-    };
-    let password = match &policy.store.redis_password_file {
-        None => None,
-        Some(path) => Some(read_password(path).await?),
-    };
-    let settings = budget::redis::RedisSettings {
-        url: url.clone(),
-        password,
-        timeout: Duration::from_millis(policy.fleet.sync_ms.max(policy.store.timeout_ms)),
-    };
-    Ok(budget::redis::RedisStore::connect(settings).await?)
-}
-
 /// This replica's id in its fleet: `fleet.member_id`, or the host name (a pod's name) with the
 /// process id and a random suffix, so a restarted pod is never mistaken for its previous life.
 fn fleet_member_id(fleet: &config::FleetConfig) -> String {
@@ -116,37 +95,33 @@ fn fleet_member_id(fleet: &config::FleetConfig) -> String {
     format!("{host}-{}-{:08x}", std::process::id(), random as u32)
 }
 
-/// The budget store the configuration names: Redis if `store.redis_url` is set (connected
-/// lazily, so tollgate starts and serves in its fail modes while Redis is still down), else the
-/// embedded in-memory store.
-async fn read_password(path: &str) -> Result<String, Error> {
-    Ok(tokio::fs::read_to_string(path)
-        .await
-        .map_err(|e| {
-            config::ConfigError(format!(
-                "store.redis_password_file: cannot read {path}: {e}"
-            ))
-        })?
-        .trim_end_matches(['\n', '\r'])
-        .to_owned())
-}
-
-async fn open_store(config: &config::StoreConfig) -> Result<budget::Store, Error> {
+/// How to reach the Redis `store.redis_url` names (its password read from
+/// `store.redis_password_file`), each call bounded by `store.timeout_ms`; None without one.
+async fn redis_settings(
+    config: &config::StoreConfig,
+) -> Result<Option<budget::redis::RedisSettings>, Error> {
     let Some(url) = &config.redis_url else {
-        return Ok(budget::Store::Memory(budget::memory::MemoryStore::new()));
+        return Ok(None);
     };
     let password = match &config.redis_password_file {
         None => None,
-        Some(path) => Some(read_password(path).await?),
+        Some(path) => Some(
+            tokio::fs::read_to_string(path)
+                .await
+                .map_err(|e| {
+                    config::ConfigError(format!(
+                        "store.redis_password_file: cannot read {path}: {e}"
+                    ))
+                })?
+                .trim_end_matches(['\n', '\r'])
+                .to_owned(),
+        ),
     };
-    let settings = budget::redis::RedisSettings {
+    Ok(Some(budget::redis::RedisSettings {
         url: url.clone(),
         password,
         timeout: Duration::from_millis(config.timeout_ms),
-    };
-    Ok(budget::Store::Redis(Box::new(
-        budget::redis::RedisStore::connect(settings).await?,
-    )))
+    }))
 }
 
 /// Runs tollgate on TCP listeners until `shutdown` resolves; see `serve`.
@@ -206,12 +181,29 @@ where
         Duration::from_millis(policy.control.window_ms),
         TTFT_WINDOW_SLOTS,
     )));
-    let store = open_store(&policy.store).await?;
+    // The budget store: Redis if `store.redis_url` is set (connected lazily, so tollgate starts
+    // and serves in its fail modes while Redis is still down), else the embedded one.
+    let redis = redis_settings(&policy.store).await?;
+    let store = match &redis {
+        Some(settings) => budget::Store::Redis(Box::new(
+            budget::redis::RedisStore::connect(settings.clone()).await?,
+        )),
+        None => budget::Store::Memory(budget::memory::MemoryStore::new()),
+    };
     // With a shared store, replicas share one budget: this one admits nothing until the fleet
     // grants it a share (its first sync, at once), and the fleet's task runs the controller.
-    let fleet = match &store {
-        budget::Store::Redis(_) => Some(open_fleet_store(&policy).await?),
-        budget::Store::Memory(_) => None,
+    // The fleet has a connection of its own, so its syncs never queue behind requests'
+    // decisions (nor theirs behind a leader's larger reads), bounded by a sync period rather
+    // than the decisions' tight timeout.
+    let fleet = match redis {
+        Some(settings) => Some(
+            budget::redis::RedisStore::connect(budget::redis::RedisSettings {
+                timeout: Duration::from_millis(policy.fleet.sync_ms.max(policy.store.timeout_ms)),
+                ..settings
+            })
+            .await?,
+        ),
+        None => None,
     };
     let (budget_ready_tx, budget_ready) = watch::channel(fleet.is_none());
     if fleet.is_some() {
