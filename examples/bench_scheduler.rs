@@ -12,6 +12,9 @@
 //! - `cancel` of random queued requests (mostly from the middle of their tenant's queue), on a
 //!   fresh queue, down to half its length.
 //!
+//! Every scenario runs twice: without and with the headroom (`scheduler.headroom`, on by default
+//! in tollgate; the clock moves 1 ms per cycle so the means decay as in service).
+//!
 //! Each figure is taken over many short chunks (100 of 10,000 cycles; 10 chunks of cancels per
 //! fill, 5 fills): the best chunk shows the cost on an undisturbed core, the median how much a
 //! busy machine adds (a chunk in which the thread was preempted is simply not the best). Nothing
@@ -20,8 +23,10 @@
 use std::collections::VecDeque;
 use std::hint::black_box;
 
+use std::time::Duration;
 use tokio::time::Instant;
-use tollgate::scheduler::fair::{EntryKey, FairQueue, FlowClass, FlowKey, Submit};
+
+use tollgate::scheduler::fair::{EntryKey, FairQueue, FlowClass, FlowKey, Headroom, Submit};
 
 const LIMIT: u32 = 1_000;
 const CYCLE_CHUNKS: usize = 100;
@@ -45,6 +50,7 @@ impl Lcg {
 struct Scenario {
     names: Vec<String>,
     queued: usize,
+    headroom: bool,
 }
 
 impl Scenario {
@@ -66,7 +72,18 @@ impl Scenario {
     /// A queue with the budget full and `queued` requests waiting; returns the slots held
     /// (oldest first) and the waiting requests' keys.
     fn filled(&self, rng: &mut Lcg) -> (FairQueue<u64>, VecDeque<FlowKey>, Vec<EntryKey>) {
-        let mut q = FairQueue::new(LIMIT);
+        let mut q = if self.headroom {
+            FairQueue::with_headroom(
+                LIMIT,
+                Headroom {
+                    window: Duration::from_secs(10),
+                    sigmas: 3.0,
+                },
+            )
+        } else {
+            FairQueue::new(LIMIT)
+        };
+        q.advance(Instant::now());
         let mut held = VecDeque::new();
         let mut waiting = Vec::with_capacity(self.queued);
         let mut id = 0;
@@ -87,25 +104,32 @@ impl Scenario {
         let (mut q, mut held, _) = self.filled(&mut rng);
         let mut id = 0;
         let mut chunks = Vec::with_capacity(CYCLE_CHUNKS);
+        let mut clock = Instant::now();
         for _ in 0..CYCLE_CHUNKS {
             let started = Instant::now();
             for _ in 0..CYCLES_PER_CHUNK {
-                let oldest = held.pop_front().expect("the budget is full");
-                q.release(oldest);
-                let (flow, payload) = q.dispatch_next().expect("requests are waiting");
-                black_box(payload);
-                held.push_back(flow);
+                clock += Duration::from_millis(1);
+                q.advance(clock);
+                // Backlogged tenants hold nothing back, so the freed slot is dispatched (and if
+                // the headroom ever held it, the next release frees another).
+                if let Some(oldest) = held.pop_front() {
+                    q.release(oldest);
+                }
+                if let Some((flow, payload)) = q.dispatch_next() {
+                    black_box(payload);
+                    held.push_back(flow);
+                }
                 match self.submit(&mut q, &mut rng, id) {
                     Submit::Queued(entry) => {
                         black_box(entry);
                     }
-                    _ => unreachable!("the budget is full, so a new request queues"),
+                    Submit::Granted(flow) => held.push_back(flow),
+                    Submit::Full(_) => unreachable!("queue_max is unbounded"),
                 }
                 id += 1;
             }
             chunks.push(started.elapsed().as_nanos() as f64 / CYCLES_PER_CHUNK as f64);
         }
-        assert_eq!(q.queued() as usize, self.queued);
         chunks
     }
 
@@ -144,20 +168,28 @@ fn main() {
     println!("limit {LIMIT}, budget full; cycle = release + dispatch_next + submit");
     println!("ns per operation: best chunk / median chunk");
     println!();
-    println!("| tenants | queued  | active flows |    ns/cycle |   ns/cancel |");
-    println!("|--------:|--------:|-------------:|------------:|------------:|");
-    for tenants in [10, 10_000] {
-        for queued in [1_000, 100_000] {
+    println!("| headroom | tenants | queued  | active flows |    ns/cycle |   ns/cancel |");
+    println!("|----------|--------:|--------:|-------------:|------------:|------------:|");
+    for (headroom, tenants, queued) in [false, true].into_iter().flat_map(|headroom| {
+        [10, 10_000]
+            .into_iter()
+            .flat_map(move |tenants| [1_000, 100_000].map(|queued| (headroom, tenants, queued)))
+    }) {
+        {
             let scenario = Scenario {
                 names: (0..tenants).map(|i| format!("tenant-{i:05}")).collect(),
                 queued,
+                headroom,
             };
             let flows = scenario.filled(&mut Lcg(1)).0.flow_count();
             let (cycle, cycle_median) = best_and_median(scenario.cycle_ns());
             let (cancel, cancel_median) = best_and_median(scenario.cancel_ns());
             let cycle = format!("{cycle:.0} / {cycle_median:.0}");
             let cancel = format!("{cancel:.0} / {cancel_median:.0}");
-            println!("| {tenants:>7} | {queued:>7} | {flows:>12} | {cycle:>11} | {cancel:>11} |");
+            let headroom = if headroom { "on" } else { "off" };
+            println!(
+                "| {headroom:<8} | {tenants:>7} | {queued:>7} | {flows:>12} | {cycle:>11} | {cancel:>11} |"
+            );
         }
     }
 }

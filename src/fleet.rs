@@ -76,6 +76,7 @@ pub struct Report {
     pub applied: u32,
     /// The most in flight at once since its last report.
     pub peak_in_flight: u32,
+    /// Requests waiting for want of a slot (`Load::waiting_for_slot`): the controller's demand.
     pub queued: u32,
     /// Its TTFT window (overdue requests counted), as `(bucket, count)` pairs.
     pub ttft: Vec<(u16, u64)>,
@@ -380,7 +381,7 @@ impl Fleet {
             in_flight: load.in_flight,
             applied: load.limit,
             peak_in_flight: self.scheduler.take_peak_in_flight(),
-            queued: load.queued,
+            queued: load.waiting_for_slot(),
             ttft,
             flows: self
                 .scheduler
@@ -634,7 +635,7 @@ impl Fleet {
             let observation = Observation {
                 p99_ttft_seconds: p99,
                 peak_in_flight: std::mem::take(&mut memory.peak_in_flight).max(load.in_flight),
-                queued: load.queued,
+                queued: load.waiting_for_slot(),
                 samples,
                 engine_saturation,
             };

@@ -175,6 +175,7 @@ where
     let scheduler = Scheduler::new(
         policy.scheduling.initial_limit,
         policy.scheduling.max_queued_body_bytes,
+        policy.scheduling.headroom,
     );
     metrics.scheduler_load(scheduler.load());
     let ttft_window = Arc::new(Mutex::new(LatencyWindow::new(

@@ -39,6 +39,8 @@ pub const INFLIGHT_LIMIT: &str = "tollgate_inflight_limit";
 pub const INFLIGHT: &str = "tollgate_inflight_requests";
 pub const QUEUED: &str = "tollgate_queued_requests";
 pub const QUEUED_BODY_BYTES: &str = "tollgate_queued_body_bytes";
+pub const HEADROOM_HELD: &str = "tollgate_scheduler_headroom_held_slots";
+pub const LENT: &str = "tollgate_scheduler_lent_slots";
 pub const QUEUE_WAIT: &str = "tollgate_queue_wait_seconds";
 pub const SCHEDULER_SUBMITTED: &str = "tollgate_scheduler_submitted_total";
 pub const SCHEDULER_OUTCOMES: &str = "tollgate_scheduler_outcomes_total";
@@ -141,6 +143,10 @@ pub struct SchedulerGauges {
     pub limit: u32,
     pub in_flight: u32,
     pub queued_body_bytes: usize,
+    /// Slots kept free for tenants within their fair share (scheduler headroom).
+    pub held: u32,
+    /// Slots in flight granted beyond their tenant's fair share.
+    pub lent: u32,
 }
 
 /// Where a replica stands with the fleet that shares its store's budget: the `standing` label
@@ -388,6 +394,8 @@ struct Inner {
     inflight: Gauge,
     queued: Vec<Gauge>,
     queued_body_bytes: Gauge,
+    headroom_held: Gauge,
+    lent: Gauge,
     queue_wait: Vec<Histogram>,
     scheduler_submitted: Vec<Counter>,
     /// `[tier][SchedulerOutcome]`.
@@ -527,6 +535,18 @@ impl Metrics {
             Unit::Bytes,
             "Request-body bytes held by requests waiting for a slot now (capped by \
              scheduler.max_queued_body_bytes).",
+        );
+        r.describe_gauge(
+            HEADROOM_HELD,
+            Unit::Count,
+            "Free slots held for tenants within their fair share against a tenant that would take \
+             more than its own (scheduler.headroom), now.",
+        );
+        r.describe_gauge(
+            LENT,
+            Unit::Count,
+            "Slots in flight that were granted beyond their tenant's fair share of the budget, \
+             now.",
         );
         r.describe_histogram(
             QUEUE_WAIT,
@@ -705,6 +725,8 @@ impl Metrics {
                 .map(|t| r.gauge(QUEUED, &[("tier", t)]))
                 .collect(),
             queued_body_bytes: r.gauge(QUEUED_BODY_BYTES, &[]),
+            headroom_held: r.gauge(HEADROOM_HELD, &[]),
+            lent: r.gauge(LENT, &[]),
             queue_wait: per_tier(&|t| r.histogram(QUEUE_WAIT, &[("tier", t)])),
             scheduler_submitted: tier_names
                 .iter()
@@ -877,6 +899,8 @@ impl Metrics {
         self.inner
             .queued_body_bytes
             .set(load.queued_body_bytes as f64);
+        self.inner.headroom_held.set(f64::from(load.held));
+        self.inner.lent.set(f64::from(load.lent));
     }
 
     pub fn scheduler_submitted(&self, tier: usize) {

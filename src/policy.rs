@@ -18,6 +18,7 @@ use crate::config::{
 };
 use crate::observe::MetricLabels;
 use crate::reply::Reason;
+use crate::scheduler::Headroom;
 use crate::tokens::{Encoding, EncodingRule};
 
 /// Index of a tier in `Policy::tiers`; also the index of its pre-created metric series.
@@ -63,7 +64,7 @@ pub struct Tier {
     pub max_concurrent: Option<u32>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct SchedulingPolicy {
     pub initial_limit: u32,
     pub cost: FairnessCost,
@@ -72,6 +73,8 @@ pub struct SchedulingPolicy {
     pub envoy_max_message_timeout: Duration,
     /// Cap on the body bytes held by queued requests (see `SchedulerConfig`).
     pub max_queued_body_bytes: usize,
+    /// `None` when `scheduler.headroom.enabled` is off.
+    pub headroom: Option<Headroom>,
 }
 
 #[derive(Clone, Debug)]
@@ -284,6 +287,16 @@ impl Policy {
                 "scheduler.reservations: the shares add up to {reserved_total}%, over 100%"
             ));
         }
+        let headroom = &scheduler.headroom;
+        if headroom.window_ms == 0 {
+            problems.push("scheduler.headroom.window_ms: must be at least 1".to_owned());
+        }
+        if !(headroom.margin_sigmas.is_finite() && (0.0..=10.0).contains(&headroom.margin_sigmas)) {
+            problems.push(format!(
+                "scheduler.headroom.margin_sigmas: {} is not in 0..=10",
+                headroom.margin_sigmas
+            ));
+        }
         if scheduler.max_queued_body_bytes < config.tokens.max_body_bytes {
             problems.push(format!(
                 "scheduler.max_queued_body_bytes: {} is less than tokens.max_body_bytes ({}), so \
@@ -331,6 +344,10 @@ impl Policy {
                     scheduler.envoy_max_message_timeout_ms,
                 ),
                 max_queued_body_bytes: scheduler.max_queued_body_bytes,
+                headroom: scheduler.headroom.enabled.then(|| Headroom {
+                    window: Duration::from_millis(scheduler.headroom.window_ms),
+                    sigmas: scheduler.headroom.margin_sigmas,
+                }),
             },
             control: config.control.clone(),
             overrides,

@@ -14,10 +14,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use crate::observe::SchedulerGauges;
 use fair::{EntryKey, FairQueue, FlowKey, Submit};
-pub use fair::{FlowClass, FlowLoad, SHARE_SCALE, Share, TenantKey};
+pub use fair::{FlowClass, FlowLoad, Headroom, SHARE_SCALE, Share, TenantKey};
 
 /// The global in-flight budget and the per-tenant queues in front of it.
 pub struct Scheduler {
@@ -88,6 +89,24 @@ pub struct Load {
     pub queued: u32,
     /// Body bytes the queued requests hold, against `max_queued_body_bytes`.
     pub queued_body_bytes: usize,
+    /// Free slots held for tenants within their fair share (`fair::Headroom`).
+    pub held: u32,
+    /// Slots in flight granted beyond their tenant's fair share.
+    pub lent: u32,
+}
+
+impl Load {
+    /// Requests waiting for want of a slot: all of them while every slot is taken, none while
+    /// some are free. Requests that wait beside free slots are held back by the headroom (they
+    /// would take more than their tenant's fair share); they are not the controller's demand,
+    /// since growing the budget for them would hand a burst what the steady tenants need.
+    pub fn waiting_for_slot(&self) -> u32 {
+        if self.in_flight >= self.limit {
+            self.queued
+        } else {
+            0
+        }
+    }
 }
 
 impl From<Load> for SchedulerGauges {
@@ -96,16 +115,27 @@ impl From<Load> for SchedulerGauges {
             limit: load.limit,
             in_flight: load.in_flight,
             queued_body_bytes: load.queued_body_bytes,
+            held: load.held,
+            lent: load.lent,
         }
     }
 }
 
 impl Scheduler {
-    /// `limit` slots; queued requests may hold at most `max_queued_body_bytes` of bodies.
-    pub fn new(limit: u32, max_queued_body_bytes: usize) -> Arc<Scheduler> {
+    /// `limit` slots; queued requests may hold at most `max_queued_body_bytes` of bodies;
+    /// `headroom` holds slots for tenants within their fair share (`None`: never).
+    pub fn new(
+        limit: u32,
+        max_queued_body_bytes: usize,
+        headroom: Option<Headroom>,
+    ) -> Arc<Scheduler> {
+        let fair = match headroom {
+            Some(headroom) => FairQueue::with_headroom(limit.max(1), headroom),
+            None => FairQueue::new(limit.max(1)),
+        };
         Arc::new(Scheduler {
             state: Mutex::new(State {
-                fair: FairQueue::new(limit.max(1)),
+                fair,
                 peak_in_flight: 0,
                 queued_bodies: QueuedBodies {
                     held: 0,
@@ -126,7 +156,7 @@ impl Scheduler {
         body_bytes: usize,
     ) -> Admit {
         let (tx, rx) = oneshot::channel();
-        let mut state = self.lock();
+        let mut state = self.lock_at_now();
         match state.fair.submit(tenant, class, cost, tx) {
             Submit::Granted(flow) => {
                 state.note_in_flight();
@@ -158,7 +188,7 @@ impl Scheduler {
     /// nothing until it grows (a fleet member without a share yet); a lone replica's
     /// controller never goes below its floor.
     pub fn set_limit(self: &Arc<Self>, limit: u32) {
-        let mut state = self.lock();
+        let mut state = self.lock_at_now();
         state.fair.set_limit(limit);
         state.global_limit = limit;
         self.dispatch(state);
@@ -173,7 +203,7 @@ impl Scheduler {
         global_limit: u32,
         shares: Option<HashMap<TenantKey, Share>>,
     ) {
-        let mut state = self.lock();
+        let mut state = self.lock_at_now();
         state.fair.set_limit(limit);
         state.global_limit = global_limit;
         if let Some(shares) = shares {
@@ -196,6 +226,8 @@ impl Scheduler {
             in_flight: state.fair.in_flight(),
             queued: state.fair.queued(),
             queued_body_bytes: state.queued_bodies.held,
+            held: state.fair.held(),
+            lent: state.fair.lent(),
         }
     }
 
@@ -208,18 +240,21 @@ impl Scheduler {
     }
 
     fn release(self: &Arc<Self>, flow: FlowKey) {
-        let mut state = self.lock();
+        let mut state = self.lock_at_now();
         state.fair.release(flow);
         self.dispatch(state);
     }
 
     /// A ticket's request left the queue, whichever way: its place (if it still had one) and
     /// its body bytes are given back.
-    fn leave_queue(&self, entry: EntryKey, body_bytes: usize) {
-        let mut state = self.lock();
+    fn leave_queue(self: &Arc<Self>, entry: EntryKey, body_bytes: usize) {
+        let mut state = self.lock_at_now();
         // The returned sender (if the entry was still queued) is dropped here: nothing was taken.
         let _ = state.fair.cancel(entry);
         state.queued_bodies.release(body_bytes);
+        // With headroom, slots may be free while requests wait; time has passed and the flow
+        // that left may have been what held them.
+        self.dispatch(state);
     }
 
     /// Hands free slots to waiting requests, outside the lock.
@@ -239,6 +274,13 @@ impl Scheduler {
             // releasing the slot (and dispatching the next request) exactly once.
             let _ = waiter.send(permit);
         }
+    }
+
+    /// The lock, with the fair queue's clock moved to now (its headroom decays with time).
+    fn lock_at_now(&self) -> MutexGuard<'_, State> {
+        let mut state = self.lock();
+        state.fair.advance(Instant::now());
+        state
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

@@ -351,6 +351,9 @@ fn scale_times(config: &mut Value, scale: f64) {
             }
         }
     }
+    if let Some(window) = config.pointer_mut("/scheduler/headroom/window_ms") {
+        divide(window);
+    }
     if let Some(control) = config.get_mut("control").and_then(Value::as_object_mut) {
         for key in [
             "tick_ms",
@@ -393,6 +396,18 @@ fn fill_time_defaults(config: &mut Value) {
                 .entry("scrape_timeout_ms")
                 .or_insert(Value::from(control.engine.scrape_timeout_ms));
         }
+    }
+    // The scheduler's headroom remembers demand for a time: scaled like the controller's window.
+    if let Value::Object(scheduler) = root
+        .entry("scheduler")
+        .or_insert_with(|| Value::Object(Map::new()))
+        && let Value::Object(headroom) = scheduler
+            .entry("headroom")
+            .or_insert_with(|| Value::Object(Map::new()))
+    {
+        headroom.entry("window_ms").or_insert(Value::from(
+            tollgate::config::HeadroomConfig::default().window_ms,
+        ));
     }
     match root.get_mut("tiers") {
         Some(Value::Object(tiers)) => {
@@ -502,6 +517,7 @@ mod tests {
             "tenants": {"a": {"queue_deadline_ms": 2000}},
             "control": {"tick_ms": 5000, "window_ms": 30000, "target_p99_ttft_ms": 2000, "floor": 32},
             "store": {"timeout_ms": 50},
+            "scheduler": {"initial_limit": 64, "headroom": {"enabled": true, "window_ms": 30000}},
         });
         scale_times(&mut config, 4.0);
         assert_eq!(
@@ -513,6 +529,7 @@ mod tests {
                 "control": {"tick_ms": 1250, "window_ms": 7500, "target_p99_ttft_ms": 500,
                             "upstream_target_p99_ttft_ms": 250, "floor": 32},
                 "store": {"timeout_ms": 50},
+                "scheduler": {"initial_limit": 64, "headroom": {"enabled": true, "window_ms": 7500}},
             })
         );
     }
@@ -530,6 +547,8 @@ mod tests {
                 "tiers": {"free": {"weight": 1, "queue_deadline_ms": 250}, "paid": {"queue_deadline_ms": 500}},
                 "control": {"enabled": true, "tick_ms": 250, "window_ms": 2500, "target_p99_ttft_ms": 500,
                             "upstream_target_p99_ttft_ms": 250},
+                // The headroom's window, not named: tollgate's default (10 s), scaled.
+                "scheduler": {"headroom": {"window_ms": 2500}},
             })
         );
         // No tiers named: the built-in ones, with their deadlines scaled.

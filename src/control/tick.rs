@@ -61,7 +61,7 @@ pub async fn run(
         let observation = Observation {
             p99_ttft_seconds: p99,
             peak_in_flight: scheduler.take_peak_in_flight(),
-            queued: scheduler.load().queued,
+            queued: scheduler.load().waiting_for_slot(),
             samples,
             engine_saturation,
         };
@@ -104,7 +104,7 @@ mod tests {
 
     fn start(control: ControlConfig, initial: u32) -> Harness {
         let policy = Policy::from_config(&Config::default()).unwrap();
-        let scheduler = Scheduler::new(initial, usize::MAX);
+        let scheduler = Scheduler::new(initial, usize::MAX, None);
         let window = Arc::new(Mutex::new(LatencyWindow::new(
             Duration::from_millis(control.window_ms),
             30,

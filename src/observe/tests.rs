@@ -545,6 +545,8 @@ fn scheduler_events_move_their_series() {
         in_flight: 10,
         queued: 3,
         queued_body_bytes: 83 + 1_048_576,
+        held: 5,
+        lent: 7,
     });
     metrics.scheduler_submitted(premium);
     metrics.scheduler_outcome(premium, SchedulerOutcome::QueueTimeout);
@@ -553,6 +555,8 @@ fn scheduler_events_move_their_series() {
     let scraped = scrape(&metrics);
     assert_eq!(value(&scraped, INFLIGHT_LIMIT, &[]), 64.0);
     assert_eq!(value(&scraped, INFLIGHT, &[]), 10.0);
+    assert_eq!(value(&scraped, HEADROOM_HELD, &[]), 5.0);
+    assert_eq!(value(&scraped, LENT, &[]), 7.0);
     assert_eq!(value(&scraped, QUEUED_BODY_BYTES, &[]), 83.0 + 1_048_576.0);
     assert_eq!(
         value(&scraped, SCHEDULER_SUBMITTED, &[("tier", "premium")]),

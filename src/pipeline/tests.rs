@@ -37,6 +37,7 @@ fn pipeline_with(edit: impl FnOnce(&mut Config)) -> Pipeline {
     let scheduler = Scheduler::new(
         policy.scheduling.initial_limit,
         policy.scheduling.max_queued_body_bytes,
+        policy.scheduling.headroom,
     );
     let ledger = Ledger::new(
         Store::Memory(MemoryStore::new()),

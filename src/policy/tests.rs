@@ -953,3 +953,49 @@ fn the_policy_hash_covers_what_replicas_must_share_and_nothing_of_their_own() {
     }
     assert_eq!(base.len(), 32, "16 bytes in hex");
 }
+
+#[test]
+fn headroom_settings_are_checked_and_off_means_none() {
+    // (window_ms, margin_sigmas) -> the problems, none for a valid pair.
+    let table: [(u64, f64, &[&str]); 6] = [
+        (10_000, 3.0, &[]),
+        (1, 0.0, &[]),
+        (60_000, 10.0, &[]),
+        (
+            0,
+            3.0,
+            &["scheduler.headroom.window_ms: must be at least 1"],
+        ),
+        (
+            10_000,
+            10.5,
+            &["scheduler.headroom.margin_sigmas: 10.5 is not in 0..=10"],
+        ),
+        (
+            10_000,
+            f64::NAN,
+            &["scheduler.headroom.margin_sigmas: NaN is not in 0..=10"],
+        ),
+    ];
+    for (window_ms, sigmas, problems) in table {
+        let edit = |c: &mut Config| {
+            c.scheduler.headroom.enabled = true;
+            c.scheduler.headroom.window_ms = window_ms;
+            c.scheduler.headroom.margin_sigmas = sigmas;
+        };
+        if problems.is_empty() {
+            let headroom = check_valid(edit).scheduling.headroom.expect("enabled");
+            assert_eq!(
+                (headroom.window, headroom.sigmas),
+                (Duration::from_millis(window_ms), sigmas)
+            );
+        } else {
+            check_problems(edit, problems);
+        }
+    }
+    assert_eq!(
+        check_valid(|_| {}).scheduling.headroom,
+        None,
+        "off by default"
+    );
+}

@@ -53,6 +53,43 @@
 //! dispatch, so `V` keeps pace with what actually ran and a flow that used the idle budget does
 //! not carry the debt into the next busy period beyond its last request.
 //!
+//! # Headroom: isolation without caps
+//!
+//! A slot is held for a whole stream (seconds), and the budget is work-conserving, so without
+//! more a burst takes every free slot the moment it arrives and a steady tenant's next request
+//! waits for a completion: the fair order decides *who* gets a freed slot, not *when* one frees.
+//! With `Headroom` set, a flow may take a slot beyond its **fair share** (its weight's share of
+//! the limit among the flows present: `in_flight × Σ weights > limit × weight`) only while more
+//! slots stay free than the **protected flows** are expected to need. What they need is
+//! learned, not set: each flow keeps an exponentially weighted mean of its slots in flight
+//! (time constant `Headroom::window`: arrival rate × hold time, Little's law), and the protected
+//! flows together are expected to use up to `M + sigmas × √M` slots, `M` the sum of their means
+//! (a Poisson-like count's spread). What they hold now is subtracted; the rest is held free. A
+//! flow is protected when, as of its last event, it is within its fair share and not itself
+//! bursting (not above its own mean's `M + sigmas × √M`): a burst's slots, even within its fair
+//! share, must not offset what the steady flows are about to need.
+//!
+//! - **Work-conserving otherwise.** A lone tenant, or tenants all above their fair share, or
+//!   protected tenants holding their usual load, leave nothing held but the spread, and a flow
+//!   within its fair share is never held back. Held slots go to a protected flow at once.
+//! - **Bands.** A flow is held back only by the protected flows of its own band and the bands
+//!   above it: a higher band may take what a lower band's steady tenants would need.
+//! - **Reservations.** A flow below its reservation is never held back.
+//! - **It decays.** A tenant that goes quiet stops being protected as its mean decays (its
+//!   contribution stays in the band's sum after its flow record is gone, decaying the same way).
+//! - **Lent slots.** A slot granted beyond the flow's fair share counts as *lent* until it is
+//!   released (`lent`); `held` is what is kept free for the protected flows at this instant.
+//! - **Dispatch.** If the fair order's next flow is held back, the backlogged flow holding the
+//!   fewest slots per weight runs instead when it may; otherwise the slot stays free.
+//!
+//! A lowered limit preempts nothing, headroom or not: what is in flight finishes, and a flow
+//! within its fair share waits for that like any other. (Letting protected flows keep the old
+//! limit until the lent slots finish was tried: it kept the engine saturated after the
+//! controller's cuts, and seed 001's sweep lost up to 9 % of its goodput to it.)
+//!
+//! It needs the time: `advance(now)` moves the clock the means decay with (the async facade
+//! calls it before every operation). With `Headroom` unset nothing is held and no clock is read.
+//!
 //! # Cost
 //!
 //! `cost` is 1 for request-fair scheduling or the estimated tokens for token-fair scheduling:
@@ -101,6 +138,9 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 #[cfg(test)]
 mod tests;
@@ -118,6 +158,53 @@ pub struct FlowClass {
     pub queue_max: u32,
     /// Slots this tenant gets before any unreserved dispatch while it has demand.
     pub reserved_slots: u32,
+}
+
+/// Isolation without caps: how much of the budget is held free for tenants within their fair
+/// share while another takes more than its own (see "Headroom" above).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Headroom {
+    /// Time constant of each flow's mean slots in flight: how long recent demand is remembered.
+    pub window: Duration,
+    /// How far above the protected flows' mean the held slots reach, in standard deviations of
+    /// a Poisson count (`√mean`).
+    pub sigmas: f64,
+}
+
+/// Protected flows of one band, all together: the sum of their means as of `at` (it decays
+/// towards `in_flight` like each of its terms), and the sum of their slots in flight.
+#[derive(Clone, Copy, Debug, Default)]
+struct Protected {
+    mean: f64,
+    at: Option<Instant>,
+    in_flight: u32,
+    /// Their queued requests: demand already here, which the fair order serves; the slots held
+    /// are for what has not arrived yet.
+    queued: u32,
+}
+
+impl Protected {
+    fn mean_at(&self, now: Option<Instant>, window: Duration) -> f64 {
+        decayed(self.mean, self.in_flight, self.at, now, window)
+    }
+}
+
+/// A mean of slots in flight `mean` as of `at`, with `in_flight` held since then, as of `now`.
+fn decayed(
+    mean: f64,
+    in_flight: u32,
+    at: Option<Instant>,
+    now: Option<Instant>,
+    window: Duration,
+) -> f64 {
+    let held = f64::from(in_flight);
+    match (at, now) {
+        (Some(at), Some(now)) if now > at && !window.is_zero() => {
+            let elapsed = now.duration_since(at).as_secs_f64() / window.as_secs_f64();
+            held + (mean - held) * (-elapsed).exp()
+        }
+        _ => mean,
+    }
 }
 
 /// Identifies a flow while it has slots in flight (valid from grant to release).
@@ -180,6 +267,27 @@ pub struct FairQueue<T> {
     shares: HashMap<TenantKey, Share>,
     /// Set by the fleet's first `flows` or `set_shares`: new flows get their key at once.
     keyed: bool,
+    /// Isolation without caps; `None` holds nothing back.
+    headroom: Option<Headroom>,
+    /// The clock the means decay with (`advance`); `None` until first advanced.
+    now: Option<Instant>,
+    /// Per band: the protected flows' sums.
+    protected: Box<[Protected; BANDS]>,
+    /// Sum of `Flow::counted_weight` over the flows present: fair shares are of this.
+    live_weight: u64,
+    /// Slots granted beyond their flow's fair share, not yet released.
+    lent: u32,
+    /// One key per backlogged flow: its slots per weight, fewest first. Where the fair order's
+    /// next flow is held back, the first of these runs instead.
+    by_usage: BTreeSet<UsageKey>,
+}
+
+/// A backlogged flow by how many slots it would hold per weight with one more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct UsageKey {
+    usage: u128,
+    seq: u64,
+    flow: u32,
 }
 
 /// A tenant's name as the fleet knows it: the first 8 bytes of SHA-256 of the name, the same in
@@ -274,6 +382,17 @@ struct Flow {
     head_start: u128,
     /// This flow's key in `FairQueue::order`, present iff `queued > 0`.
     order: Option<OrderKey>,
+    /// This flow's key in `FairQueue::by_usage`, present iff `queued > 0`.
+    usage: Option<UsageKey>,
+    /// The weight counted in `FairQueue::live_weight` for this flow.
+    counted_weight: u32,
+    /// Mean slots in flight as of `mean_at` (headroom only).
+    mean: f64,
+    mean_at: Option<Instant>,
+    /// Counted in its band's `Protected` (within its fair share as of its last event).
+    protected: bool,
+    /// Of its slots in flight, how many were lent beyond its fair share.
+    lent: u32,
 }
 
 /// Which dispatch rule applies to a backlogged flow. Declaration order is dispatch order.
@@ -328,6 +447,15 @@ impl Flow {
     }
 }
 
+/// Slots the protected flows are expected to need beyond the `in_flight` they hold: their
+/// summed mean plus `sigmas` standard deviations of a Poisson count of that mean.
+fn expected_need(mean: f64, in_flight: u32, headroom: Headroom) -> u32 {
+    let mean = mean.max(0.0);
+    let expected = (mean + headroom.sigmas * mean.sqrt()).ceil();
+    // `as` saturates: a mean beyond u32 holds everything, as it should.
+    (expected as u32).saturating_sub(in_flight)
+}
+
 /// Virtual time one request of `cost` takes from a flow of `weight`; at least 1, so tags always
 /// advance.
 fn charge(cost: u64, weight: u32) -> u128 {
@@ -352,7 +480,44 @@ impl<T> FairQueue<T> {
             next_seq: 0,
             shares: HashMap::new(),
             keyed: false,
+            headroom: None,
+            now: None,
+            protected: Box::new([Protected::default(); BANDS]),
+            live_weight: 0,
+            lent: 0,
+            by_usage: BTreeSet::new(),
         }
+    }
+
+    /// A scheduler that holds headroom for tenants within their fair share (see "Headroom").
+    pub fn with_headroom(limit: u32, headroom: Headroom) -> Self {
+        FairQueue {
+            headroom: Some(headroom),
+            ..FairQueue::new(limit)
+        }
+    }
+
+    /// Moves the clock the flows' means decay with. Earlier instants are ignored.
+    pub fn advance(&mut self, now: Instant) {
+        if self.now.is_none_or(|then| now > then) {
+            self.now = Some(now);
+        }
+    }
+
+    /// Slots granted beyond their flow's fair share and not yet released.
+    pub fn lent(&self) -> u32 {
+        self.lent
+    }
+
+    /// Slots kept free at this instant for the protected flows (of every band) against a flow
+    /// that would take more than its fair share.
+    pub fn held(&self) -> u32 {
+        let Some(headroom) = self.headroom else {
+            return 0;
+        };
+        let free = self.limit.saturating_sub(self.in_flight);
+        let (mean, in_flight) = self.protected_upto(u8::MAX, headroom);
+        expected_need(mean, in_flight, headroom).min(free)
     }
 
     /// Every flow (tenant with requests waiting or in flight) and its load: O(F), for the
@@ -404,7 +569,10 @@ impl<T> FairQueue<T> {
                 continue;
             }
             let waiting = flow.queued;
+            self.leave_protected(index);
             self.flow_mut(index).share = share;
+            self.recount_weight(index);
+            self.join_protected(index);
             if waiting > 0 {
                 // The reservation decides the lane, which is part of the key.
                 self.rekey(index);
@@ -456,13 +624,28 @@ impl<T> FairQueue<T> {
             self.apply_class(index, class);
         }
 
-        if self.in_flight < self.limit && self.queued == 0 {
+        // With headroom, requests may wait while slots are free (held back); a newcomer may
+        // take one if none of them may.
+        let nothing_eligible_waits =
+            self.queued == 0 || (self.headroom.is_some() && self.next_eligible().is_none());
+        if self.in_flight < self.limit && nothing_eligible_waits {
             let index = existing.unwrap_or_else(|| self.insert_flow(tenant, class));
+            // Never ahead of the flow's own queued requests.
+            if self.flow(index).queued == 0 && !self.held_back(index) {
+                self.flow_mut(index).note_submitted(cost);
+                let flow = self.flow(index);
+                let start = self.virtual_time[usize::from(flow.class.band)].max(flow.finish);
+                self.take_slot(index, start, cost);
+                return Submit::Granted(self.flow_key(index));
+            }
+            // Beyond its fair share into the headroom: it waits (or is refused) as if no slot
+            // were free.
+            if self.flow(index).queued >= class.queue_max {
+                self.remove_flow_if_idle(index);
+                return Submit::Full(payload);
+            }
             self.flow_mut(index).note_submitted(cost);
-            let flow = self.flow(index);
-            let start = self.virtual_time[usize::from(flow.class.band)].max(flow.finish);
-            self.take_slot(index, start, cost);
-            return Submit::Granted(self.flow_key(index));
+            return Submit::Queued(self.push_entry(index, cost, payload));
         }
 
         let waiting = existing.map_or(0, |index| self.flow(index).queued);
@@ -479,20 +662,13 @@ impl<T> FairQueue<T> {
         if self.in_flight >= self.limit {
             return None;
         }
-        let key = self.order.pop_first()?;
-        let index = key.flow;
-        let head = {
-            let flow = self.flow_mut(index);
-            flow.order = None;
-            flow.head
+        let index = self.next_eligible()?;
+        let (start, head) = {
+            let flow = self.flow(index);
+            (flow.head_start, flow.head)
         };
         let entry = self.unlink(head);
-        debug_assert_eq!(
-            key.lane,
-            self.flow(index).lane(),
-            "keys are refreshed on every change"
-        );
-        self.take_slot(index, key.start, entry.cost);
+        self.take_slot(index, start, entry.cost);
 
         let band = usize::from(self.flow(index).class.band);
         let now = self.virtual_time[band];
@@ -500,9 +676,122 @@ impl<T> FairQueue<T> {
         if flow.queued > 0 {
             // The next request becomes the head: it gets its start tag now (lazy tagging).
             flow.head_start = now.max(flow.finish);
-            self.rekey(index);
         }
+        self.rekey(index);
         Some((self.flow_key(index), entry.payload))
+    }
+
+    /// The backlogged flow the next free slot goes to: the fair order's first, unless it is
+    /// held back; then the one holding the fewest slots per weight, if it may take one. O(log F).
+    /// If both are held back every flow would lend (the fewest does) and is held back too, but
+    /// for flows of lower bands whose test counts fewer protected flows: those wait for the next
+    /// event, a slot never dispatched out of band order.
+    fn next_eligible(&self) -> Option<u32> {
+        let first = self.order.first()?.flow;
+        if !self.held_back(first) {
+            return Some(first);
+        }
+        let fewest = self.by_usage.first()?.flow;
+        (!self.held_back(fewest)).then_some(fewest)
+    }
+
+    /// Whether one more slot for this flow would be lent beyond its fair share into the slots
+    /// held for the protected flows (see "Headroom").
+    fn held_back(&self, index: u32) -> bool {
+        let Some(headroom) = self.headroom else {
+            return false;
+        };
+        let flow = self.flow(index);
+        if flow.lane() == Lane::Reserved || !self.would_lend(flow) {
+            return false;
+        }
+        // One test for every flow of a band (a protected flow about to lend is held back by its
+        // own demand too), so that if the fair order's first flow and the one with the fewest
+        // slots per weight are both held back, every flow of that band is (`next_eligible`).
+        let free = self.limit.saturating_sub(self.in_flight);
+        let (mean, present) = self.protected_upto(flow.class.band, headroom);
+        free <= expected_need(mean, present, headroom)
+    }
+
+    /// Whether one more slot would put the flow beyond its fair share: its weight's share of the
+    /// limit among the flows present.
+    fn would_lend(&self, flow: &Flow) -> bool {
+        u128::from(flow.in_flight + 1) * u128::from(self.live_weight)
+            > u128::from(self.limit) * u128::from(flow.counted_weight)
+    }
+
+    /// Whether the flow holds no more than its fair share.
+    fn within_share(&self, flow: &Flow) -> bool {
+        u128::from(flow.in_flight) * u128::from(self.live_weight)
+            <= u128::from(self.limit) * u128::from(flow.counted_weight)
+    }
+
+    /// The protected flows of bands `0..=band`: their means summed, as of now, and the
+    /// requests they have here already (in flight and queued).
+    fn protected_upto(&self, band: u8, headroom: Headroom) -> (f64, u32) {
+        self.protected[..=usize::from(band)]
+            .iter()
+            .fold((0.0, 0), |(mean, present), sums| {
+                (
+                    mean + sums.mean_at(self.now, headroom.window),
+                    present + sums.in_flight + sums.queued,
+                )
+            })
+    }
+
+    /// Takes the flow's terms out of its band's protected sums (bringing both to now) before
+    /// its slots, weight or band change; `join_protected` puts them back as they are then.
+    fn leave_protected(&mut self, index: u32) {
+        let Some(headroom) = self.headroom else {
+            return;
+        };
+        let now = self.now;
+        let (flow, sums) = self.flow_with_sums(index);
+        flow.mean = decayed(
+            flow.mean,
+            flow.in_flight,
+            flow.mean_at,
+            now,
+            headroom.window,
+        );
+        flow.mean_at = now;
+        if flow.protected {
+            flow.protected = false;
+            sums.mean = sums.mean_at(now, headroom.window) - flow.mean;
+            sums.at = now;
+            sums.in_flight -= flow.in_flight;
+            sums.queued -= flow.queued;
+        }
+    }
+
+    /// A live flow and its band's protected sums, borrowed together.
+    fn flow_with_sums(&mut self, index: u32) -> (&mut Flow, &mut Protected) {
+        let flow = self.flows[index as usize]
+            .flow
+            .as_mut()
+            .expect("flow indices held internally always point at live flows");
+        let sums = &mut self.protected[usize::from(flow.class.band)];
+        (flow, sums)
+    }
+
+    fn join_protected(&mut self, index: u32) {
+        let Some(headroom) = self.headroom else {
+            return;
+        };
+        let flow = self.flow(index);
+        // A flow far above its own recent mean is bursting, not steady: counted, its surge
+        // would offset what the steady ones are expected to need.
+        let bursting = expected_need(flow.mean, 0, headroom) < flow.in_flight;
+        if bursting || !self.within_share(flow) {
+            return;
+        }
+        let now = self.now;
+        let (flow, sums) = self.flow_with_sums(index);
+        flow.protected = true;
+        sums.mean = sums.mean_at(now, headroom.window).max(0.0) + flow.mean;
+        sums.at = now;
+        sums.in_flight += flow.in_flight;
+        sums.queued += flow.queued;
     }
 
     /// A slot held by `flow` is free again. Does not dispatch: the caller calls `dispatch_next`.
@@ -516,13 +805,21 @@ impl<T> FairQueue<T> {
         if record.in_flight == 0 {
             return;
         }
-        let lane_before = record.lane();
-        record.in_flight -= 1;
-        let lane_after = record.lane();
         let waiting = record.queued;
+        let lane_before = record.lane();
+        self.leave_protected(flow.index);
+        let record = self.flow_mut(flow.index);
+        record.in_flight -= 1;
+        let was_lent = record.lent > 0;
+        if was_lent {
+            record.lent -= 1;
+            self.lent -= 1;
+        }
         self.in_flight -= 1;
+        self.join_protected(flow.index);
         if waiting > 0 {
-            if lane_before != lane_after {
+            // Its lane may have changed, and with headroom its slots per weight have.
+            if self.headroom.is_some() || self.flow(flow.index).lane() != lane_before {
                 self.rekey(flow.index);
             }
         } else {
@@ -598,6 +895,12 @@ impl<T> FairQueue<T> {
             finish: 0,
             head_start: 0,
             order: None,
+            usage: None,
+            counted_weight: 0,
+            mean: 0.0,
+            mean_at: self.now,
+            protected: false,
+            lent: 0,
         };
         let index = match self.free_flows.pop() {
             Some(index) => {
@@ -615,7 +918,17 @@ impl<T> FairQueue<T> {
             }
         };
         self.by_name.insert(tenant.into(), index);
+        self.recount_weight(index);
+        self.join_protected(index);
         index
+    }
+
+    /// Brings the flow's part of `live_weight` in line with its weight now.
+    fn recount_weight(&mut self, index: u32) {
+        let flow = self.flow_mut(index);
+        let (old, new) = (flow.counted_weight, flow.weight());
+        flow.counted_weight = new;
+        self.live_weight = self.live_weight - u64::from(old) + u64::from(new);
     }
 
     fn remove_flow_if_idle(&mut self, index: u32) {
@@ -633,6 +946,12 @@ impl<T> FairQueue<T> {
             "a flow with nothing queued has no key"
         );
         slot.generation = slot.generation.wrapping_add(1);
+        // A protected flow's mean stays in its band's sum and decays there: a tenant between
+        // two requests is still recent demand.
+        if flow.protected {
+            self.protected[usize::from(flow.class.band)].in_flight -= flow.in_flight;
+        }
+        self.live_weight -= u64::from(flow.counted_weight);
         self.by_name.remove(&flow.name);
         self.free_flows.push(index);
     }
@@ -646,6 +965,7 @@ impl<T> FairQueue<T> {
         }
         let waiting = flow.queued;
         let new_band_time = self.virtual_time[usize::from(class.band)];
+        self.leave_protected(index);
         let flow = self.flow_mut(index);
         flow.class = class;
         if old.band != class.band {
@@ -655,6 +975,8 @@ impl<T> FairQueue<T> {
             self.queued_by_band[usize::from(old.band)] -= waiting;
             self.queued_by_band[usize::from(class.band)] += waiting;
         }
+        self.recount_weight(index);
+        self.join_protected(index);
         if waiting > 0 {
             self.rekey(index);
         }
@@ -666,6 +988,8 @@ impl<T> FairQueue<T> {
         let flow = self.flow(index);
         let band = usize::from(flow.class.band);
         let lane = flow.lane();
+        let lends = lane == Lane::Fair && self.headroom.is_some() && self.would_lend(flow);
+        self.leave_protected(index);
         if lane == Lane::Fair {
             let time = &mut self.virtual_time[band];
             *time = (*time).max(start);
@@ -675,7 +999,12 @@ impl<T> FairQueue<T> {
             flow.finish = start.saturating_add(charge(cost, flow.weight()));
         }
         flow.in_flight += 1;
+        if lends {
+            flow.lent += 1;
+            self.lent += 1;
+        }
         self.in_flight += 1;
+        self.join_protected(index);
     }
 
     /// Appends a request to the flow's queue; a request that becomes the head gets its start tag.
@@ -719,6 +1048,7 @@ impl<T> FairQueue<T> {
 
         let band = usize::from(self.flow(index).class.band);
         let now = self.virtual_time[band];
+        self.leave_protected(index);
         let flow = self.flow_mut(index);
         flow.tail = slot;
         flow.queued += 1;
@@ -729,6 +1059,7 @@ impl<T> FairQueue<T> {
         }
         self.queued += 1;
         self.queued_by_band[band] += 1;
+        self.join_protected(index);
         if became_head {
             self.rekey(index);
         }
@@ -772,6 +1103,7 @@ impl<T> FairQueue<T> {
         if entry.next != NIL {
             self.entry_mut(entry.next).prev = entry.prev;
         }
+        self.leave_protected(entry.flow);
         let flow = self.flow_mut(entry.flow);
         if flow.head == slot {
             flow.head = entry.next;
@@ -783,6 +1115,7 @@ impl<T> FairQueue<T> {
         let band = usize::from(flow.class.band);
         self.queued -= 1;
         self.queued_by_band[band] -= 1;
+        self.join_protected(entry.flow);
         entry
     }
 
@@ -798,13 +1131,30 @@ impl<T> FairQueue<T> {
             seq: self.entry(flow.head).seq,
             flow: index,
         });
+        // Only the headroom looks past the fair order's first flow.
+        let usage = new.filter(|_| self.headroom.is_some()).map(|key| UsageKey {
+            // Slots per weight after one more: the first of these is within its fair share
+            // if any backlogged flow is.
+            usage: (u128::from(flow.in_flight + 1) << 64) / u128::from(flow.weight().max(1)),
+            seq: key.seq,
+            flow: index,
+        });
+        let old_usage = flow.usage;
         if let Some(old) = old {
             self.order.remove(&old);
         }
         if let Some(new) = new {
             self.order.insert(new);
         }
-        self.flow_mut(index).order = new;
+        if let Some(old) = old_usage {
+            self.by_usage.remove(&old);
+        }
+        if let Some(usage) = usage {
+            self.by_usage.insert(usage);
+        }
+        let flow = self.flow_mut(index);
+        flow.order = new;
+        flow.usage = usage;
     }
 }
 

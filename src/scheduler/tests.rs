@@ -39,12 +39,14 @@ fn load(in_flight: u32, queued: u32, limit: u32) -> Load {
         in_flight,
         queued,
         queued_body_bytes: 0,
+        held: 0,
+        lent: 0,
     }
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_dropped_permit_hands_its_slot_to_the_next_in_line() {
-    let scheduler = Scheduler::new(1, UNCAPPED);
+    let scheduler = Scheduler::new(1, UNCAPPED, None);
     let first = now(scheduler.submit("a", class(4), 1, 0));
     let mut second = queued(scheduler.submit("b", class(4), 1, 0));
     assert_eq!(scheduler.load(), load(1, 1, 1));
@@ -59,7 +61,7 @@ async fn a_dropped_permit_hands_its_slot_to_the_next_in_line() {
 
 #[tokio::test(start_paused = true)]
 async fn a_dropped_ticket_frees_its_place_and_takes_nothing() {
-    let scheduler = Scheduler::new(1, UNCAPPED);
+    let scheduler = Scheduler::new(1, UNCAPPED, None);
     let holder = now(scheduler.submit("a", class(1), 1, 0));
     let ticket = queued(scheduler.submit("b", class(1), 1, 0));
     assert!(matches!(scheduler.submit("b", class(1), 1, 0), Admit::Full));
@@ -76,7 +78,7 @@ async fn a_dropped_ticket_frees_its_place_and_takes_nothing() {
 
 #[tokio::test(start_paused = true)]
 async fn a_slot_sent_to_a_ticket_that_gave_up_is_released() {
-    let scheduler = Scheduler::new(1, UNCAPPED);
+    let scheduler = Scheduler::new(1, UNCAPPED, None);
     let holder = now(scheduler.submit("a", class(4), 1, 0));
     let ticket = queued(scheduler.submit("b", class(4), 1, 0));
     // The slot is dispatched into the ticket's channel, but the ticket is dropped unread.
@@ -88,7 +90,7 @@ async fn a_slot_sent_to_a_ticket_that_gave_up_is_released() {
 
 #[tokio::test(start_paused = true)]
 async fn raising_the_limit_admits_waiting_requests_and_lowering_it_preempts_nothing() {
-    let scheduler = Scheduler::new(1, UNCAPPED);
+    let scheduler = Scheduler::new(1, UNCAPPED, None);
     let first = now(scheduler.submit("a", class(4), 1, 0));
     let mut waiting: Vec<Ticket> = (0..3)
         .map(|_| queued(scheduler.submit("b", class(4), 1, 0)))
@@ -116,7 +118,7 @@ async fn raising_the_limit_admits_waiting_requests_and_lowering_it_preempts_noth
 
 #[tokio::test(start_paused = true)]
 async fn peak_in_flight_covers_the_whole_period() {
-    let scheduler = Scheduler::new(8, UNCAPPED);
+    let scheduler = Scheduler::new(8, UNCAPPED, None);
     let permits: Vec<Permit> = (0..5)
         .map(|_| now(scheduler.submit("a", class(0), 1, 0)))
         .collect();
@@ -157,7 +159,7 @@ fn queued_bodies_hold_bytes_up_to_the_cap_and_not_one_more() {
 
 #[tokio::test(start_paused = true)]
 async fn a_request_that_would_take_queued_bodies_over_the_cap_is_refused_and_takes_nothing() {
-    let scheduler = Scheduler::new(1, 1_000);
+    let scheduler = Scheduler::new(1, 1_000, None);
     // A request that runs at once holds nothing in the queue, however large its body.
     let holder = now(scheduler.submit("a", class(8), 1, 5_000));
     assert_eq!(scheduler.load().queued_body_bytes, 0);
@@ -177,7 +179,7 @@ async fn a_request_that_would_take_queued_bodies_over_the_cap_is_refused_and_tak
         "the refused request left no entry and no bytes behind"
     );
     // The tenant's own queue limit is checked first: a full queue says so, whatever the bytes.
-    let scheduler_b = Scheduler::new(1, 1_000);
+    let scheduler_b = Scheduler::new(1, 1_000, None);
     let _held = now(scheduler_b.submit("a", class(1), 1, 0));
     let _waiting = queued(scheduler_b.submit("a", class(1), 1, 1_000));
     assert!(matches!(
@@ -189,7 +191,7 @@ async fn a_request_that_would_take_queued_bodies_over_the_cap_is_refused_and_tak
 
 #[tokio::test(start_paused = true)]
 async fn a_ticket_gives_its_body_bytes_back_however_it_leaves_the_queue() {
-    let scheduler = Scheduler::new(1, 1_000);
+    let scheduler = Scheduler::new(1, 1_000, None);
     let holder = now(scheduler.submit("a", class(8), 1, 0));
     let cancelled = queued(scheduler.submit("b", class(8), 1, 300));
     let mut granted = queued(scheduler.submit("c", class(8), 1, 500));
@@ -222,4 +224,54 @@ async fn a_ticket_gives_its_body_bytes_back_however_it_leaves_the_queue() {
     let _holder = now(scheduler.submit("a", class(8), 1, 0));
     let _next = queued(scheduler.submit("e", class(8), 1, 1_000));
     assert_eq!(scheduler.load().queued_body_bytes, 1_000);
+}
+
+/// The headroom through the facade, on tokio's paused clock: a steady tenant's means build up
+/// as time passes, a burst then gets its fair share and what the steady tenant will not need,
+/// the steady tenant's next requests go at once, and the burst's waiting requests run once
+/// the steady tenant has gone quiet for long enough. Its requests waiting beside free slots
+/// are no demand for the controller.
+#[tokio::test(start_paused = true)]
+async fn a_burst_cannot_take_the_slots_a_steady_tenant_is_about_to_need() {
+    let headroom = Headroom {
+        window: Duration::from_secs(10),
+        sigmas: 3.0,
+    };
+    let scheduler = Scheduler::new(48, UNCAPPED, Some(headroom));
+    let steady = class(8);
+    let mut steady_permits: Vec<Permit> = (0..12)
+        .map(|_| now(scheduler.submit("steady", steady, 1, 0)))
+        .collect();
+    // A minute of steady load: one request finishes and one starts every second.
+    for _ in 0..60 {
+        tokio::time::advance(Duration::from_secs(1)).await;
+        steady_permits.remove(0);
+        steady_permits.push(now(scheduler.submit("steady", steady, 1, 0)));
+    }
+
+    // Fair shares 24 of 48 each; the steady tenant is expected to need up to
+    // ceil(12 + 3 √12) = 23, 11 more than it holds: the burst gets its 24, one lent, and its
+    // 26th waits beside 11 free slots.
+    let burst = class(2);
+    let burst_permits: Vec<Permit> = (0..25)
+        .map(|_| now(scheduler.submit("burst", burst, 1, 0)))
+        .collect();
+    let mut waiting = queued(scheduler.submit("burst", burst, 1, 0));
+    let load = scheduler.load();
+    assert_eq!((load.in_flight, load.held, load.lent), (37, 11, 1));
+    assert_eq!(load.waiting_for_slot(), 0, "held back, not short of slots");
+    for _ in 0..11 {
+        steady_permits.push(now(scheduler.submit("steady", steady, 1, 0)));
+    }
+
+    // The steady tenant finishes and goes quiet; a few windows later the burst's waiting
+    // request gets a slot at the next event (here, another of its requests arriving).
+    steady_permits.clear();
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let next = scheduler.submit("burst", burst, 1, 0);
+    tokio::time::timeout(Duration::from_millis(1), waiting.granted())
+        .await
+        .expect("the waiting request runs first");
+    assert!(matches!(next, Admit::Queued(_) | Admit::Now(_)));
+    drop(burst_permits);
 }

@@ -884,6 +884,28 @@ fn check_structure<T>(q: &FairQueue<T>) {
     }
     assert_eq!(q.by_name.len(), live);
     assert_eq!(q.order.len(), keyed);
+    let usage_keyed = if q.headroom.is_some() { keyed } else { 0 };
+    assert_eq!(q.by_usage.len(), usage_keyed);
+    let live_flows = || q.flows.iter().filter_map(|slot| slot.flow.as_ref());
+    assert_eq!(
+        q.live_weight,
+        live_flows()
+            .map(|f| u64::from(f.counted_weight))
+            .sum::<u64>()
+    );
+    assert_eq!(q.lent, live_flows().map(|f| f.lent).sum::<u32>());
+    for band in 0..BANDS {
+        let protected: u32 = live_flows()
+            .filter(|f| f.protected && usize::from(f.class.band) == band)
+            .map(|f| f.in_flight)
+            .sum();
+        assert_eq!(q.protected[band].in_flight, protected, "band {band}");
+        let queued: u32 = live_flows()
+            .filter(|f| f.protected && usize::from(f.class.band) == band)
+            .map(|f| f.queued)
+            .sum();
+        assert_eq!(q.protected[band].queued, queued, "band {band}");
+    }
     assert_eq!((q.queued, q.in_flight), (queued, in_flight));
     assert_eq!(*q.queued_by_band, by_band);
     let occupied = q
@@ -1333,4 +1355,300 @@ fn a_flow_reports_the_mean_cost_of_its_requests() {
     assert_eq!(flows[0].mean_cost, 200, "granted and queued alike");
     assert_eq!(flows[1].mean_cost, 1, "a cost of 0 counts as 1");
     q.release(holder);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Headroom: isolation without caps.
+
+const HEADROOM: Headroom = Headroom {
+    window: Duration::from_secs(10),
+    sigmas: 3.0,
+};
+
+/// A queue with headroom whose steady flows have held `in_flight` slots for six windows, so
+/// their means have converged on it.
+fn steady(limit: u32, flows: &[(&str, FlowClass, u32)]) -> (FairQueue<u32>, Instant) {
+    let start = Instant::now();
+    let mut q = FairQueue::with_headroom(limit, HEADROOM);
+    q.advance(start);
+    let mut keys = Vec::new();
+    for &(tenant, class, in_flight) in flows {
+        for _ in 0..in_flight {
+            keys.push((tenant, class, granted(q.submit(tenant, class, 1, 0))));
+        }
+    }
+    let now = start + HEADROOM.window * 6;
+    q.advance(now);
+    // One request finishes and one starts per flow: flows are classified at their events, and
+    // these are the first since each flow's start, when it was still bursting.
+    for &(tenant, class, _) in flows.iter().filter(|flow| flow.2 > 0) {
+        let &(_, _, key) = keys.iter().find(|k| k.0 == tenant).expect("granted above");
+        q.release(key);
+        granted(q.submit(tenant, class, 1, 0));
+    }
+    (q, now)
+}
+
+/// Submits `n` requests of `tenant` and counts the ones granted at once.
+fn grants(q: &mut FairQueue<u32>, tenant: &str, class: FlowClass, n: u32) -> u32 {
+    (0..n)
+        .filter(|_| matches!(q.submit(tenant, class, 1, 0), Submit::Granted(_)))
+        .count() as u32
+}
+
+#[test]
+fn a_burst_takes_its_fair_share_and_what_the_steady_flows_will_not_need() {
+    struct Case {
+        what: &'static str,
+        limit: u32,
+        steady: Vec<(&'static str, FlowClass, u32)>,
+        burst: FlowClass,
+        /// The burst's requests granted at once, of 200.
+        granted: u32,
+        /// Held for the steady flows afterwards, and slots lent beyond fair shares.
+        held: u32,
+        lent: u32,
+    }
+    let cases = [
+        Case {
+            // Seed 000: A (weight 2) and C (2) hold 18 and 9 of 64; B (1) bursts. B's fair share
+            // is 64 / 5 = 12.8 slots; the steady flows are expected to need
+            // ceil(27 + 3 √27) = 43, 16 more than they hold, so B may fill 64 - 27 - 16 = 21.
+            what: "seed 000",
+            limit: 64,
+            steady: vec![("a", class(2), 18), ("c", class(2), 9)],
+            burst: class(1),
+            granted: 21,
+            held: 16,
+            lent: 21 - 12,
+        },
+        Case {
+            what: "alone: the whole budget",
+            limit: 64,
+            steady: vec![],
+            burst: class(1),
+            granted: 64,
+            held: 0,
+            lent: 0,
+        },
+        Case {
+            // Within its fair share a flow is never held back: 2 / 3 of 30 is 20.
+            what: "fair share first",
+            limit: 30,
+            steady: vec![("a", class(1), 10)],
+            burst: class(2),
+            granted: 20,
+            held: 0,
+            lent: 0,
+        },
+        Case {
+            // A steady flow beyond its own fair share is not protected: nothing is held for it.
+            what: "steady beyond its share",
+            limit: 32,
+            steady: vec![("a", class(1), 24)],
+            burst: class(1),
+            granted: 8,
+            held: 0,
+            lent: 0,
+        },
+        Case {
+            // A higher band may take what the lower band's steady flows would need.
+            what: "band 0 over band 1",
+            limit: 64,
+            steady: vec![("a", banded(2, 1), 18), ("c", banded(2, 1), 9)],
+            burst: banded(1, 0),
+            granted: 64 - 27,
+            held: 0,
+            lent: 64 - 27 - 12,
+        },
+        Case {
+            // ... and the lower band is held back for the higher band's.
+            what: "band 1 under band 0",
+            limit: 64,
+            steady: vec![("a", banded(2, 0), 18), ("c", banded(2, 0), 9)],
+            burst: banded(1, 1),
+            granted: 21,
+            held: 16,
+            lent: 21 - 12,
+        },
+        Case {
+            // A reservation is a promise: 40 slots whatever the headroom.
+            what: "reservation",
+            limit: 64,
+            steady: vec![("a", class(2), 18), ("c", class(2), 6)],
+            burst: reserved(1, 40),
+            granted: 40,
+            held: 0,
+            lent: 0,
+        },
+    ];
+    for case in cases {
+        let (mut q, _) = steady(case.limit, &case.steady);
+        let got = grants(&mut q, "b", case.burst, 200);
+        check_structure(&q);
+        assert_eq!(
+            (got, q.held(), q.lent()),
+            (case.granted, case.held, case.lent),
+            "{}: granted, held, lent",
+            case.what
+        );
+        // The steady flows' next requests go at once, up to what was held.
+        for &(tenant, class, _) in &case.steady {
+            if case.held > 0 {
+                granted(q.submit(tenant, class, 1, 0));
+            }
+        }
+        check_structure(&q);
+    }
+}
+
+#[test]
+fn without_headroom_a_burst_takes_every_free_slot() {
+    let mut q = FairQueue::new(64);
+    for _ in 0..27 {
+        granted(q.submit("a", class(2), 1, 0u32));
+    }
+    assert_eq!(grants(&mut q, "b", class(1), 200), 64 - 27);
+    queued(q.submit("a", class(2), 1, 0));
+}
+
+#[test]
+fn held_slots_go_to_the_steady_flow_and_decay_when_it_goes_quiet() {
+    let (mut q, now) = steady(64, &[("a", class(2), 27)]);
+    // B (weight 1): fair share 64 / 3 = 21.3; A needs ceil(27 + 3 √27) - 27 = 16 more.
+    let b = class(1);
+    let b_grants = grants(&mut q, "b", b, 30);
+    assert_eq!((b_grants, q.held()), (64 - 27 - 16, 16));
+    // B's requests wait beside the free slots; A's go first, at once.
+    assert_eq!(q.queued(), 30 - b_grants);
+    // Up to its fair share, 2 / 3 of 64: one slot stays free, B's requests still wait.
+    for _ in 0..15 {
+        granted(q.submit("a", class(2), 1, 0));
+    }
+    assert_eq!((q.in_flight(), q.dispatch_next().map(|_| ())), (63, None));
+
+    // A finishes everything and sends nothing more: after a few windows its mean has
+    // decayed and B takes every free slot.
+    let a_key = q.by_name.get("a").map(|&index| q.flow_key(index)).unwrap();
+    for _ in 0..(27 + 15) {
+        q.release(a_key);
+    }
+    q.advance(now + HEADROOM.window * 8);
+    let mut dispatched = 0;
+    while q.dispatch_next().is_some() {
+        dispatched += 1;
+    }
+    assert_eq!(dispatched, 30 - b_grants);
+    assert_eq!(grants(&mut q, "b", b, 100), 64 - 30);
+    assert_eq!(q.held(), 0);
+    check_structure(&q);
+}
+
+#[test]
+fn with_headroom_backlogged_shares_still_follow_weights() {
+    let (mut q, now) = steady(32, &[]);
+    let mut served = [0u32; 2];
+    let classes = [("a", class(2)), ("b", class(1))];
+    let mut held: VecDeque<(usize, FlowKey)> = VecDeque::new();
+    for (i, (tenant, class)) in classes.iter().enumerate() {
+        for _ in 0..40 {
+            if let Submit::Granted(key) = q.submit(tenant, *class, 1, i as u32) {
+                held.push_back((i, key));
+            }
+        }
+    }
+    for step in 0..3_000u32 {
+        q.advance(now + Duration::from_millis(u64::from(step) * 10));
+        let (_, key) = held.pop_front().expect("slots in flight");
+        q.release(key);
+        while let Some((key, tenant)) = q.dispatch_next() {
+            let tenant = tenant as usize;
+            served[tenant] += 1;
+            held.push_back((tenant, key));
+            // Keep both backlogged.
+            let (name, class) = classes[tenant];
+            queued(q.submit(name, class, 1, tenant as u32));
+        }
+    }
+    check_structure(&q);
+    assert_shares(
+        "2:1 with headroom",
+        &[u64::from(served[0]), u64::from(served[1])],
+        &[2, 1],
+    );
+    assert_eq!(q.held(), 0, "backlogged flows leave nothing free");
+}
+
+/// Random operations with headroom on and time passing: the structure stays consistent (sums,
+/// keys, lent slots), nothing is granted at or above the limit, every payload comes back
+/// exactly once, and when the queue settles with slots free, what waits is held back.
+#[test]
+fn random_operations_with_headroom_keep_the_invariants() {
+    for seed in 0..20u64 {
+        let mut rng = Lcg(seed);
+        let start = Instant::now();
+        let mut clock = start;
+        let mut q: FairQueue<u64> = FairQueue::with_headroom(1 + rng.below(40) as u32, HEADROOM);
+        q.advance(clock);
+        let mut held: Vec<FlowKey> = Vec::new();
+        let mut waiting: Vec<(EntryKey, u64)> = Vec::new();
+        let mut returned = BTreeSet::new();
+        let mut submitted = 0;
+        for id in 0..3_000u64 {
+            let roll = rng.below(100);
+            let before = q.in_flight().max(q.limit());
+            if roll < 45 {
+                let tenant = TENANTS[rng.below(TENANTS.len() as u64) as usize];
+                let class = random_class(&mut rng);
+                submitted += 1;
+                match q.submit(tenant, class, 1 + rng.below(3), id) {
+                    Submit::Granted(key) => {
+                        returned.insert(id);
+                        held.push(key);
+                    }
+                    Submit::Queued(entry) => waiting.push((entry, id)),
+                    Submit::Full(payload) => assert!(returned.insert(payload)),
+                }
+            } else if roll < 80 && !held.is_empty() {
+                let key = held.swap_remove(rng.below(held.len() as u64) as usize);
+                q.release(key);
+            } else if roll < 88 && !waiting.is_empty() {
+                let (entry, id) = waiting.swap_remove(rng.below(waiting.len() as u64) as usize);
+                if let Some(payload) = q.cancel(entry) {
+                    assert_eq!(payload, id);
+                    assert!(returned.insert(payload));
+                }
+            } else if roll < 94 {
+                clock += Duration::from_millis(rng.below(4_000));
+                q.advance(clock);
+            } else {
+                q.set_limit(rng.below(40) as u32);
+            }
+            while let Some((key, payload)) = q.dispatch_next() {
+                assert!(
+                    returned.insert(payload),
+                    "payload {payload} handed back twice"
+                );
+                waiting.retain(|&(_, id)| id != payload);
+                held.push(key);
+            }
+            assert!(
+                q.in_flight() <= before.max(q.limit()),
+                "seed {seed}: {} in flight, limit {}",
+                q.in_flight(),
+                q.limit()
+            );
+            if q.in_flight() < q.limit && q.queued() > 0 {
+                let first = q.order.first().expect("something waits").flow;
+                assert!(
+                    q.held_back(first),
+                    "seed {seed}: a free slot and a runnable head"
+                );
+            }
+            check_structure(&q);
+        }
+        // Every submitted payload came back once or still waits, and the queue agrees.
+        assert_eq!(returned.len() + waiting.len(), submitted);
+        assert_eq!(q.queued() as usize, waiting.len());
+    }
 }
