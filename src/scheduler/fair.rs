@@ -64,14 +64,16 @@
 //! learned, not set: each flow keeps an exponentially weighted mean of its slots in flight
 //! (time constant `Headroom::window`: arrival rate × hold time, Little's law), and the protected
 //! flows together are expected to use up to `M + sigmas × √M` slots, `M` the sum of their means
-//! (a Poisson-like count's spread). What they hold now is subtracted; the rest is held free. A
+//! (a Poisson-like count's spread). What they hold or have queued is subtracted; the rest is
+//! held free. A
 //! flow is protected when, as of its last event, it is within its fair share and not itself
 //! bursting (not above its own mean's `M + sigmas × √M`): a burst's slots, even within its fair
 //! share, must not offset what the steady flows are about to need.
 //!
 //! - **Work-conserving otherwise.** A lone tenant, or tenants all above their fair share, or
 //!   protected tenants holding their usual load, leave nothing held but the spread, and a flow
-//!   within its fair share is never held back. Held slots go to a protected flow at once.
+//!   whose next slot stays within its fair share is never held back (a protected flow about to
+//!   go beyond its own is held back like any other). Held slots go to a protected flow at once.
 //! - **Bands.** A flow is held back only by the protected flows of its own band and the bands
 //!   above it: a higher band may take what a lower band's steady tenants would need.
 //! - **Reservations.** A flow below its reservation is never held back.
@@ -88,7 +90,8 @@
 //! controller's cuts, and seed 001's sweep lost up to 9 % of its goodput to it.)
 //!
 //! It needs the time: `advance(now)` moves the clock the means decay with (the async facade
-//! calls it before every operation). With `Headroom` unset nothing is held and no clock is read.
+//! calls it before every operation). With `Headroom` unset nothing is held and the clock is
+//! ignored.
 //!
 //! # Cost
 //!
@@ -129,8 +132,10 @@
 //! surgery in a slab of entries (an intrusive doubly linked list per flow, so a cancel from the
 //! middle of a queue is O(1)), and at most one remove and one insert in a `BTreeSet` holding
 //! each backlogged flow's head (and, on a fleet member, when a tenant's flow appears, one
-//! SHA-256 of its name: the key the fleet knows it by). Nothing on a request's path scans queues or tenants; `flows` and
-//! `set_shares`, the fleet's, are O(F) a few times a second. Memory is O(peak queued + peak
+//! SHA-256 of its name: the key the fleet knows it by). The headroom adds O(1) per change of a
+//! flow (its terms leave and rejoin its band's sums) and a second `BTreeSet`, of backlogged
+//! flows by slots per weight, updated with the first. Nothing on a request's path scans queues
+//! or tenants; `flows` and `set_shares`, the fleet's, are O(F) a few times a second. Memory is O(peak queued + peak
 //! flows): slab slots are reused, not returned.
 //!
 //! Handles (`FlowKey`, `EntryKey`) carry a generation, so a handle whose slot was reused is a
