@@ -172,6 +172,10 @@ impl Scheduler {
                     let _ = state.fair.cancel(entry);
                     return Admit::BytesFull;
                 }
+                // With headroom a request joining the queue can make another runnable (a
+                // protected flow's queued request is need already here); its permit, if any,
+                // arrives through its channel.
+                self.dispatch(state);
                 Admit::Queued(Ticket {
                     scheduler: self.clone(),
                     entry,

@@ -133,8 +133,9 @@
 //! middle of a queue is O(1)), and at most one remove and one insert in a `BTreeSet` holding
 //! each backlogged flow's head (and, on a fleet member, when a tenant's flow appears, one
 //! SHA-256 of its name: the key the fleet knows it by). The headroom adds O(1) per change of a
-//! flow (its terms leave and rejoin its band's sums) and a second `BTreeSet`, of backlogged
-//! flows by slots per weight, updated with the first. Nothing on a request's path scans queues
+//! flow (its terms leave and rejoin its band's sums), O(bands in use) per check (the sums of
+//! its band and those above), and a second `BTreeSet`, of backlogged flows by slots per weight,
+//! updated with the first. Nothing on a request's path scans queues
 //! or tenants; `flows` and `set_shares`, the fleet's, are O(F) a few times a second. Memory is O(peak queued + peak
 //! flows): slab slots are reused, not returned.
 //!
@@ -620,9 +621,10 @@ impl<T> FairQueue<T> {
     /// the fair order (1 per request, or its estimated tokens); `class` is the tenant's newest
     /// class and applies to its whole flow.
     ///
-    /// `Granted` iff a slot is free and nothing waits anywhere. A `Queued` answer while slots
-    /// are free means the caller still owes `dispatch_next` calls after a `release` or
-    /// `set_limit`.
+    /// `Granted` iff a slot is free and nothing waits anywhere (with headroom: nothing that may
+    /// take it, and the flow itself is not held back). A `Queued` answer while slots are free
+    /// means the caller owes `dispatch_next` calls: a queued request can change who is held
+    /// back.
     pub fn submit(&mut self, tenant: &str, class: FlowClass, cost: u64, payload: T) -> Submit<T> {
         let existing = self.by_name.get(tenant).copied();
         if let Some(index) = existing {
@@ -707,7 +709,8 @@ impl<T> FairQueue<T> {
             return false;
         };
         let flow = self.flow(index);
-        if flow.lane() == Lane::Reserved || !self.would_lend(flow) {
+        // Nothing in flight: no release will come to dispatch what waits, so hold nothing.
+        if self.in_flight == 0 || flow.lane() == Lane::Reserved || !self.would_lend(flow) {
             return false;
         }
         // One test for every flow of a band (a protected flow about to lend is held back by its
@@ -719,10 +722,12 @@ impl<T> FairQueue<T> {
     }
 
     /// Whether one more slot would put the flow beyond its fair share: its weight's share of the
-    /// limit among the flows present.
+    /// limit among the flows present. A flow's first slot never is, so that with more tenants
+    /// than slots each still gets one.
     fn would_lend(&self, flow: &Flow) -> bool {
-        u128::from(flow.in_flight + 1) * u128::from(self.live_weight)
-            > u128::from(self.limit) * u128::from(flow.counted_weight)
+        flow.in_flight > 0
+            && u128::from(flow.in_flight + 1) * u128::from(self.live_weight)
+                > u128::from(self.limit) * u128::from(flow.counted_weight)
     }
 
     /// Whether the flow holds no more than its fair share.
@@ -786,7 +791,8 @@ impl<T> FairQueue<T> {
         let flow = self.flow(index);
         // A flow far above its own recent mean is bursting, not steady: counted, its surge
         // would offset what the steady ones are expected to need.
-        let bursting = expected_need(flow.mean, 0, headroom) < flow.in_flight;
+        // At least one slot: a tenant back after a pause starts its record at a mean of 0.
+        let bursting = expected_need(flow.mean, 0, headroom).max(1) < flow.in_flight;
         if bursting || !self.within_share(flow) {
             return;
         }

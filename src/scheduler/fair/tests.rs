@@ -1652,3 +1652,32 @@ fn random_operations_with_headroom_keep_the_invariants() {
         assert_eq!(q.queued() as usize, waiting.len());
     }
 }
+
+#[test]
+fn with_more_tenants_than_slots_the_budget_never_idles_while_requests_wait() {
+    // One slot, three tenants: each one's fair share is a third of a slot. When the only
+    // request in flight finishes, nothing else would ever release one, so nothing is held.
+    let (mut q, now) = steady(1, &[]);
+    let a = granted(q.submit("a", class(1), 1, 0));
+    queued(q.submit("b", class(1), 1, 1));
+    queued(q.submit("c", class(1), 1, 2));
+    q.advance(now + HEADROOM.window);
+    q.release(a);
+    assert_eq!(q.dispatch_next().map(|(_, id)| id), Some(1));
+    check_structure(&q);
+    // Fifty steady tenants on fifty slots, ten more waiting: each fair share is 5/6 of a slot,
+    // yet a newcomer's first slot is not lent, so a slot that frees goes to one at once.
+    let names: Vec<String> = (0..60).map(|i| format!("t{i}")).collect();
+    let steady_flows: Vec<(&str, FlowClass, u32)> = names[..50]
+        .iter()
+        .map(|n| (n.as_str(), class(1), 1))
+        .collect();
+    let (mut q, _) = steady(50, &steady_flows);
+    for name in &names[50..] {
+        queued(q.submit(name, class(1), 1, 7));
+    }
+    let t0 = q.by_name.get("t0").map(|&index| q.flow_key(index)).unwrap();
+    q.release(t0);
+    assert_eq!(q.dispatch_next().map(|(_, id)| id), Some(7));
+    check_structure(&q);
+}
