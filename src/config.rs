@@ -328,8 +328,8 @@ pub struct SchedulerConfig {
 /// stay free than the tenants within theirs are expected to need: their recent mean in flight
 /// (arrival rate × hold time) plus `margin_sigmas` × its square root. Learned, decays when they
 /// go quiet, nothing per tenant to set (`scheduler::fair`, "Headroom"). Off by default for now:
-/// in the lab it cuts seed 000's steady tenants' p99 from 7.4x to about 1.4x their baseline, but
-/// costs the noisy-neighbour sweep 2-9 % of its goodput (docs/lab.md, "Isolation without caps").
+/// it protects seed 000's steady tenants in most lab runs, not all, nor in the variants, and
+/// costs seed 001's sweep some goodput (docs/lab.md, "Isolation without caps").
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HeadroomConfig {
