@@ -9,11 +9,17 @@
 //!
 //! ```text
 //! cargo run --release --example bench_tokens -- [--json] [--write-corpus PATH]
+//!     [--tokenizer NAME=DIR ...] [--models-only]
 //! ```
 //!
 //! * `--json`: print one JSON document (for `scripts/bench_tokens.py`) instead of the tables.
 //! * `--write-corpus PATH`: also write the corpus, byte for byte, to PATH, so another
 //!   implementation can count the identical text.
+//! * `--tokenizer NAME=DIR`: also time a model's own tokenizer (`DIR/tokenizer.json`, as a
+//!   `tokens.encodings[].tokenizer_file` rule loads it) on the corpus and the adversarial bodies
+//!   (`models` and `model_adversarial` in the JSON). `scripts/bench-model-tokens.sh` runs it
+//!   next to Hugging Face `tokenizers` (Python) on the same text.
+//! * `--models-only`: skip the built-in encodings and tiktoken-rs.
 //!
 //! The corpus is about 1 MiB of English prose, Rust and Python code, JSON request bodies, CJK
 //! text and emoji (ZWJ sequences, flags, skin tones), interleaved in chunks like mixed traffic,
@@ -31,7 +37,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tollgate::tokens::Encoding;
+use tollgate::tokens::{Encoding, ModelVocabulary};
 
 /// Size the corpus grows to; chunks are whole, so it ends slightly above.
 const CORPUS_TARGET_BYTES: usize = 1 << 20;
@@ -52,12 +58,17 @@ const ENCODINGS: [(Encoding, &str); 2] = [
 struct Args {
     json: bool,
     write_corpus: Option<String>,
+    /// (name, directory holding tokenizer.json)
+    tokenizers: Vec<(String, String)>,
+    models_only: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         json: false,
         write_corpus: None,
+        tokenizers: Vec::new(),
+        models_only: false,
     };
     let mut given = std::env::args().skip(1);
     while let Some(arg) = given.next() {
@@ -66,8 +77,17 @@ fn parse_args() -> Result<Args, String> {
             "--write-corpus" => {
                 args.write_corpus = Some(given.next().ok_or("--write-corpus needs a PATH")?);
             }
+            "--tokenizer" => {
+                let value = given.next().ok_or("--tokenizer needs NAME=DIR")?;
+                let (name, dir) = value
+                    .split_once('=')
+                    .ok_or_else(|| format!("--tokenizer {value:?}: expected NAME=DIR"))?;
+                args.tokenizers.push((name.to_owned(), dir.to_owned()));
+            }
+            "--models-only" => args.models_only = true,
             "-h" | "--help" => {
-                return Err("usage: bench_tokens [--json] [--write-corpus PATH]\n\
+                return Err("usage: bench_tokens [--json] [--write-corpus PATH] \
+                     [--tokenizer NAME=DIR ...] [--models-only]\n\
                      Token-counting throughput: tollgate::tokens (bpe-openai) vs tiktoken-rs."
                     .to_owned());
             }
@@ -100,13 +120,15 @@ fn run(args: &Args) -> Result<(), String> {
         std::fs::write(path, corpus.text.as_bytes())
             .map_err(|error| format!("cannot write the corpus to {path}: {error}"))?;
     }
+    let (models, model_adversarial) = measure_models(&args.tokenizers, &corpus.text)?;
+    let encodings: &[(Encoding, &str)] = if args.models_only { &[] } else { &ENCODINGS };
     let references = [
         tiktoken_rs::cl100k_base().map_err(|error| format!("tiktoken-rs cl100k: {error}"))?,
         tiktoken_rs::o200k_base().map_err(|error| format!("tiktoken-rs o200k: {error}"))?,
     ];
 
     let mut throughput = Vec::new();
-    for ((encoding, name), reference) in ENCODINGS.into_iter().zip(&references) {
+    for (&(encoding, name), reference) in encodings.iter().zip(&references) {
         encoding.warm_up();
         let (tokens, seconds) = best_time(THROUGHPUT_RUNS, || encoding.count(&corpus.text));
         // The crate's own `Tokenizer::count`, which tollgate::tokens replaces on the request
@@ -114,6 +136,7 @@ fn run(args: &Args) -> Result<(), String> {
         let crate_tokenizer = match encoding {
             Encoding::Cl100kBase => bpe_openai::cl100k_base(),
             Encoding::O200kBase => bpe_openai::o200k_base(),
+            Encoding::Model(_) => unreachable!("ENCODINGS holds the built-in ones"),
         };
         let (crate_tokens, crate_seconds) = best_time(THROUGHPUT_RUNS, || {
             crate_tokenizer.count(corpus.text.as_str())
@@ -145,7 +168,7 @@ fn run(args: &Args) -> Result<(), String> {
 
     let mut adversarial = Vec::new();
     for (input, body) in adversarial_bodies() {
-        for ((encoding, name), reference) in ENCODINGS.into_iter().zip(&references) {
+        for (&(encoding, name), reference) in encodings.iter().zip(&references) {
             let (limited, limited_seconds) = best_time(ADVERSARIAL_RUNS, || {
                 encoding.count_till_limit(&body, ADVERSARIAL_LIMIT)
             });
@@ -187,6 +210,8 @@ fn run(args: &Args) -> Result<(), String> {
         },
         "throughput": throughput,
         "adversarial": adversarial,
+        "models": models,
+        "model_adversarial": model_adversarial,
     });
     if args.json {
         println!(
@@ -197,6 +222,58 @@ fn run(args: &Args) -> Result<(), String> {
         print_tables(&report);
     }
     Ok(())
+}
+
+/// Times each model's own tokenizer on the corpus (throughput) and on the adversarial bodies
+/// (`count_till_limit` at the prompt budget, and a full count).
+fn measure_models(tokenizers: &[(String, String)], corpus: &str) -> Result<(Value, Value), String> {
+    let mut throughput = Vec::new();
+    let mut adversarial = Vec::new();
+    let bodies = adversarial_bodies();
+    for (name, dir) in tokenizers {
+        let path = std::path::Path::new(dir).join("tokenizer.json");
+        let text = std::fs::read_to_string(&path)
+            .map_err(|error| format!("cannot read {}: {error}", path.display()))?;
+        let (vocabulary, load_seconds) = best_time(1, || {
+            ModelVocabulary::from_json(&path.display().to_string(), &text, None)
+        });
+        let vocabulary: &'static ModelVocabulary = Box::leak(Box::new(
+            vocabulary.map_err(|error| format!("{}: {error}", path.display()))?,
+        ));
+        let encoding = Encoding::Model(vocabulary);
+        encoding.warm_up();
+        let (tokens, seconds) = best_time(THROUGHPUT_RUNS, || encoding.count(corpus));
+        throughput.push(json!({
+            "model": name,
+            "bytes": corpus.len(),
+            "tokens": tokens,
+            "seconds": seconds,
+            "load_seconds": load_seconds,
+            "mb_per_s": corpus.len() as f64 / 1e6 / seconds,
+        }));
+        for (input, body) in &bodies {
+            let (limited, limited_seconds) = best_time(ADVERSARIAL_RUNS, || {
+                encoding.count_till_limit(body, ADVERSARIAL_LIMIT)
+            });
+            let (tokens, count_seconds) = best_time(ADVERSARIAL_RUNS, || encoding.count(body));
+            if limited != (tokens <= ADVERSARIAL_LIMIT).then_some(tokens) {
+                return Err(format!(
+                    "{name} on {input}: count_till_limit gave {limited:?}, count {tokens}"
+                ));
+            }
+            adversarial.push(json!({
+                "model": name,
+                "input": input,
+                "bytes": body.len(),
+                "tokens": tokens,
+                "limit": ADVERSARIAL_LIMIT,
+                "count_till_limit": limited,
+                "count_till_limit_ms": limited_seconds * 1e3,
+                "count_ms": count_seconds * 1e3,
+            }));
+        }
+    }
+    Ok((Value::from(throughput), Value::from(adversarial)))
 }
 
 fn print_tables(report: &Value) {
@@ -238,6 +315,25 @@ fn print_tables(report: &Value) {
                 .unwrap_or_default(),
             row["tollgate_count_ms"].as_f64().unwrap_or_default(),
             row["tiktoken_rs_ms"].as_f64().unwrap_or_default(),
+        );
+    }
+    for row in report["models"].as_array().into_iter().flatten() {
+        println!(
+            "model {:<14} {:>9} tokens {:>9.1} MB/s (loaded in {:.2} s)",
+            row["model"].as_str().unwrap_or_default(),
+            row["tokens"],
+            row["mb_per_s"].as_f64().unwrap_or_default(),
+            row["load_seconds"].as_f64().unwrap_or_default(),
+        );
+    }
+    for row in report["model_adversarial"].as_array().into_iter().flatten() {
+        println!(
+            "model {:<14} {:<14} {:>8} tokens, till_limit(16k) {:>7.1} ms, count {:>7.1} ms",
+            row["model"].as_str().unwrap_or_default(),
+            row["input"].as_str().unwrap_or_default(),
+            row["tokens"],
+            row["count_till_limit_ms"].as_f64().unwrap_or_default(),
+            row["count_ms"].as_f64().unwrap_or_default(),
         );
     }
 }

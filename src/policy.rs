@@ -19,7 +19,7 @@ use crate::config::{
 use crate::observe::MetricLabels;
 use crate::reply::Reason;
 use crate::scheduler::Headroom;
-use crate::tokens::{Encoding, EncodingRule};
+use crate::tokens::{Encoding, EncodingRule, ModelRule, ModelVocabulary};
 
 /// Index of a tier in `Policy::tiers`; also the index of its pre-created metric series.
 pub type TierId = usize;
@@ -93,12 +93,125 @@ pub struct ApiKeyOwner {
 
 #[derive(Clone, Debug)]
 pub struct CountingPolicy {
-    pub encodings: Vec<EncodingRule>,
+    pub encodings: Vec<ModelRule>,
+    /// The models' own tokenizers the rules loaded, for the start-up log and `check-config`.
+    pub tokenizers: Vec<LoadedTokenizer>,
     pub per_message: u32,
     pub per_name: u32,
     pub reply_priming: u32,
     pub per_image: u32,
     pub max_body_bytes: usize,
+}
+
+/// A model's own tokenizer, as loaded.
+#[derive(Clone, Debug)]
+pub struct LoadedTokenizer {
+    pub pattern: String,
+    pub vocabulary: &'static ModelVocabulary,
+    /// How much the process's resident memory grew while it was built (0 when the same files
+    /// were loaded before and it was reused); `None` where that cannot be read.
+    pub resident_bytes: Option<u64>,
+}
+
+impl std::fmt::Display for LoadedTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "tokens.encodings {:?}: {} ({} BPE entries{}), ",
+            self.pattern,
+            self.vocabulary.source(),
+            self.vocabulary.vocabulary_size(),
+            if self.vocabulary.template().is_some() {
+                ", with its chat template"
+            } else {
+                ""
+            }
+        )?;
+        match self.resident_bytes {
+            Some(0) => write!(f, "shared with an identical rule loaded before"),
+            Some(bytes) => write!(f, "{:.1} MiB resident", bytes as f64 / (1 << 20) as f64),
+            None => write!(f, "memory not measured (no /proc/self/statm)"),
+        }
+    }
+}
+
+/// A rule's encoding: the one it names, or the model's tokenizer built from its files (read
+/// here, the one place a configuration is judged; built once per distinct contents). An error
+/// starts with the field it is about (`.tokenizer_file: ...`).
+fn resolve_encoding(rule: &EncodingRule) -> Result<(Encoding, Option<LoadedTokenizer>), String> {
+    let path = match (&rule.encoding, &rule.tokenizer_file) {
+        (Some(encoding), None) => {
+            if rule.chat_template_file.is_some() {
+                return Err(
+                    ".chat_template_file: only with tokenizer_file (OpenAI's encodings \
+                            are framed by tokens.per_message and friends)"
+                        .to_owned(),
+                );
+            }
+            return Ok((*encoding, None));
+        }
+        (None, Some(path)) => path,
+        (Some(_), Some(_)) => {
+            return Err(": name either encoding or tokenizer_file, not both".to_owned());
+        }
+        (None, None) => return Err(": name an encoding or a tokenizer_file".to_owned()),
+    };
+    let read = |field: &str, path: &std::path::Path| {
+        std::fs::read_to_string(path)
+            .map_err(|e| format!(".{field}: cannot read {}: {e}", path.display()))
+    };
+    let tokenizer = read("tokenizer_file", path)?;
+    let template = match &rule.chat_template_file {
+        Some(template_path) => Some((template_path, read("chat_template_file", template_path)?)),
+        None => None,
+    };
+    let mut digest = Sha256::new();
+    digest.update(tokenizer.len().to_le_bytes());
+    digest.update(&tokenizer);
+    if let Some((_, text)) = &template {
+        digest.update(text);
+    }
+    let before = resident_bytes();
+    let mut built = false;
+    let vocabulary = crate::tokens::intern(digest.finalize().into(), || {
+        built = true;
+        ModelVocabulary::from_json(
+            &path.display().to_string(),
+            &tokenizer,
+            template.as_ref().map(|(_, text)| text.as_str()),
+        )
+    })
+    .map_err(
+        |problem| match (&template, problem.starts_with("chat_template")) {
+            (Some((template_path, _)), true) => {
+                format!(
+                    ".chat_template_file: {}: {problem}",
+                    template_path.display()
+                )
+            }
+            _ => format!(".tokenizer_file: {}: {problem}", path.display()),
+        },
+    )?;
+    let grew = match (before, resident_bytes()) {
+        (Some(before), Some(after)) if built => Some(after.saturating_sub(before)),
+        (Some(_), Some(_)) => Some(0),
+        _ => None,
+    };
+    Ok((
+        Encoding::Model(vocabulary),
+        Some(LoadedTokenizer {
+            pattern: rule.pattern.clone(),
+            vocabulary,
+            resident_bytes: grew,
+        }),
+    ))
+}
+
+/// The process's resident memory, from `/proc/self/statm` (Linux); `None` elsewhere.
+fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
 }
 
 /// How much longer than a queued request's deadline tollgate asks Envoy to wait, so tollgate's
@@ -249,9 +362,21 @@ impl Policy {
                 ));
             }
         }
+        let mut encodings = Vec::with_capacity(config.tokens.encodings.len());
+        let mut tokenizers = Vec::new();
         for (i, rule) in config.tokens.encodings.iter().enumerate() {
             if rule.pattern.is_empty() {
                 problems.push(format!("tokens.encodings[{i}].pattern: must not be empty"));
+            }
+            match resolve_encoding(rule) {
+                Ok((encoding, loaded)) => {
+                    encodings.push(ModelRule {
+                        pattern: rule.pattern.clone(),
+                        encoding,
+                    });
+                    tokenizers.extend(loaded);
+                }
+                Err(problem) => problems.push(format!("tokens.encodings[{i}]{problem}")),
             }
         }
         if config.tokens.max_body_bytes == 0 {
@@ -323,7 +448,8 @@ impl Policy {
             inference_paths: config.routes.inference_paths.clone(),
             completions_suffix: config.routes.completions_suffix.clone(),
             counting: CountingPolicy {
-                encodings: config.tokens.encodings.clone(),
+                encodings,
+                tokenizers,
                 per_message: config.tokens.per_message,
                 per_name: config.tokens.per_name,
                 reply_priming: config.tokens.reply_priming,

@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 
 use crate::policy::{Policy, TierId};
 use crate::reply::{LocalReply, Reason};
-use crate::tokens::Encoding;
+use crate::tokens::{ChatTemplate, Encoding};
 
 /// One request header as Envoy sent it. Names are lowercase (HTTP/2 and Envoy normalise them);
 /// values are bytes because Envoy sends `raw_value` and nothing guarantees UTF-8.
@@ -313,14 +313,18 @@ pub fn parse_body(
     };
     let max_output = max_output(&json)?;
 
-    let mut counter = Counter {
-        encoding,
-        remaining: input_ceiling as u64,
-        counted: 0,
-    };
-    let within = match api {
-        ApiKind::Chat => count_chat(policy, &json, &mut counter)?,
-        ApiKind::Completions => count_prompt(&json, &mut counter)?,
+    let mut counter = Counter::new(encoding, input_ceiling as u64);
+    let within = match (api, encoding.chat_template()) {
+        (ApiKind::Chat, Some(template)) => {
+            match count_templated_chat(policy, template, &json, &mut counter)? {
+                Some(within) => within,
+                // The template refused this conversation (as vLLM would): counted by the
+                // recipe instead, so the request is still judged on its size.
+                None => count_chat(policy, &json, &mut counter)?,
+            }
+        }
+        (ApiKind::Chat, None) => count_chat(policy, &json, &mut counter)?,
+        (ApiKind::Completions, _) => count_prompt(&json, &mut counter)?,
     };
     let input = if within {
         InputCount::Exact(counter.counted as u32)
@@ -386,10 +390,25 @@ struct Counter {
     encoding: Encoding,
     remaining: u64,
     counted: u64,
+    /// Walk the request only to check its shape, counting no text and never running out (a
+    /// templated chat checks the messages first, then counts what the template renders).
+    shape_only: bool,
 }
 
 impl Counter {
+    fn new(encoding: Encoding, allowance: u64) -> Counter {
+        Counter {
+            encoding,
+            remaining: allowance,
+            counted: 0,
+            shape_only: false,
+        }
+    }
+
     fn add_text(&mut self, text: &str) -> bool {
+        if self.shape_only {
+            return true;
+        }
         let limit = usize::try_from(self.remaining).unwrap_or(usize::MAX);
         match self.encoding.count_till_limit(text, limit) {
             Some(n) => self.add_fixed(n as u64),
@@ -398,6 +417,9 @@ impl Counter {
     }
 
     fn add_fixed(&mut self, n: u64) -> bool {
+        if self.shape_only {
+            return true;
+        }
         if n > self.remaining {
             return false;
         }
@@ -405,6 +427,56 @@ impl Counter {
         self.counted += n;
         true
     }
+}
+
+/// A chat as the model's own template renders it (vLLM counts the prompt that way): the
+/// messages' shape is checked as `count_chat` checks it, text parts are joined with newlines
+/// (as vLLM joins them for a template that takes string content), each image costs
+/// `tokens.per_image`, and the rendered prompt is counted with its added tokens. `Ok(None)` when
+/// the template refuses the conversation.
+fn count_templated_chat(
+    policy: &Policy,
+    template: &ChatTemplate,
+    json: &Map<String, Value>,
+    counter: &mut Counter,
+) -> Result<Option<bool>, LocalReply> {
+    let mut shape = Counter {
+        shape_only: true,
+        ..Counter::new(counter.encoding, u64::MAX)
+    };
+    count_chat(policy, json, &mut shape)?;
+    let Some(Value::Array(messages)) = json.get("messages") else {
+        unreachable!("count_chat refuses a chat without messages");
+    };
+    let mut images = 0u64;
+    let flattened: Vec<Value> = messages
+        .iter()
+        .map(|message| {
+            let mut message = message.clone();
+            if let Some(Value::Array(parts)) = message.get("content") {
+                let mut texts = Vec::new();
+                for part in parts {
+                    match part.get("type").and_then(Value::as_str) {
+                        Some("text") => texts.extend(part.get("text").and_then(Value::as_str)),
+                        Some("refusal") => {
+                            texts.extend(part.get("refusal").and_then(Value::as_str));
+                        }
+                        _ => images += 1,
+                    }
+                }
+                message["content"] = Value::String(texts.join("\n"));
+            }
+            message
+        })
+        .collect();
+    let tools = json.get("tools").filter(|tools| !tools.is_null());
+    let Ok(prompt) = template.render(&Value::Array(flattened), tools) else {
+        return Ok(None);
+    };
+    let per_image = u64::from(policy.counting.per_image);
+    Ok(Some(
+        counter.add_fixed(images * per_image) && counter.add_text(&prompt),
+    ))
 }
 
 /// OpenAI's chat counting recipe: framing per message, the text of every field that reaches

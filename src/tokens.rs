@@ -1,4 +1,6 @@
-//! Exact, linear-time token counting for OpenAI's BPE encodings.
+//! Exact, linear-time token counting for OpenAI's BPE encodings, and for the open models'
+//! own byte-level BPE tokenizers loaded from their `tokenizer.json` (`model`, with their chat
+//! templates in `template`).
 //!
 //! Admission decisions are only as fair as the token counts behind them, so the
 //! counts here must be the ones the upstream model bills. The invariant: for
@@ -40,10 +42,16 @@ use rustc_hash::FxHashSet;
 use serde::{Deserialize, Serialize};
 
 mod ascii;
+mod model;
+mod template;
 #[cfg(test)]
 mod tests;
 
-/// A BPE token encoding family.
+pub use model::{ModelVocabulary, intern};
+pub use template::ChatTemplate;
+
+/// A BPE token encoding: one of OpenAI's, named in the configuration, or a model's own, loaded
+/// from the files a rule names (`EncodingRule::tokenizer_file`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Encoding {
@@ -51,6 +59,10 @@ pub enum Encoding {
     Cl100kBase,
     /// GPT-4o, GPT-4.1, GPT-5 and the o-series.
     O200kBase,
+    /// A model's own tokenizer (Llama 3, Qwen, Mistral's Tekken, ...), loaded at start-up. Not a
+    /// configuration value: a rule names the file instead.
+    #[serde(skip)]
+    Model(&'static ModelVocabulary),
 }
 
 /// Model-name globs whose default encoding is o200k; anything else is cl100k.
@@ -95,8 +107,7 @@ impl Encoding {
     /// Counts tokens of `text` exactly as tiktoken's encode_ordinary would
     /// (special tokens are ordinary text).
     pub fn count(self, text: &str) -> usize {
-        self.counter()
-            .count_till_limit(text, usize::MAX)
+        self.count_till_limit(text, usize::MAX)
             .unwrap_or(usize::MAX)
     }
 
@@ -120,10 +131,21 @@ impl Encoding {
     /// every cl100k and o200k vocabulary entry's prefixes is 6; the boundary
     /// tests in `tokens/tests.rs` pin this down for the crate version in use.
     pub fn count_till_limit(self, text: &str, limit: usize) -> Option<usize> {
+        if let Encoding::Model(vocabulary) = self {
+            return vocabulary.count_till_limit(text, limit);
+        }
         if text.len().div_ceil(MAX_TOKEN_BYTES) > limit {
             return None;
         }
         self.counter().count_till_limit(text, limit)
+    }
+
+    /// The model's chat template, for a model's own tokenizer loaded with one.
+    pub fn chat_template(self) -> Option<&'static ChatTemplate> {
+        match self {
+            Encoding::Model(vocabulary) => vocabulary.template(),
+            Encoding::Cl100kBase | Encoding::O200kBase => None,
+        }
     }
 
     /// Forces the lazily built tables so the first request does not pay for
@@ -134,10 +156,15 @@ impl Encoding {
         std::hint::black_box(self.count(std::hint::black_box(WARM_UP_TEXT)));
     }
 
+    /// The built-in encodings' counters (a model's own counts by itself, in
+    /// `count_till_limit`, before this is reached).
     fn counter(self) -> &'static Counter {
         match self {
             Encoding::Cl100kBase => &CL100K,
             Encoding::O200kBase => &O200K,
+            Encoding::Model(vocabulary) => {
+                unreachable!("{vocabulary:?} counts by itself, not with a built-in counter")
+            }
         }
     }
 
@@ -147,6 +174,9 @@ impl Encoding {
         match self {
             Encoding::Cl100kBase => bpe_openai::cl100k_base(),
             Encoding::O200kBase => bpe_openai::o200k_base(),
+            Encoding::Model(vocabulary) => {
+                unreachable!("{vocabulary:?} is not built on bpe-openai")
+            }
         }
     }
 }
@@ -175,9 +205,9 @@ const O200K_PATTERNS: [&str; 3] = [
 const LOOKAHEAD_PATTERN: usize = 1;
 
 static CL100K: LazyLock<Counter> =
-    LazyLock::new(|| Counter::new(Encoding::Cl100kBase, &CL100K_PATTERNS));
+    LazyLock::new(|| Counter::new(Encoding::Cl100kBase, 0, &CL100K_PATTERNS));
 static O200K: LazyLock<Counter> =
-    LazyLock::new(|| Counter::new(Encoding::O200kBase, &O200K_PATTERNS));
+    LazyLock::new(|| Counter::new(Encoding::O200kBase, 1, &O200K_PATTERNS));
 
 thread_local! {
     /// One regex search cache per thread and encoding (indexed by the encoding): the lazy
@@ -190,16 +220,17 @@ thread_local! {
 /// encoder, except pieces that are a single vocabulary entry.
 struct Counter {
     tokenizer: &'static Tokenizer,
-    /// Which patterns `ascii` follows to cut ASCII text without the regex, and which of the
-    /// thread's search caches is this counter's.
+    /// Which patterns `ascii` follows to cut ASCII text without the regex.
     encoding: Encoding,
+    /// Which of the thread's search caches is this counter's.
+    cache_index: usize,
     splitter: Regex,
     /// Every vocabulary entry's bytes, borrowed from the `'static` tokenizer.
     whole_tokens: FxHashSet<&'static [u8]>,
 }
 
 impl Counter {
-    fn new(encoding: Encoding, patterns: &[&str]) -> Counter {
+    fn new(encoding: Encoding, cache_index: usize, patterns: &[&str]) -> Counter {
         let tokenizer = encoding.tokenizer();
         let bpe = &tokenizer.bpe;
         let whole_tokens = (0..bpe.num_tokens())
@@ -208,6 +239,7 @@ impl Counter {
         Counter {
             tokenizer,
             encoding,
+            cache_index,
             splitter: Regex::new_many(patterns).expect("the pre-tokenisation patterns compile"),
             whole_tokens,
         }
@@ -219,7 +251,7 @@ impl Counter {
         SEARCH_CACHES.with(|caches| {
             let mut caches = caches.borrow_mut();
             let cache =
-                caches[self.encoding as usize].get_or_insert_with(|| self.splitter.create_cache());
+                caches[self.cache_index].get_or_insert_with(|| self.splitter.create_cache());
             let mut total = 0usize;
             let mut at = 0;
             while at < text.len() {
@@ -245,49 +277,78 @@ impl Counter {
         let rest = &text[at..];
         match ascii::piece_len(self.encoding, rest.as_bytes()) {
             Some(len) => &rest.as_bytes()[..len],
-            None => self.regex_piece(cache, rest),
+            None => regex_piece(&self.splitter, cache, rest),
         }
-    }
-
-    /// The piece at the start of `rest`, found by the pre-tokenisation regex.
-    fn regex_piece<'t>(&self, cache: &mut Cache, rest: &'t str) -> &'t [u8] {
-        let found = self
-            .splitter
-            .search_with(cache, &Input::new(rest).anchored(Anchored::Yes));
-        // One of the patterns matches any non-empty text at its start (`\s+` takes white
-        // space, the first pattern everything else), so this is a safety net: count the rest
-        // as one piece rather than loop.
-        let Some(found) = found else {
-            return rest.as_bytes();
-        };
-        let mut end = found.end();
-        if found.pattern().as_usize() == LOOKAHEAD_PATTERN {
-            // `\s+\s` stands for `\s+(?!\S)`: give the last white-space character back.
-            let last = rest[..end].chars().next_back().map_or(0, char::len_utf8);
-            end -= last;
-        }
-        if end == 0 {
-            // Cannot happen for these patterns (the look-ahead one matches at least two
-            // characters); never return an empty piece, which would not advance.
-            end = rest.chars().next().map_or(rest.len(), char::len_utf8);
-        }
-        &rest.as_bytes()[..end]
     }
 }
 
+/// The piece at the start of `rest`, found by a pre-tokenisation regex built as
+/// `CL100K_PATTERNS` is: its second pattern stands for tiktoken's `\s+(?!\S)`.
+fn regex_piece<'t>(splitter: &Regex, cache: &mut Cache, rest: &'t str) -> &'t [u8] {
+    let found = splitter.search_with(cache, &Input::new(rest).anchored(Anchored::Yes));
+    // One of the patterns matches any non-empty text at its start (`\s+` takes white
+    // space, the first pattern everything else), so this is a safety net: count the rest
+    // as one piece rather than loop.
+    let Some(found) = found else {
+        return rest.as_bytes();
+    };
+    let mut end = found.end();
+    if found.pattern().as_usize() == LOOKAHEAD_PATTERN {
+        // `\s+\s` stands for `\s+(?!\S)`: give the last white-space character back.
+        let last = rest[..end].chars().next_back().map_or(0, char::len_utf8);
+        end -= last;
+    }
+    if end == 0 {
+        // Cannot happen for these patterns (the look-ahead one matches at least two
+        // characters); never return an empty piece, which would not advance.
+        end = rest.chars().next().map_or(rest.len(), char::len_utf8);
+    }
+    &rest.as_bytes()[..end]
+}
+
 /// Model-matching rule from config: a glob with `*` wildcards (e.g. "gpt-4o*",
-/// "*-instruct") mapped to an encoding.
+/// "*-instruct") mapped to one of OpenAI's encodings, or to a model's own tokenizer files.
+/// Exactly one of `encoding` and `tokenizer_file` (`policy` checks it).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EncodingRule {
     /// Glob over the model name; see [`glob_match`].
     pub pattern: String,
-    /// Encoding used for models that match `pattern`.
+    /// One of OpenAI's encodings for models that match `pattern`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encoding: Option<Encoding>,
+    /// A Hugging Face `tokenizer.json` (byte-level BPE: Llama 3, Qwen, Mistral's Tekken) for
+    /// models that match `pattern`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer_file: Option<std::path::PathBuf>,
+    /// The model's `tokenizer_config.json`, whose chat template frames chat requests as the
+    /// model sees them. Without it, chats are framed by `tokens.per_message` and friends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template_file: Option<std::path::PathBuf>,
+}
+
+impl EncodingRule {
+    /// A rule sending `pattern` to one of OpenAI's encodings.
+    pub fn builtin(pattern: &str, encoding: Encoding) -> EncodingRule {
+        EncodingRule {
+            pattern: pattern.to_owned(),
+            encoding: Some(encoding),
+            tokenizer_file: None,
+            chat_template_file: None,
+        }
+    }
+}
+
+/// A rule with its encoding resolved: a model's tokenizer loaded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelRule {
+    /// Glob over the model name; see [`glob_match`].
+    pub pattern: String,
     pub encoding: Encoding,
 }
 
 /// First matching rule wins, else Encoding::for_model_default.
-pub fn encoding_for(model: &str, rules: &[EncodingRule]) -> Encoding {
+pub fn encoding_for(model: &str, rules: &[ModelRule]) -> Encoding {
     rules
         .iter()
         .find(|rule| glob_match(&rule.pattern, model))

@@ -161,10 +161,10 @@ tokens:
             },
         ];
         c.routes.inference_paths = vec!["/v1/chat/completions".to_owned()];
-        c.tokens.encodings = vec![EncodingRule {
-            pattern: "llama*".to_owned(),
-            encoding: crate::tokens::Encoding::O200kBase,
-        }];
+        c.tokens.encodings = vec![EncodingRule::builtin(
+            "llama*",
+            crate::tokens::Encoding::O200kBase,
+        )];
     });
 }
 

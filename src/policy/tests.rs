@@ -328,12 +328,7 @@ fn sizes_and_encoding_patterns_must_be_usable() {
         &["response.max_buffered_json_bytes: must be positive"],
     );
     check_problems(
-        |c| {
-            c.tokens.encodings = vec![EncodingRule {
-                pattern: String::new(),
-                encoding: Encoding::O200kBase,
-            }]
-        },
+        |c| c.tokens.encodings = vec![EncodingRule::builtin("", Encoding::O200kBase)],
         &["tokens.encodings[0].pattern: must not be empty"],
     );
 }
@@ -843,10 +838,7 @@ fn owner_of_key_finds_a_configured_key_by_its_plaintext() {
 #[test]
 fn encoding_rules_from_the_config_come_before_the_built_in_table() {
     let policy = check_valid(|c| {
-        c.tokens.encodings = vec![EncodingRule {
-            pattern: "llama*".to_owned(),
-            encoding: Encoding::O200kBase,
-        }];
+        c.tokens.encodings = vec![EncodingRule::builtin("llama*", Encoding::O200kBase)];
     });
     assert_eq!(policy.encoding_for("llama-3-70b"), Encoding::O200kBase);
     assert_eq!(policy.encoding_for("gpt-4o-mini"), Encoding::O200kBase);

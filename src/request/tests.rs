@@ -704,10 +704,7 @@ fn model_chooses_the_encoding() {
 #[test]
 fn configured_encoding_rules_choose_the_encoding() {
     let policy = policy_with(|c| {
-        c.tokens.encodings = vec![EncodingRule {
-            pattern: "*llama*".to_owned(),
-            encoding: Encoding::O200kBase,
-        }];
+        c.tokens.encodings = vec![EncodingRule::builtin("*llama*", Encoding::O200kBase)];
     });
     let text = ENCODING_SENSITIVE;
     let body = format!(r#"{{"model":"meta-llama/Llama-3-8B","prompt":"{text}"}}"#);

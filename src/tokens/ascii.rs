@@ -116,6 +116,8 @@ fn piece(encoding: Encoding, text: &[u8]) -> Result<Option<usize>, ()> {
         None
     };
     match encoding {
+        // A model's own tokenizer cuts with its regex only.
+        Encoding::Model(_) => return Ok(None),
         Encoding::Cl100kBase => {
             // The contractions come first, on their own.
             if let Some(len) = contraction(text, 0)? {

@@ -24,6 +24,7 @@ fn reference(encoding: Encoding) -> &'static CoreBPE {
     match encoding {
         Encoding::Cl100kBase => &TIKTOKEN_CL100K,
         Encoding::O200kBase => &TIKTOKEN_O200K,
+        Encoding::Model(vocabulary) => panic!("no tiktoken reference for {vocabulary:?}"),
     }
 }
 
@@ -561,8 +562,8 @@ fn for_model_default_table() {
     }
 }
 
-fn rule(pattern: &str, encoding: Encoding) -> EncodingRule {
-    EncodingRule {
+fn rule(pattern: &str, encoding: Encoding) -> ModelRule {
+    ModelRule {
         pattern: pattern.to_owned(),
         encoding,
     }
@@ -577,7 +578,7 @@ fn encoding_for_table() {
         rule("*-instruct", O200kBase),
         rule("*-instruct", Cl100kBase),
     ];
-    let cases: &[(&str, &[EncodingRule], Encoding)] = &[
+    let cases: &[(&str, &[ModelRule], Encoding)] = &[
         // No rules: the defaults.
         ("gpt-4o-mini", &[], O200kBase),
         ("llama-3", &[], Cl100kBase),
@@ -605,14 +606,28 @@ fn encoding_rule_serde() {
     let parsed: EncodingRule =
         serde_json::from_str(r#"{"pattern": "gpt-4o*", "encoding": "o200k_base"}"#)
             .expect("valid rule parses");
-    assert_eq!(parsed, rule("gpt-4o*", Encoding::O200kBase));
-    let written = serde_json::to_string(&rule("*", Encoding::Cl100kBase)).expect("serialises");
+    assert_eq!(
+        parsed,
+        EncodingRule::builtin("gpt-4o*", Encoding::O200kBase)
+    );
+    let written = serde_json::to_string(&EncodingRule::builtin("*", Encoding::Cl100kBase))
+        .expect("serialises");
     assert_eq!(written, r#"{"pattern":"*","encoding":"cl100k_base"}"#);
+    let parsed: EncodingRule = serde_json::from_str(
+        r#"{"pattern": "qwen*", "tokenizer_file": "/t/tokenizer.json", "chat_template_file": "/t/tokenizer_config.json"}"#,
+    )
+    .expect("a rule naming a model's files parses");
+    assert_eq!(
+        parsed.tokenizer_file.as_deref(),
+        Some(std::path::Path::new("/t/tokenizer.json"))
+    );
+    assert_eq!(parsed.encoding, None);
     for invalid in [
         r#"{"pattern": "x", "encoding": "o200k_base", "extra": 1}"#,
         r#"{"pattern": "x", "encoding": "O200kBase"}"#,
         r#"{"pattern": "x", "encoding": "p50k_base"}"#,
-        r#"{"pattern": "x"}"#,
+        // A model's tokenizer is named by its file, never as an encoding value.
+        r#"{"pattern": "x", "encoding": "model"}"#,
     ] {
         assert!(
             serde_json::from_str::<EncodingRule>(invalid).is_err(),
@@ -782,7 +797,7 @@ fn ascii_fast_path_cuts_where_the_regex_does() {
             let mut at = 0;
             while at < text.len() {
                 let rest = &text[at..];
-                let expected = counter.regex_piece(&mut cache, rest);
+                let expected = regex_piece(&counter.splitter, &mut cache, rest);
                 if let Some(len) = ascii::piece_len(counter.encoding, rest.as_bytes()) {
                     assert_eq!(
                         &rest.as_bytes()[..len],

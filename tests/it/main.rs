@@ -18,3 +18,4 @@ mod replicas;
 mod robustness;
 mod store_contract;
 mod support;
+mod tokenizers;

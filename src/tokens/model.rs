@@ -1,0 +1,573 @@
+//! A model's own tokenizer, built from the Hugging Face `tokenizer.json` it ships with, counting
+//! exactly what `tokenizers`' `encode(text, add_special_tokens=False)` counts.
+//!
+//! # What is accepted
+//! Byte-level BPE whose merges rank like its ids, which is every vocabulary converted from
+//! tiktoken's format: Llama 3, Qwen 2, 2.5 and 3, Mistral's Tekken (Nemo and after), DeepSeek
+//! V3. For those, applying the merges in list order (Hugging Face's rule) and merging the
+//! adjacent pair of lowest id first (tiktoken's rule, which `bpe`'s linear-time encoder follows)
+//! give the same tokens, and the loader checks the premise: every merge `a b` makes a token `ab`
+//! whose id never falls back as the list goes on. SentencePiece tokenizers (Llama 2, Mistral
+//! 7B v0.1–v0.3: `Metaspace`, byte fallback) are refused with that reason, as is any other
+//! shape this module does not reproduce exactly: a normalizer other than NFC, a pre-tokenizer
+//! other than one `Split` regex followed by `ByteLevel` (or `ByteLevel` alone), added tokens that
+//! strip white space around them.
+//!
+//! # How a text is counted
+//! 1. Added tokens (`<|im_start|>`, `[INST]`, ...) are cut out first, leftmost-longest, one token
+//!    each, as `tokenizers` does: a chat template's output carries them, and a user's text that
+//!    spells one is tokenized upstream as that token too.
+//! 2. Each stretch between them is normalized (NFC, where the tokenizer says so), split by the
+//!    pre-tokenizer's regex (its `\s+(?!\S)` look-ahead rewritten as in `tokens.rs`), and each
+//!    piece counted by `bpe`'s backtracking encoder, linear in the piece.
+//!
+//! Loading takes a few hundred milliseconds and tens of megabytes per vocabulary, so it happens
+//! at start-up (and in `check-config`), never on the request path. A loaded vocabulary lives for
+//! the rest of the process (`&'static`): the request path copies a pointer to it.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use aho_corasick::{AhoCorasick, MatchKind};
+use bpe::byte_pair_encoding::{BytePairEncoding, find_hash_factor_for_dictionary};
+use regex_automata::meta::{Cache, Regex};
+use rustc_hash::FxHashSet;
+use serde_json::Value;
+use unicode_normalization::UnicodeNormalization;
+
+use super::regex_piece;
+use super::template::ChatTemplate;
+
+/// Pieces longer than this are checked for being a run of one byte (see `longest_run`).
+const RUN_CHECK_BYTES: usize = 256;
+/// The look-ahead alternatives every supported pre-tokenizer regex ends with (tiktoken's
+/// patterns and those converted from them).
+const LOOKAHEAD_TAIL: &str = "|\\s+(?!\\S)|\\s+";
+/// GPT-2's pre-tokenizer, which `ByteLevel` with `use_regex: true` applies.
+const GPT2_PATTERN: &str =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+
+/// A model's vocabulary and pre-tokenizer, and its chat template if one was given.
+pub struct ModelVocabulary {
+    /// The file it was loaded from, for logs and errors.
+    source: String,
+    bpe: &'static BytePairEncoding,
+    splitter: Regex,
+    nfc: bool,
+    /// The added tokens, matched leftmost-longest; `None` if there are none.
+    added: Option<AhoCorasick>,
+    /// The vocabulary entries a piece may be whole (ignore_merges, or simply a token that BPE
+    /// gives back as itself, which the `bpe` constructor checks for every entry).
+    whole_tokens: FxHashSet<&'static [u8]>,
+    /// No token covers more bytes (added tokens included), so a text of `n` bytes has at least
+    /// `n / max_token_bytes` tokens.
+    max_token_bytes: usize,
+    /// For each byte, the longest entry BPE can make of that byte alone: a piece that is a run
+    /// of one byte, longer than any entry, has at least `len / longest_run[byte]` tokens. Such runs (`-` repeated) are the
+    /// backtracking encoder's slowest input, so a run that cannot fit is refused unread.
+    longest_run: [u16; 256],
+    template: Option<ChatTemplate>,
+}
+
+impl std::fmt::Debug for ModelVocabulary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ModelVocabulary({})", self.source)
+    }
+}
+
+/// Two handles are the same vocabulary only if they point at the same one.
+impl PartialEq for ModelVocabulary {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
+    }
+}
+
+impl Eq for ModelVocabulary {}
+
+thread_local! {
+    /// One regex search cache per thread and loaded vocabulary (by address; a process loads a
+    /// handful), as `tokens.rs` keeps one per built-in encoding.
+    static MODEL_CACHES: RefCell<Vec<(usize, Cache)>> = const { RefCell::new(Vec::new()) };
+}
+
+impl ModelVocabulary {
+    /// Builds the vocabulary from the text of a `tokenizer.json`, and the chat template from the
+    /// text of a `tokenizer_config.json` if given. `source` names the file in errors. Every
+    /// error says what is wrong in words an operator can act on.
+    pub fn from_json(
+        source: &str,
+        tokenizer_json: &str,
+        tokenizer_config_json: Option<&str>,
+    ) -> Result<ModelVocabulary, String> {
+        let json: Value = serde_json::from_str(tokenizer_json)
+            .map_err(|e| format!("not a tokenizer.json (invalid JSON: {e})"))?;
+        // The template first: it is cheap to check, the vocabulary is not.
+        let template = match tokenizer_config_json {
+            None => None,
+            Some(text) => Some(
+                ChatTemplate::from_tokenizer_config(text)
+                    .map_err(|problem| format!("chat_template: {problem}"))?,
+            ),
+        };
+        let nfc = match json.get("normalizer") {
+            None | Some(Value::Null) => false,
+            Some(n) if n.get("type") == Some(&Value::from("NFC")) => true,
+            Some(n) => {
+                return Err(format!(
+                    "normalizer {} is not supported (only none or NFC)",
+                    type_of(n)
+                ));
+            }
+        };
+        let pattern = split_pattern(json.get("pre_tokenizer").unwrap_or(&Value::Null))?;
+        let splitter = splitter(&pattern)?;
+        let model = json
+            .get("model")
+            .filter(|m| m.get("type") == Some(&Value::from("BPE")))
+            .ok_or_else(|| {
+                format!(
+                    "model {} is not supported (only BPE)",
+                    json.get("model").map_or("(missing)".to_owned(), type_of)
+                )
+            })?;
+        for (key, unsupported) in [
+            ("byte_fallback", Value::Bool(true)),
+            ("fuse_unk", Value::Bool(true)),
+        ] {
+            if model.get(key) == Some(&unsupported) {
+                return Err(format!(
+                    "model.{key}: true is SentencePiece-style BPE, which tollgate does not count \
+                     exactly"
+                ));
+            }
+        }
+        for key in ["continuing_subword_prefix", "end_of_word_suffix", "dropout"] {
+            match model.get(key) {
+                None | Some(Value::Null) => {}
+                Some(Value::String(s)) if s.is_empty() => {}
+                Some(other) => return Err(format!("model.{key}: {other} is not supported")),
+            }
+        }
+        let added = added_tokens(&json)?;
+        let vocab = model
+            .get("vocab")
+            .and_then(Value::as_object)
+            .ok_or("model.vocab: missing or not an object")?;
+        let mut by_id: Vec<(u64, &str)> = Vec::with_capacity(vocab.len());
+        for (token, id) in vocab {
+            let id = id
+                .as_u64()
+                .ok_or_else(|| format!("model.vocab[{token:?}]: the id is not a number"))?;
+            // Added tokens are cut out before BPE ever sees the text: not mergeable entries.
+            if !added.contains(token.as_str()) {
+                by_id.push((id, token));
+            }
+        }
+        by_id.sort_unstable();
+        let ids: HashMap<&str, u64> = by_id.iter().map(|&(id, token)| (token, id)).collect();
+        check_merges(model.get("merges"), &ids)?;
+        let entries = by_id
+            .iter()
+            .map(|&(_, token)| byte_level_bytes(token))
+            .collect::<Result<Vec<Vec<u8>>, String>>()?;
+        // Tiktoken-derived vocabularies hold entries that merging never makes from their own
+        // bytes (Llama 3's " việc"): BPE cannot produce them, only `ignore_merges` can, when a
+        // whole piece is one. `bpe` refuses such entries, so they stay out of its dictionary.
+        let ignore_merges = model.get("ignore_merges") == Some(&Value::Bool(true));
+        let (dictionary, unreachable) = split_reachable(entries);
+        let factor = find_hash_factor_for_dictionary(dictionary.iter().cloned());
+        // The constructor asserts that every entry encodes to itself; `split_reachable` checked
+        // that already, so a failure here is a bug, reported rather than a crash.
+        let bpe = catch_unwind(AssertUnwindSafe(|| {
+            BytePairEncoding::from_dictionary(dictionary, Some(factor))
+        }))
+        .map_err(|panic| {
+            let what = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_default();
+            format!("the vocabulary is not a rank-consistent byte-level BPE ({what})")
+        })?;
+        let bpe: &'static BytePairEncoding = Box::leak(Box::new(bpe));
+        let mut whole_tokens: FxHashSet<&'static [u8]> = (0..bpe.num_tokens())
+            .map(|id| bpe.token_bytes(id as u32))
+            .collect();
+        if ignore_merges {
+            let unreachable: &'static [Vec<u8>] = Vec::leak(unreachable);
+            whole_tokens.extend(unreachable.iter().map(Vec::as_slice));
+        }
+        let longest_entry = whole_tokens.iter().map(|t| t.len()).max().unwrap_or(1);
+        let longest_added = added.iter().map(|t| t.len()).max().unwrap_or(1);
+        let added_matcher = if added.is_empty() {
+            None
+        } else {
+            Some(
+                AhoCorasick::builder()
+                    .match_kind(MatchKind::LeftmostLongest)
+                    .build(added.iter())
+                    .map_err(|e| format!("added_tokens: {e}"))?,
+            )
+        };
+        // From the entries BPE can make: inside a piece longer than any entry, the only tokens.
+        let mut longest_run = [1u16; 256];
+        for token in (0..bpe.num_tokens()).map(|id| bpe.token_bytes(id as u32)) {
+            if token.iter().all(|&b| b == token[0]) {
+                let run = &mut longest_run[usize::from(token[0])];
+                *run = (*run).max(u16::try_from(token.len()).unwrap_or(u16::MAX));
+            }
+        }
+        Ok(ModelVocabulary {
+            source: source.to_owned(),
+            bpe,
+            splitter,
+            nfc,
+            added: added_matcher,
+            whole_tokens,
+            max_token_bytes: longest_entry.max(longest_added).max(1),
+            longest_run,
+            template,
+        })
+    }
+
+    /// The file it was loaded from.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The chat template, if one was loaded with it.
+    pub fn template(&self) -> Option<&ChatTemplate> {
+        self.template.as_ref()
+    }
+
+    /// Entries in the BPE vocabulary (added tokens not included).
+    pub fn vocabulary_size(&self) -> usize {
+        self.bpe.num_tokens()
+    }
+
+    /// `Some(count)` if `text` has at most `limit` tokens, else `None` (inclusive, as
+    /// `Encoding::count_till_limit`).
+    pub fn count_till_limit(&self, text: &str, limit: usize) -> Option<usize> {
+        if text.len().div_ceil(self.max_token_bytes) > limit {
+            return None;
+        }
+        let mut total = 0usize;
+        let mut at = 0;
+        if let Some(added) = &self.added {
+            for found in added.find_iter(text) {
+                total += self.count_stretch(&text[at..found.start()], limit - total)?;
+                total += 1;
+                if total > limit {
+                    return None;
+                }
+                at = found.end();
+            }
+        }
+        total += self.count_stretch(&text[at..], limit - total)?;
+        Some(total)
+    }
+
+    /// Counts a stretch without added tokens: normalize, split, count each piece.
+    fn count_stretch(&self, text: &str, limit: usize) -> Option<usize> {
+        if text.is_empty() {
+            return Some(0);
+        }
+        if self.nfc && !unicode_normalization::is_nfc(text) {
+            let normalized: String = text.nfc().collect();
+            return self.count_pieces(&normalized, limit);
+        }
+        self.count_pieces(text, limit)
+    }
+
+    fn count_pieces(&self, text: &str, limit: usize) -> Option<usize> {
+        let key = self as *const ModelVocabulary as usize;
+        MODEL_CACHES.with(|caches| {
+            let mut caches = caches.borrow_mut();
+            let index = match caches.iter().position(|(k, _)| *k == key) {
+                Some(index) => index,
+                None => {
+                    caches.push((key, self.splitter.create_cache()));
+                    caches.len() - 1
+                }
+            };
+            let cache = &mut caches[index].1;
+            let mut total = 0usize;
+            let mut at = 0;
+            while at < text.len() {
+                let piece = regex_piece(&self.splitter, cache, &text[at..]);
+                at += piece.len();
+                let remaining = limit - total;
+                if piece.len() > self.max_token_bytes.max(RUN_CHECK_BYTES)
+                    && piece.iter().all(|&b| b == piece[0])
+                {
+                    let longest = usize::from(self.longest_run[usize::from(piece[0])]);
+                    if piece.len().div_ceil(longest) > remaining {
+                        return None;
+                    }
+                }
+                let tokens = if piece.len() == 1 || self.whole_tokens.contains(piece) {
+                    1
+                } else {
+                    self.bpe.count_till_limit(piece, remaining)?
+                };
+                if tokens > remaining {
+                    return None;
+                }
+                total += tokens;
+            }
+            Some(total)
+        })
+    }
+}
+
+/// `{"type": ...}` of a tokenizer component, for errors.
+fn type_of(component: &Value) -> String {
+    component
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or("(without a type)")
+        .to_owned()
+}
+
+/// The one pre-tokenizer regex: `Sequence[Split(regex, Isolated), ByteLevel(use_regex: false)]`
+/// or `ByteLevel(use_regex: true)` (GPT-2's regex).
+fn split_pattern(pre: &Value) -> Result<String, String> {
+    let byte_level_ok = |b: &Value| -> Result<bool, String> {
+        if b.get("add_prefix_space") == Some(&Value::Bool(true)) {
+            return Err(
+                "pre_tokenizer ByteLevel with add_prefix_space: true is not supported".into(),
+            );
+        }
+        Ok(b.get("use_regex") != Some(&Value::Bool(false)))
+    };
+    match type_of(pre).as_str() {
+        "ByteLevel" => {
+            if byte_level_ok(pre)? {
+                Ok(GPT2_PATTERN.to_owned())
+            } else {
+                Err("pre_tokenizer ByteLevel without a regex splits nothing: not supported".into())
+            }
+        }
+        "Sequence" => {
+            let parts = pre
+                .get("pretokenizers")
+                .and_then(Value::as_array)
+                .ok_or("pre_tokenizer.pretokenizers: missing")?;
+            let [split, byte_level] = parts.as_slice() else {
+                return Err(format!(
+                    "pre_tokenizer: a Sequence of {} parts is not supported (Split, then ByteLevel)",
+                    parts.len()
+                ));
+            };
+            if type_of(split) != "Split" || type_of(byte_level) != "ByteLevel" {
+                return Err(format!(
+                    "pre_tokenizer: Sequence[{}, {}] is not supported (Split, then ByteLevel)",
+                    type_of(split),
+                    type_of(byte_level)
+                ));
+            }
+            if byte_level_ok(byte_level)? {
+                return Err(
+                    "pre_tokenizer: ByteLevel after a Split must have use_regex: false".into(),
+                );
+            }
+            if split.get("behavior").and_then(Value::as_str) != Some("Isolated")
+                || split.get("invert") == Some(&Value::Bool(true))
+            {
+                return Err("pre_tokenizer Split: only behavior Isolated, not inverted".into());
+            }
+            split
+                .get("pattern")
+                .and_then(|p| p.get("Regex"))
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+                .ok_or_else(|| "pre_tokenizer Split: only a Regex pattern is supported".into())
+        }
+        "Metaspace" => Err(
+            "pre_tokenizer Metaspace is SentencePiece-style (Llama 2, Mistral 7B v0.1-v0.3): not \
+             supported"
+                .into(),
+        ),
+        other => Err(format!("pre_tokenizer {other} is not supported")),
+    }
+}
+
+/// The patterns for `regex_automata`, which has no look-around: `\s+(?!\S)` becomes `\s+$` in
+/// the first pattern and `\s+\s` (whose last character `regex_piece` gives back) as the second,
+/// exactly as `tokens.rs` spells tiktoken's.
+fn splitter(pattern: &str) -> Result<Regex, String> {
+    let head = pattern.strip_suffix(LOOKAHEAD_TAIL).ok_or_else(|| {
+        format!(
+            "pre_tokenizer regex {pattern:?} is not supported: it must end with {LOOKAHEAD_TAIL:?}"
+        )
+    })?;
+    let first = format!("{head}|\\s+$");
+    Regex::new_many(&[first.as_str(), "\\s+\\s", "\\s+"])
+        .map_err(|e| format!("pre_tokenizer regex {pattern:?} is not supported: {e}"))
+}
+
+/// The added tokens by content. Tokens that strip white space around them, or must stand alone
+/// as a word, would change the text around them: not supported.
+fn added_tokens(json: &Value) -> Result<HashSet<&str>, String> {
+    let mut added = HashSet::new();
+    let Some(list) = json.get("added_tokens").and_then(Value::as_array) else {
+        return Ok(added);
+    };
+    for (i, token) in list.iter().enumerate() {
+        let content = token
+            .get("content")
+            .and_then(Value::as_str)
+            .filter(|c| !c.is_empty())
+            .ok_or_else(|| format!("added_tokens[{i}].content: missing or empty"))?;
+        for flag in ["lstrip", "rstrip", "single_word"] {
+            if token.get(flag) == Some(&Value::Bool(true)) {
+                return Err(format!(
+                    "added_tokens[{i}] ({content:?}): {flag}: true is not supported"
+                ));
+            }
+        }
+        added.insert(content);
+    }
+    Ok(added)
+}
+
+/// Every merge `a b` makes a token `ab`, and the ids of the tokens they make never decrease:
+/// then merging in list order is merging lowest id first.
+fn check_merges(merges: Option<&Value>, ids: &HashMap<&str, u64>) -> Result<(), String> {
+    let merges = merges
+        .and_then(Value::as_array)
+        .ok_or("model.merges: missing or not a list")?;
+    let mut last = 0;
+    let mut joined = String::new();
+    for (i, merge) in merges.iter().enumerate() {
+        let (a, b) = match merge {
+            Value::String(s) => s
+                .split_once(' ')
+                .ok_or_else(|| format!("model.merges[{i}]: {s:?} is not two tokens"))?,
+            Value::Array(pair) => match pair.as_slice() {
+                [Value::String(a), Value::String(b)] => (a.as_str(), b.as_str()),
+                _ => return Err(format!("model.merges[{i}]: not two tokens")),
+            },
+            _ => return Err(format!("model.merges[{i}]: not two tokens")),
+        };
+        joined.clear();
+        joined.push_str(a);
+        joined.push_str(b);
+        let id = *ids.get(joined.as_str()).ok_or_else(|| {
+            format!("model.merges[{i}]: {a:?} + {b:?} makes no token of the vocabulary")
+        })?;
+        if id < last {
+            return Err(format!(
+                "model.merges[{i}] makes token {id} after token {last}: merges do not rank like \
+                 ids, so tollgate cannot count this vocabulary exactly"
+            ));
+        }
+        last = id;
+    }
+    Ok(())
+}
+
+/// The entries (in rank order) that merging lowest rank first makes from their own bytes, in
+/// order, and the others. An unreachable entry can never appear inside a longer text's
+/// encoding either: rank-greedy merging over a text makes, around any stretch, no token that
+/// it does not make from that stretch alone.
+fn split_reachable(entries: Vec<Vec<u8>>) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let mut rank: HashMap<Vec<u8>, usize> = HashMap::with_capacity(entries.len());
+    let mut reachable = Vec::with_capacity(entries.len());
+    let mut unreachable = Vec::new();
+    for entry in entries {
+        // Its own rank takes part: the last merge makes it.
+        rank.insert(entry.clone(), reachable.len());
+        if entry.len() == 1 || merges_to_itself(&entry, &rank) {
+            reachable.push(entry);
+        } else {
+            rank.remove(&entry);
+            unreachable.push(entry);
+        }
+    }
+    (reachable, unreachable)
+}
+
+/// Whether merging `bytes` lowest rank first (leftmost on ties) ends in one token. Quadratic in
+/// the entry's length, which is at most a few hundred bytes; run once per entry at load.
+fn merges_to_itself(bytes: &[u8], rank: &HashMap<Vec<u8>, usize>) -> bool {
+    let mut parts: Vec<&[u8]> = bytes.chunks(1).collect();
+    let mut joined = Vec::with_capacity(bytes.len());
+    while parts.len() > 1 {
+        let mut best: Option<(usize, usize)> = None;
+        for i in 0..parts.len() - 1 {
+            joined.clear();
+            joined.extend_from_slice(parts[i]);
+            joined.extend_from_slice(parts[i + 1]);
+            if let Some(&r) = rank.get(joined.as_slice())
+                && best.is_none_or(|(best_rank, _)| r < best_rank)
+            {
+                best = Some((r, i));
+            }
+        }
+        let Some((_, i)) = best else {
+            return false;
+        };
+        let start = parts[i].as_ptr() as usize - bytes.as_ptr() as usize;
+        let len = parts[i].len() + parts[i + 1].len();
+        parts[i] = &bytes[start..start + len];
+        parts.remove(i + 1);
+    }
+    true
+}
+
+/// A byte-level token's bytes: GPT-2 shows each byte as a printable character (`bytes_to_unicode`).
+fn byte_level_bytes(token: &str) -> Result<Vec<u8>, String> {
+    token
+        .chars()
+        .map(|c| {
+            BYTE_LEVEL_DECODE.get(&c).copied().ok_or_else(|| {
+                format!(
+                    "model.vocab: {token:?} holds {c:?}, which is not a byte-level character: \
+                     not a byte-level BPE"
+                )
+            })
+        })
+        .collect()
+}
+
+static BYTE_LEVEL_DECODE: std::sync::LazyLock<HashMap<char, u8>> = std::sync::LazyLock::new(|| {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut map = HashMap::with_capacity(256);
+    let mut next = 256u32;
+    for byte in 0..=255u8 {
+        let c = if printable(byte) {
+            char::from(byte)
+        } else {
+            let c = char::from_u32(next).expect("256..324 are chars");
+            next += 1;
+            c
+        };
+        map.insert(c, byte);
+    }
+    map
+});
+
+/// Every vocabulary loaded so far, by the digest of the files it was built from.
+static LOADED: std::sync::Mutex<Vec<([u8; 32], &'static ModelVocabulary)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// The vocabulary built from files whose contents digest to `key`: the one built before, or the
+/// one `build` makes now, kept for the rest of the process. Loading the same files again (a
+/// second policy, a reload) costs nothing and keeps no second copy.
+pub fn intern(
+    key: [u8; 32],
+    build: impl FnOnce() -> Result<ModelVocabulary, String>,
+) -> Result<&'static ModelVocabulary, String> {
+    // Held while building, so two policies loading the same files build them once.
+    let mut loaded = LOADED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(&(_, vocabulary)) = loaded.iter().find(|(k, _)| *k == key) {
+        return Ok(vocabulary);
+    }
+    let vocabulary: &'static ModelVocabulary = Box::leak(Box::new(build()?));
+    loaded.push((key, vocabulary));
+    Ok(vocabulary)
+}

