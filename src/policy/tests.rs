@@ -331,6 +331,33 @@ fn sizes_and_encoding_patterns_must_be_usable() {
         |c| c.tokens.encodings = vec![EncodingRule::builtin("", Encoding::O200kBase)],
         &["tokens.encodings[0].pattern: must not be empty"],
     );
+    // A rule names one of OpenAI's encodings or a model's tokenizer file: exactly one.
+    fn with(
+        encoding: Option<Encoding>,
+        tokenizer: Option<&'static str>,
+        template: Option<&'static str>,
+    ) -> impl FnOnce(&mut Config) {
+        move |c: &mut Config| {
+            c.tokens.encodings = vec![EncodingRule {
+                pattern: "m*".to_owned(),
+                encoding,
+                tokenizer_file: tokenizer.map(Into::into),
+                chat_template_file: template.map(Into::into),
+            }]
+        }
+    }
+    check_problems(
+        with(None, None, None),
+        &["tokens.encodings[0]: name an encoding or a tokenizer_file"],
+    );
+    check_problems(
+        with(Some(Encoding::O200kBase), Some("/t.json"), None),
+        &["tokens.encodings[0]: name either encoding or tokenizer_file, not both"],
+    );
+    check_problems(
+        with(Some(Encoding::O200kBase), None, Some("/c.json")),
+        &["tokens.encodings[0].chat_template_file: only with tokenizer_file"],
+    );
 }
 
 #[test]

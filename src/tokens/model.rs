@@ -32,7 +32,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use aho_corasick::{AhoCorasick, MatchKind};
 use bpe::byte_pair_encoding::{BytePairEncoding, find_hash_factor_for_dictionary};
 use regex_automata::meta::{Cache, Regex};
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxHashMap, FxHashSet};
 use serde_json::Value;
 use unicode_normalization::UnicodeNormalization;
 
@@ -57,6 +57,12 @@ pub struct ModelVocabulary {
     nfc: bool,
     /// The added tokens, matched leftmost-longest; `None` if there are none.
     added: Option<AhoCorasick>,
+    /// Entries merging never makes from their own bytes, but can make inside a longer piece
+    /// (Llama 3's "している": its bytes merge differently alone than after "憶"). `bpe`
+    /// cannot hold them, so a piece containing one is merged the slow, exact way (`ranks`).
+    unreachable: Option<AhoCorasick>,
+    /// Every entry's rank (its place by id), for that slow way; empty without unreachable ones.
+    ranks: FxHashMap<&'static [u8], u32>,
     /// The vocabulary entries a piece may be whole (ignore_merges, or simply a token that BPE
     /// gives back as itself, which the `bpe` constructor checks for every entry).
     whole_tokens: FxHashSet<&'static [u8]>,
@@ -172,10 +178,18 @@ impl ModelVocabulary {
             .map(|&(_, token)| byte_level_bytes(token))
             .collect::<Result<Vec<Vec<u8>>, String>>()?;
         // Tiktoken-derived vocabularies hold entries that merging never makes from their own
-        // bytes (Llama 3's " việc"): BPE cannot produce them, only `ignore_merges` can, when a
-        // whole piece is one. `bpe` refuses such entries, so they stay out of its dictionary.
+        // bytes. `bpe` refuses such entries, so they stay out of its dictionary; a piece that
+        // contains one is merged by `merge_by_rank` instead, and `ignore_merges` (a whole piece
+        // that is an entry is that entry) applies to them too.
         let ignore_merges = model.get("ignore_merges") == Some(&Value::Bool(true));
-        let (dictionary, unreachable) = split_reachable(entries);
+        let entries: &'static [Vec<u8>] = Vec::leak(entries);
+        let unreachable_ranks = unreachable_entries(entries);
+        let dictionary: Vec<Vec<u8>> = entries
+            .iter()
+            .enumerate()
+            .filter(|(rank, _)| unreachable_ranks.binary_search(rank).is_err())
+            .map(|(_, entry)| entry.clone())
+            .collect();
         let factor = find_hash_factor_for_dictionary(dictionary.iter().cloned());
         // The constructor asserts that every entry encodes to itself; `split_reachable` checked
         // that already, so a failure here is a bug, reported rather than a crash.
@@ -194,10 +208,24 @@ impl ModelVocabulary {
         let mut whole_tokens: FxHashSet<&'static [u8]> = (0..bpe.num_tokens())
             .map(|id| bpe.token_bytes(id as u32))
             .collect();
+        let unreachable_bytes = || unreachable_ranks.iter().map(|&rank| &entries[rank]);
         if ignore_merges {
-            let unreachable: &'static [Vec<u8>] = Vec::leak(unreachable);
-            whole_tokens.extend(unreachable.iter().map(Vec::as_slice));
+            whole_tokens.extend(unreachable_bytes().map(Vec::as_slice));
         }
+        let (unreachable, ranks) = if unreachable_ranks.is_empty() {
+            (None, FxHashMap::default())
+        } else {
+            let matcher = AhoCorasick::builder()
+                .match_kind(MatchKind::LeftmostFirst)
+                .build(unreachable_bytes())
+                .map_err(|e| format!("model.vocab: {e}"))?;
+            let ranks = entries
+                .iter()
+                .enumerate()
+                .map(|(rank, entry)| (entry.as_slice(), rank as u32))
+                .collect();
+            (Some(matcher), ranks)
+        };
         let longest_entry = whole_tokens.iter().map(|t| t.len()).max().unwrap_or(1);
         let longest_added = added.iter().map(|t| t.len()).max().unwrap_or(1);
         let added_matcher = if added.is_empty() {
@@ -224,6 +252,8 @@ impl ModelVocabulary {
             splitter,
             nfc,
             added: added_matcher,
+            unreachable,
+            ranks,
             whole_tokens,
             max_token_bytes: longest_entry.max(longest_added).max(1),
             longest_run,
@@ -308,6 +338,12 @@ impl ModelVocabulary {
                 }
                 let tokens = if piece.len() == 1 || self.whole_tokens.contains(piece) {
                     1
+                } else if self
+                    .unreachable
+                    .as_ref()
+                    .is_some_and(|matcher| matcher.is_match(piece))
+                {
+                    merge_by_rank(piece, &self.ranks)
                 } else {
                     self.bpe.count_till_limit(piece, remaining)?
                 };
@@ -468,30 +504,71 @@ fn check_merges(merges: Option<&Value>, ids: &HashMap<&str, u64>) -> Result<(), 
     Ok(())
 }
 
-/// The entries (in rank order) that merging lowest rank first makes from their own bytes, in
-/// order, and the others. An unreachable entry can never appear inside a longer text's
-/// encoding either: rank-greedy merging over a text makes, around any stretch, no token that
-/// it does not make from that stretch alone.
-fn split_reachable(entries: Vec<Vec<u8>>) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
-    let mut rank: HashMap<Vec<u8>, usize> = HashMap::with_capacity(entries.len());
-    let mut reachable = Vec::with_capacity(entries.len());
+/// The ranks (ascending) of the entries `bpe` cannot hold: those that merging lowest rank first,
+/// over the entries kept so far, does not make from their own bytes. Such an entry can still
+/// appear inside a longer piece, where merges reaching across its first or last character change
+/// what its bytes merge into; but only where its bytes are, so a piece holding none of them
+/// merges the same with or without them (`ModelVocabulary::unreachable`).
+fn unreachable_entries(entries: &[Vec<u8>]) -> Vec<usize> {
+    let mut rank: HashMap<&[u8], usize> = HashMap::with_capacity(entries.len());
     let mut unreachable = Vec::new();
-    for entry in entries {
+    for (id, entry) in entries.iter().enumerate() {
         // Its own rank takes part: the last merge makes it.
-        rank.insert(entry.clone(), reachable.len());
-        if entry.len() == 1 || merges_to_itself(&entry, &rank) {
-            reachable.push(entry);
-        } else {
-            rank.remove(&entry);
-            unreachable.push(entry);
+        rank.insert(entry, id);
+        if entry.len() > 1 && !merges_to_itself(entry, &rank) {
+            rank.remove(entry.as_slice());
+            unreachable.push(id);
         }
     }
-    (reachable, unreachable)
+    unreachable
+}
+
+/// How many tokens merging `piece` lowest rank first (leftmost on ties) leaves: the rule
+/// tiktoken and Hugging Face `tokenizers` both follow, exact for any vocabulary. A heap of
+/// candidate pairs over a linked list of parts, so O(n log n) in the piece's length.
+fn merge_by_rank(piece: &[u8], ranks: &FxHashMap<&'static [u8], u32>) -> usize {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let n = piece.len();
+    // Part i covers piece[i..end[i]] while alive; next[i] is the start of the part after it.
+    let mut end: Vec<usize> = (1..=n).collect();
+    let mut prev: Vec<usize> = (0..n).map(|i| i.wrapping_sub(1)).collect();
+    let mut alive = vec![true; n];
+    let mut heap = BinaryHeap::new();
+    let pair_rank = |left: usize, right_end: usize| ranks.get(&piece[left..right_end]).copied();
+    for i in 0..n.saturating_sub(1) {
+        if let Some(rank) = pair_rank(i, i + 2) {
+            heap.push(Reverse((rank, i, i + 1, i + 2)));
+        }
+    }
+    let mut parts = n;
+    while let Some(Reverse((_, left, mid, right_end))) = heap.pop() {
+        // Stale if either part changed since the pair was pushed.
+        if !alive[left] || end[left] != mid || !alive[mid] || end[mid] != right_end {
+            continue;
+        }
+        alive[mid] = false;
+        end[left] = right_end;
+        parts -= 1;
+        if right_end < n {
+            prev[right_end] = left;
+            if let Some(rank) = pair_rank(left, end[right_end]) {
+                heap.push(Reverse((rank, left, right_end, end[right_end])));
+            }
+        }
+        let before = prev[left];
+        if before != usize::MAX
+            && let Some(rank) = pair_rank(before, right_end)
+        {
+            heap.push(Reverse((rank, before, left, right_end)));
+        }
+    }
+    parts
 }
 
 /// Whether merging `bytes` lowest rank first (leftmost on ties) ends in one token. Quadratic in
 /// the entry's length, which is at most a few hundred bytes; run once per entry at load.
-fn merges_to_itself(bytes: &[u8], rank: &HashMap<Vec<u8>, usize>) -> bool {
+fn merges_to_itself(bytes: &[u8], rank: &HashMap<&[u8], usize>) -> bool {
     let mut parts: Vec<&[u8]> = bytes.chunks(1).collect();
     let mut joined = Vec::with_capacity(bytes.len());
     while parts.len() > 1 {

@@ -140,6 +140,10 @@ fn corpus() -> Vec<String> {
         "我能吞下玻璃而不伤身体。今天天气很好，我们去公园散步吧！",
         "いろはにほへと ちりぬるを わかよたれそ つねならむ。東京都渋谷区。",
         "다람쥐 헌 쳇바퀴에 타고파. 안녕하세요, 세계!",
+        // Llama 3's "している" is made by merging only after a character such as "憶": alone its
+        // bytes merge into three tokens (the slow, exact path of src/tokens/model.rs).
+        "どこで生れたかとんと見当がつかぬ。何でも薄暗いじめじめした所でニャーニャー泣いていた事だけは記憶している。",
+        "している 記憶している。している",
         // Emoji: single, skin tones, ZWJ families, flags, keycaps.
         "😀😃😄 👍🏽👍🏿 👨‍👩‍👧‍👦 🏳️‍🌈 🇯🇵🇺🇸 1️⃣ ❤️‍🔥",
         // Code and JSON.
@@ -180,6 +184,7 @@ fn corpus() -> Vec<String> {
     texts.push("é".repeat(5_000));
     texts.push("漢".repeat(5_000));
     texts.push("😀".repeat(2_000));
+    texts.push("記憶している".repeat(3_000));
     let mut rng = Lcg(0x70_11_6a_7e);
     let letters: Vec<char> = "etaoinshrdlucmfwypvbgkjqxz".chars().collect();
     texts.push(
@@ -483,3 +488,4 @@ fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
         "{stderr}"
     );
 }
+
