@@ -39,8 +39,9 @@ use unicode_normalization::UnicodeNormalization;
 use super::regex_piece;
 use super::template::ChatTemplate;
 
-/// Pieces longer than this are checked for being a run of one byte (see `longest_run`).
-const RUN_CHECK_BYTES: usize = 256;
+/// Pieces longer than this are checked for being a run of one byte (`count_run`); shorter
+/// ones cost the encoder little however they are made.
+const RUN_MIN_BYTES: usize = 4096;
 /// The look-ahead alternatives every supported pre-tokenizer regex ends with (tiktoken's
 /// patterns and those converted from them).
 const LOOKAHEAD_TAIL: &str = "|\\s+(?!\\S)|\\s+";
@@ -69,10 +70,10 @@ pub struct ModelVocabulary {
     /// No token covers more bytes (added tokens included), so a text of `n` bytes has at least
     /// `n / max_token_bytes` tokens.
     max_token_bytes: usize,
-    /// For each byte, the longest entry BPE can make of that byte alone: a piece that is a run
-    /// of one byte, longer than any entry, has at least `len / longest_run[byte]` tokens. Such runs (`-` repeated) are the
-    /// backtracking encoder's slowest input, so a run that cannot fit is refused unread.
-    longest_run: [u16; 256],
+    /// For each byte `c`, the block that merging builds a long run of `c` from: the longest of
+    /// `c`, `cc`, `cccc`, ... that are all entries (`-`: 64 bytes in Llama 3). See
+    /// `count_run`; 0 where a run of `c` is not counted that way.
+    run_block: [u16; 256],
     template: Option<ChatTemplate>,
 }
 
@@ -238,13 +239,19 @@ impl ModelVocabulary {
                     .map_err(|e| format!("added_tokens: {e}"))?,
             )
         };
-        // From the entries BPE can make: inside a piece longer than any entry, the only tokens.
-        let mut longest_run = [1u16; 256];
-        for token in (0..bpe.num_tokens()).map(|id| bpe.token_bytes(id as u32)) {
-            if token.iter().all(|&b| b == token[0]) {
-                let run = &mut longest_run[usize::from(token[0])];
-                *run = (*run).max(u16::try_from(token.len()).unwrap_or(u16::MAX));
+        let max_token_bytes = longest_entry.max(longest_added).max(1);
+        let mut run_block = [0u16; 256];
+        for byte in 0..=255u8 {
+            // A run that an entry `bpe` cannot hold may take part in is left to the slow path.
+            let run = vec![byte; 2 * max_token_bytes + 2];
+            if unreachable.as_ref().is_some_and(|m| m.is_match(&run)) {
+                continue;
             }
+            let mut block = 1usize;
+            while block * 2 <= max_token_bytes && whole_tokens.contains(&run[..block * 2]) {
+                block *= 2;
+            }
+            run_block[usize::from(byte)] = u16::try_from(block).unwrap_or(0);
         }
         Ok(ModelVocabulary {
             source: source.to_owned(),
@@ -255,8 +262,8 @@ impl ModelVocabulary {
             unreachable,
             ranks,
             whole_tokens,
-            max_token_bytes: longest_entry.max(longest_added).max(1),
-            longest_run,
+            max_token_bytes,
+            run_block,
             template,
         })
     }
@@ -328,15 +335,9 @@ impl ModelVocabulary {
                 let piece = regex_piece(&self.splitter, cache, &text[at..]);
                 at += piece.len();
                 let remaining = limit - total;
-                if piece.len() > self.max_token_bytes.max(RUN_CHECK_BYTES)
-                    && piece.iter().all(|&b| b == piece[0])
-                {
-                    let longest = usize::from(self.longest_run[usize::from(piece[0])]);
-                    if piece.len().div_ceil(longest) > remaining {
-                        return None;
-                    }
-                }
-                let tokens = if piece.len() == 1 || self.whole_tokens.contains(piece) {
+                let tokens = if let Some(tokens) = self.count_run(piece) {
+                    tokens
+                } else if piece.len() == 1 || self.whole_tokens.contains(piece) {
                     1
                 } else if self
                     .unreachable
@@ -354,6 +355,35 @@ impl ModelVocabulary {
             }
             Some(total)
         })
+    }
+}
+
+impl ModelVocabulary {
+    /// The count of a long run of one byte, the backtracking encoder's slowest input (`-`
+    /// repeated: about 0.4 µs a byte), in time independent of its length; `None` for any other
+    /// piece. Merging lowest rank first, leftmost first on ties, builds a run of `c` into
+    /// blocks from the left: `cc` (every pair, left to right, before anything bigger, whose
+    /// rank is higher as it is made of them), then `cccc`, and so on up to the block `B` whose
+    /// double is no entry. Merges that mix sizes happen only at the right end, where the one
+    /// odd block of each doubling waits, and reach at most an entry's length further left. So
+    /// beyond a margin the count grows by one every `B` bytes: count(c^n) = count(c^m) +
+    /// (n − m) / B for the `m ≡ n (mod B)` just above the margin, which the encoder counts.
+    fn count_run(&self, piece: &[u8]) -> Option<usize> {
+        if piece.len() <= RUN_MIN_BYTES {
+            return None;
+        }
+        let byte = piece[0];
+        let block = usize::from(self.run_block[usize::from(byte)]);
+        if block == 0 || !piece.iter().all(|&b| b == byte) {
+            return None;
+        }
+        let margin = 2 * self.max_token_bytes + 2 * block;
+        if piece.len() <= margin + block {
+            return None;
+        }
+        let short = margin + (piece.len() - margin) % block;
+        let tokens = self.bpe.count(&piece[..short]);
+        Some(tokens + (piece.len() - short) / block)
     }
 }
 

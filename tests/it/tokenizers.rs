@@ -185,6 +185,16 @@ fn corpus() -> Vec<String> {
     texts.push("漢".repeat(5_000));
     texts.push("😀".repeat(2_000));
     texts.push("記憶している".repeat(3_000));
+    // Long runs of one byte, counted by their period (`count_run`): every length modulo the
+    // block, for the bytes whose runs the vocabularies hold long entries of.
+    for (i, byte) in ["-", "=", "/", "*", "#", "_", ".", "!", "a", "x", " ", "\n", "~"]
+        .iter()
+        .enumerate()
+    {
+        for extra in [0, 1, 7, 31, 63, 64 + i] {
+            texts.push(byte.repeat(5_000 + 97 * i + extra));
+        }
+    }
     let mut rng = Lcg(0x70_11_6a_7e);
     let letters: Vec<char> = "etaoinshrdlucmfwypvbgkjqxz".chars().collect();
     texts.push(
