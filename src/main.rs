@@ -134,7 +134,13 @@ fn effective_config(
     }
     let policy = Policy::from_config(&config)?;
     let mut notes = policy.warnings();
-    notes.extend(policy.counting.tokenizers.iter().map(|loaded| format!("note: {loaded}")));
+    notes.extend(
+        policy
+            .counting
+            .tokenizers
+            .iter()
+            .map(|loaded| format!("note: {loaded}")),
+    );
     Ok((config, notes))
 }
 

@@ -187,9 +187,11 @@ fn corpus() -> Vec<String> {
     texts.push("記憶している".repeat(3_000));
     // Long runs of one byte, counted by their period (`count_run`): every length modulo the
     // block, for the bytes whose runs the vocabularies hold long entries of.
-    for (i, byte) in ["-", "=", "/", "*", "#", "_", ".", "!", "a", "x", " ", "\n", "~"]
-        .iter()
-        .enumerate()
+    for (i, byte) in [
+        "-", "=", "/", "*", "#", "_", ".", "!", "a", "x", " ", "\n", "~",
+    ]
+    .iter()
+    .enumerate()
     {
         for extra in [0, 1, 7, 31, 63, 64 + i] {
             texts.push(byte.repeat(5_000 + 97 * i + extra));
@@ -468,7 +470,11 @@ fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
         .output()
         .expect("run tollgate");
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     assert!(
         stdout.contains("tokens.encodings \"qwen*\": ")
             && stdout.contains("151643 BPE entries, with its chat template")
@@ -498,4 +504,3 @@ fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
         "{stderr}"
     );
 }
-
