@@ -26,6 +26,8 @@ const DECIDING: &[&str] = &[
     "src/admission.rs",
     "src/tokens.rs",
     "src/tokens/ascii.rs",
+    "src/tokens/model.rs",
+    "src/tokens/template.rs",
     "src/policy.rs",
     "src/reply.rs",
     "src/reply/rate_limit.rs",

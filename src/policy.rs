@@ -19,7 +19,7 @@ use crate::config::{
 use crate::observe::MetricLabels;
 use crate::reply::Reason;
 use crate::scheduler::Headroom;
-use crate::tokens::{Encoding, EncodingRule, ModelRule, ModelVocabulary};
+use crate::tokens::{Encoding, ModelRule, ModelVocabulary};
 
 /// Index of a tier in `Policy::tiers`; also the index of its pre-created metric series.
 pub type TierId = usize;
@@ -133,85 +133,6 @@ impl std::fmt::Display for LoadedTokenizer {
             None => write!(f, "memory not measured (no /proc/self/statm)"),
         }
     }
-}
-
-/// A rule's encoding: the one it names, or the model's tokenizer built from its files (read
-/// here, the one place a configuration is judged; built once per distinct contents). An error
-/// starts with the field it is about (`.tokenizer_file: ...`).
-fn resolve_encoding(rule: &EncodingRule) -> Result<(Encoding, Option<LoadedTokenizer>), String> {
-    let path = match (&rule.encoding, &rule.tokenizer_file) {
-        (Some(encoding), None) => {
-            if rule.chat_template_file.is_some() {
-                return Err(
-                    ".chat_template_file: only with tokenizer_file (OpenAI's encodings \
-                            are framed by tokens.per_message and friends)"
-                        .to_owned(),
-                );
-            }
-            return Ok((*encoding, None));
-        }
-        (None, Some(path)) => path,
-        (Some(_), Some(_)) => {
-            return Err(": name either encoding or tokenizer_file, not both".to_owned());
-        }
-        (None, None) => return Err(": name an encoding or a tokenizer_file".to_owned()),
-    };
-    let read = |field: &str, path: &std::path::Path| {
-        std::fs::read_to_string(path)
-            .map_err(|e| format!(".{field}: cannot read {}: {e}", path.display()))
-    };
-    let tokenizer = read("tokenizer_file", path)?;
-    let template = match &rule.chat_template_file {
-        Some(template_path) => Some((template_path, read("chat_template_file", template_path)?)),
-        None => None,
-    };
-    let mut digest = Sha256::new();
-    digest.update(tokenizer.len().to_le_bytes());
-    digest.update(&tokenizer);
-    if let Some((_, text)) = &template {
-        digest.update(text);
-    }
-    let before = resident_bytes();
-    let mut built = false;
-    let vocabulary = crate::tokens::intern(digest.finalize().into(), || {
-        built = true;
-        ModelVocabulary::from_json(
-            &path.display().to_string(),
-            &tokenizer,
-            template.as_ref().map(|(_, text)| text.as_str()),
-        )
-    })
-    .map_err(
-        |problem| match (&template, problem.starts_with("chat_template")) {
-            (Some((template_path, _)), true) => {
-                format!(
-                    ".chat_template_file: {}: {problem}",
-                    template_path.display()
-                )
-            }
-            _ => format!(".tokenizer_file: {}: {problem}", path.display()),
-        },
-    )?;
-    let grew = match (before, resident_bytes()) {
-        (Some(before), Some(after)) if built => Some(after.saturating_sub(before)),
-        (Some(_), Some(_)) => Some(0),
-        _ => None,
-    };
-    Ok((
-        Encoding::Model(vocabulary),
-        Some(LoadedTokenizer {
-            pattern: rule.pattern.clone(),
-            vocabulary,
-            resident_bytes: grew,
-        }),
-    ))
-}
-
-/// The process's resident memory, from `/proc/self/statm` (Linux); `None` elsewhere.
-fn resident_bytes() -> Option<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some(pages * 4096)
 }
 
 /// How much longer than a queued request's deadline tollgate asks Envoy to wait, so tollgate's
@@ -368,7 +289,7 @@ impl Policy {
             if rule.pattern.is_empty() {
                 problems.push(format!("tokens.encodings[{i}].pattern: must not be empty"));
             }
-            match resolve_encoding(rule) {
+            match files::resolve_encoding(rule) {
                 Ok((encoding, loaded)) => {
                     encodings.push(ModelRule {
                         pattern: rule.pattern.clone(),
@@ -957,5 +878,6 @@ fn valid_header_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
+mod files;
 #[cfg(test)]
 mod tests;

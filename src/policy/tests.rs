@@ -9,6 +9,7 @@ use sha2::{Digest, Sha256};
 use super::*;
 use crate::budget::{Quantity, WindowLimit};
 use crate::config::{ApiKeyConfig, ModelLimitConfig, TierConfig, TierOverride};
+use crate::tokens::EncodingRule;
 
 fn sha256_hex(key: &str) -> String {
     hex::encode(Sha256::digest(key.as_bytes()))
