@@ -60,10 +60,13 @@ pub struct ModelVocabulary {
     added: Option<AhoCorasick>,
     /// Entries merging never makes from their own bytes, but can make inside a longer piece
     /// (Llama 3's "している": its bytes merge differently alone than after "憶"). `bpe`
-    /// cannot hold them, so a piece containing one is merged the slow, exact way (`ranks`).
+    /// cannot hold them, so a piece containing one is merged the slow, exact way (`merges`).
     unreachable: Option<AhoCorasick>,
-    /// Every entry's rank (its place by id), for that slow way; empty without unreachable ones.
-    ranks: FxHashMap<&'static [u8], u32>,
+    /// For that slow way: the merges by the ids they join, with their place in the list and the
+    /// id they make; empty without unreachable entries.
+    merges: FxHashMap<(u32, u32), (u32, u32)>,
+    /// The id of each byte's one-byte entry, where merging starts.
+    byte_ids: [u32; 256],
     /// The vocabulary entries a piece may be whole (ignore_merges, or simply a token that BPE
     /// gives back as itself, which the `bpe` constructor checks for every entry).
     whole_tokens: FxHashSet<&'static [u8]>,
@@ -74,6 +77,11 @@ pub struct ModelVocabulary {
     /// `c`, `cc`, `cccc`, ... that are all entries (`-`: 64 bytes in Llama 3). See
     /// `count_run`; 0 where a run of `c` is not counted that way.
     run_block: [u16; 256],
+    /// For each set of byte classes (`byte_class`), the longest entry made only of bytes of
+    /// those classes: a piece has at least `len / longest_within[its classes]` tokens. A long
+    /// piece of random letters is refused unread that way when it cannot fit, rather than
+    /// merged (Llama 3's may need the slow path).
+    longest_within: [u16; 64],
     template: Option<ChatTemplate>,
 }
 
@@ -173,14 +181,14 @@ impl ModelVocabulary {
         }
         by_id.sort_unstable();
         let ids: HashMap<&str, u64> = by_id.iter().map(|&(id, token)| (token, id)).collect();
-        check_merges(model.get("merges"), &ids)?;
+        let merges = check_merges(model.get("merges"), &ids)?;
         let entries = by_id
             .iter()
             .map(|&(_, token)| byte_level_bytes(token))
             .collect::<Result<Vec<Vec<u8>>, String>>()?;
         // Tiktoken-derived vocabularies hold entries that merging never makes from their own
         // bytes. `bpe` refuses such entries, so they stay out of its dictionary; a piece that
-        // contains one is merged by `merge_by_rank` instead, and `ignore_merges` (a whole piece
+        // contains one is merged by `merge_by_list` instead, and `ignore_merges` (a whole piece
         // that is an entry is that entry) applies to them too.
         let ignore_merges = model.get("ignore_merges") == Some(&Value::Bool(true));
         let entries: &'static [Vec<u8>] = Vec::leak(entries);
@@ -213,20 +221,25 @@ impl ModelVocabulary {
         if ignore_merges {
             whole_tokens.extend(unreachable_bytes().map(Vec::as_slice));
         }
-        let (unreachable, ranks) = if unreachable_ranks.is_empty() {
+        let (unreachable, merges) = if unreachable_ranks.is_empty() {
             (None, FxHashMap::default())
         } else {
             let matcher = AhoCorasick::builder()
                 .match_kind(MatchKind::LeftmostFirst)
                 .build(unreachable_bytes())
                 .map_err(|e| format!("model.vocab: {e}"))?;
-            let ranks = entries
-                .iter()
-                .enumerate()
-                .map(|(rank, entry)| (entry.as_slice(), rank as u32))
-                .collect();
-            (Some(matcher), ranks)
+            let mut by_pair = FxHashMap::default();
+            for (place, &(left, right, made)) in merges.iter().enumerate() {
+                by_pair.entry((left, right)).or_insert((place as u32, made));
+            }
+            (Some(matcher), by_pair)
         };
+        let mut byte_ids = [0u32; 256];
+        for (&(id, _), bytes) in by_id.iter().zip(entries.iter()) {
+            if let [byte] = bytes.as_slice() {
+                byte_ids[usize::from(*byte)] = u32::try_from(id).unwrap_or(0);
+            }
+        }
         let longest_entry = whole_tokens.iter().map(|t| t.len()).max().unwrap_or(1);
         let longest_added = added.iter().map(|t| t.len()).max().unwrap_or(1);
         let added_matcher = if added.is_empty() {
@@ -253,6 +266,20 @@ impl ModelVocabulary {
             }
             run_block[usize::from(byte)] = u16::try_from(block).unwrap_or(0);
         }
+        let mut longest_exactly = [0u16; 64];
+        for entry in entries.iter() {
+            let classes = classes_of(entry);
+            let len = u16::try_from(entry.len()).unwrap_or(u16::MAX);
+            longest_exactly[classes] = longest_exactly[classes].max(len);
+        }
+        let mut longest_within = [1u16; 64];
+        for (set, longest) in longest_within.iter_mut().enumerate() {
+            for (subset, &len) in longest_exactly.iter().enumerate() {
+                if subset & !set == 0 {
+                    *longest = (*longest).max(len);
+                }
+            }
+        }
         Ok(ModelVocabulary {
             source: source.to_owned(),
             bpe,
@@ -260,10 +287,12 @@ impl ModelVocabulary {
             nfc,
             added: added_matcher,
             unreachable,
-            ranks,
+            merges,
+            byte_ids,
             whole_tokens,
             max_token_bytes,
             run_block,
+            longest_within,
             template,
         })
     }
@@ -335,6 +364,12 @@ impl ModelVocabulary {
                 let piece = regex_piece(&self.splitter, cache, &text[at..]);
                 at += piece.len();
                 let remaining = limit - total;
+                if piece.len() > RUN_MIN_BYTES {
+                    let longest = usize::from(self.longest_within[classes_of(piece)]);
+                    if piece.len().div_ceil(longest) > remaining {
+                        return None;
+                    }
+                }
                 let tokens = if let Some(tokens) = self.count_run(piece) {
                     tokens
                 } else if piece.len() == 1 || self.whole_tokens.contains(piece) {
@@ -344,7 +379,12 @@ impl ModelVocabulary {
                     .as_ref()
                     .is_some_and(|matcher| matcher.is_match(piece))
                 {
-                    merge_by_rank(piece, &self.ranks)
+                    // Parts are numbered in u32; no body comes near 4 GiB (tokens.max_body_bytes
+                    // and Envoy's buffer limit stop it long before), but never misnumber one.
+                    if piece.len() >= u32::MAX as usize {
+                        return None;
+                    }
+                    self.merge_by_list(piece)
                 } else {
                     self.bpe.count_till_limit(piece, remaining)?
                 };
@@ -384,6 +424,23 @@ impl ModelVocabulary {
         let short = margin + (piece.len() - margin) % block;
         let tokens = self.bpe.count(&piece[..short]);
         Some(tokens + (piece.len() - short) / block)
+    }
+}
+
+/// The classes of bytes in `bytes`, one bit each (`longest_within`): white space, lowercase,
+/// uppercase, digits, other ASCII, and any byte of a non-ASCII character.
+fn classes_of(bytes: &[u8]) -> usize {
+    bytes.iter().fold(0, |set, &b| set | byte_class(b))
+}
+
+fn byte_class(b: u8) -> usize {
+    match b {
+        b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c => 1,
+        b'a'..=b'z' => 2,
+        b'A'..=b'Z' => 4,
+        b'0'..=b'9' => 8,
+        0..=0x7f => 16,
+        _ => 32,
     }
 }
 
@@ -500,10 +557,20 @@ fn added_tokens(json: &Value) -> Result<HashSet<&str>, String> {
 
 /// Every merge `a b` makes a token `ab`, and the ids of the tokens they make never decrease:
 /// then merging in list order is merging lowest id first.
-fn check_merges(merges: Option<&Value>, ids: &HashMap<&str, u64>) -> Result<(), String> {
+/// Returns the merges as ids, `(left, right, made)`, in list order.
+fn check_merges(
+    merges: Option<&Value>,
+    ids: &HashMap<&str, u64>,
+) -> Result<Vec<(u32, u32, u32)>, String> {
     let merges = merges
         .and_then(Value::as_array)
         .ok_or("model.merges: missing or not a list")?;
+    let mut pairs = Vec::with_capacity(merges.len());
+    let id_of = |token: &str, i: usize| -> Result<u32, String> {
+        ids.get(token)
+            .and_then(|&id| u32::try_from(id).ok())
+            .ok_or_else(|| format!("model.merges[{i}]: {token:?} is no token of the vocabulary"))
+    };
     let mut last = 0;
     let mut joined = String::new();
     for (i, merge) in merges.iter().enumerate() {
@@ -530,8 +597,9 @@ fn check_merges(merges: Option<&Value>, ids: &HashMap<&str, u64>) -> Result<(), 
             ));
         }
         last = id;
+        pairs.push((id_of(a, i)?, id_of(b, i)?, id as u32));
     }
-    Ok(())
+    Ok(pairs)
 }
 
 /// The ranks (ascending) of the entries `bpe` cannot hold: those that merging lowest rank first,
@@ -553,47 +621,69 @@ fn unreachable_entries(entries: &[Vec<u8>]) -> Vec<usize> {
     unreachable
 }
 
-/// How many tokens merging `piece` lowest rank first (leftmost on ties) leaves: the rule
-/// tiktoken and Hugging Face `tokenizers` both follow, exact for any vocabulary. A heap of
-/// candidate pairs over a linked list of parts, so O(n log n) in the piece's length.
-fn merge_by_rank(piece: &[u8], ranks: &FxHashMap<&'static [u8], u32>) -> usize {
-    use std::cmp::Reverse;
-    use std::collections::BinaryHeap;
-    let n = piece.len();
-    // Part i covers piece[i..end[i]] while alive; next[i] is the start of the part after it.
-    let mut end: Vec<usize> = (1..=n).collect();
-    let mut prev: Vec<usize> = (0..n).map(|i| i.wrapping_sub(1)).collect();
-    let mut alive = vec![true; n];
-    let mut heap = BinaryHeap::new();
-    let pair_rank = |left: usize, right_end: usize| ranks.get(&piece[left..right_end]).copied();
-    for i in 0..n.saturating_sub(1) {
-        if let Some(rank) = pair_rank(i, i + 2) {
-            heap.push(Reverse((rank, i, i + 1, i + 2)));
-        }
-    }
-    let mut parts = n;
-    while let Some(Reverse((_, left, mid, right_end))) = heap.pop() {
-        // Stale if either part changed since the pair was pushed.
-        if !alive[left] || end[left] != mid || !alive[mid] || end[mid] != right_end {
-            continue;
-        }
-        alive[mid] = false;
-        end[left] = right_end;
-        parts -= 1;
-        if right_end < n {
-            prev[right_end] = left;
-            if let Some(rank) = pair_rank(left, end[right_end]) {
-                heap.push(Reverse((rank, left, right_end, end[right_end])));
+impl ModelVocabulary {
+    /// How many tokens merging `piece` as Hugging Face `tokenizers` does leaves: from single
+    /// bytes, always the adjacent pair whose merge comes first in the list, leftmost on ties,
+    /// exact for any vocabulary. A heap of candidate pairs over a linked list of parts, so
+    /// O(n log n) in the piece's length.
+    fn merge_by_list(&self, piece: &[u8]) -> usize {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        let n = piece.len();
+        let mut id: Vec<u32> = piece
+            .iter()
+            .map(|&b| self.byte_ids[usize::from(b)])
+            .collect();
+        // Part i is alive until merged into the part before it; next/prev link the alive ones.
+        let mut next: Vec<u32> = (1..=n as u32).collect();
+        let mut prev: Vec<u32> = (0..n as u32).map(|i| i.wrapping_sub(1)).collect();
+        let mut alive = vec![true; n];
+        // A candidate is its place in the list and its left part, packed so the heap orders by
+        // place, then leftmost; a pair's place names the pair, so a popped candidate whose left
+        // part now pairs at another place is stale.
+        let pack = |place: u32, left: u32| (u64::from(place) << 32) | u64::from(left);
+        let place_of = |left: u32, right: u32, id: &[u32]| {
+            self.merges
+                .get(&(id[left as usize], id[right as usize]))
+                .map(|&(place, _)| place)
+        };
+        let mut heap: BinaryHeap<Reverse<u64>> = (0..n.saturating_sub(1) as u32)
+            .filter_map(|i| place_of(i, i + 1, &id).map(|place| Reverse(pack(place, i))))
+            .collect();
+        let mut parts = n;
+        while let Some(Reverse(packed)) = heap.pop() {
+            let (place, left) = ((packed >> 32) as u32, packed as u32);
+            let right = next[left as usize];
+            if !alive[left as usize] || right as usize >= n {
+                continue;
+            }
+            let Some(&(current, made)) = self.merges.get(&(id[left as usize], id[right as usize]))
+            else {
+                continue;
+            };
+            if current != place {
+                continue;
+            }
+            id[left as usize] = made;
+            alive[right as usize] = false;
+            let after = next[right as usize];
+            next[left as usize] = after;
+            parts -= 1;
+            if (after as usize) < n {
+                prev[after as usize] = left;
+                if let Some(place) = place_of(left, after, &id) {
+                    heap.push(Reverse(pack(place, left)));
+                }
+            }
+            let before = prev[left as usize];
+            if before != u32::MAX
+                && let Some(place) = place_of(before, left, &id)
+            {
+                heap.push(Reverse(pack(place, before)));
             }
         }
-        let before = prev[left];
-        if before != usize::MAX
-            && let Some(rank) = pair_rank(before, right_end)
-        {
-            heap.push(Reverse((rank, before, left, right_end)));
-        }
+        parts
     }
-    parts
 }
 
 /// Whether merging `bytes` lowest rank first (leftmost on ties) ends in one token. Quadratic in

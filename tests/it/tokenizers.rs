@@ -306,6 +306,8 @@ fn counts_equal_hugging_face_tokenizers() {
             assert_eq!(encoding.count_till_limit(text, want), Some(want), "{model}");
             if want > 0 {
                 assert_eq!(encoding.count_till_limit(text, want - 1), None, "{model}");
+                // Far below: long pieces are refused by their length before any merging.
+                assert_eq!(encoding.count_till_limit(text, want / 2), None, "{model}");
             }
         }
         assert!(
