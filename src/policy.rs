@@ -129,7 +129,12 @@ impl std::fmt::Display for LoadedTokenizer {
         )?;
         match self.resident_bytes {
             Some(0) => write!(f, "shared with an identical rule loaded before"),
-            Some(bytes) => write!(f, "{:.1} MiB resident", bytes as f64 / (1 << 20) as f64),
+            // The growth includes the parsed file's freed buffers: an upper bound on what it keeps.
+            Some(bytes) => write!(
+                f,
+                "at most {:.1} MiB (resident memory grew that much while it was built)",
+                bytes as f64 / (1 << 20) as f64
+            ),
             None => write!(f, "memory not measured (no /proc/self/statm)"),
         }
     }
