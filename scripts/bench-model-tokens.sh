@@ -18,7 +18,7 @@ cargo build --quiet --release --example bench_tokens
 target_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
 work_dir=".tools/bench-model-tokens"
 mkdir -p "${work_dir}"
-cpu_model="$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
+cpu_model="$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')" || cpu_model="unknown CPU"
 echo "Machine: nproc $(nproc), ${cpu_model}."
 models=()
 for model in llama3 qwen2_5 mistral_nemo; do

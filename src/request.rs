@@ -605,14 +605,15 @@ fn count_prompt(json: &Map<String, Value>, counter: &mut Counter) -> Result<bool
             "must be a string, an array of strings, an array of token ids, or an array of token-id arrays",
         )
     };
+    // vLLM encodes a text prompt with the tokenizer's special tokens (`add_special_tokens`
+    // defaults to true for completions): Mistral's `<s>`, for one. Token-id prompts go as given.
+    let specials = u64::from(counter.encoding.prompt_special_tokens());
+    let mut add_prompt = |text: &str| counter.add_fixed(specials) && counter.add_text(text);
     match json.get("prompt") {
-        Some(Value::String(text)) => Ok(counter.add_text(text)),
+        Some(Value::String(text)) => Ok(add_prompt(text)),
         Some(Value::Array(items)) if !items.is_empty() => {
             if items.iter().all(Value::is_string) {
-                Ok(items
-                    .iter()
-                    .filter_map(Value::as_str)
-                    .all(|text| counter.add_text(text)))
+                Ok(items.iter().filter_map(Value::as_str).all(&mut add_prompt))
             } else if items.iter().all(Value::is_u64) {
                 Ok(counter.add_fixed(items.len() as u64))
             } else if items.iter().all(|v| {

@@ -140,6 +140,15 @@ impl Encoding {
         self.counter().count_till_limit(text, limit)
     }
 
+    /// The special tokens the tokenizer adds around a prompt encoded with
+    /// `add_special_tokens` (its post-processor's template: Mistral's `<s>`); 0 for OpenAI's.
+    pub fn prompt_special_tokens(self) -> u32 {
+        match self {
+            Encoding::Model(vocabulary) => vocabulary.prompt_special_tokens(),
+            Encoding::Cl100kBase | Encoding::O200kBase => 0,
+        }
+    }
+
     /// The model's chat template, for a model's own tokenizer loaded with one.
     pub fn chat_template(self) -> Option<&'static ChatTemplate> {
         match self {

@@ -46,9 +46,10 @@ pub(super) fn resolve_encoding(
     if let Some((_, text)) = &template {
         digest.update(text);
     }
+    let key: [u8; 32] = digest.finalize().into();
     let before = resident_bytes();
     let mut built = false;
-    let vocabulary = crate::tokens::intern(digest.finalize().into(), || {
+    let vocabulary = crate::tokens::intern(key, || {
         built = true;
         ModelVocabulary::from_json(
             &path.display().to_string(),
@@ -67,11 +68,25 @@ pub(super) fn resolve_encoding(
             _ => format!(".tokenizer_file: {}: {problem}", path.display()),
         },
     )?;
-    let grew = match (before, resident_bytes()) {
-        (Some(before), Some(after)) if built => Some(after.saturating_sub(before)),
-        (Some(_), Some(_)) => Some(0),
-        _ => None,
+    // Measured when it is built, and reported the same for every later policy that reuses it
+    // (`check-config` and the server's start each build a policy from the same files).
+    let mut measured = MEASURED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let grew = if built {
+        let grew = match (before, resident_bytes()) {
+            (Some(before), Some(after)) => Some(after.saturating_sub(before)),
+            _ => None,
+        };
+        measured.push((key, grew));
+        grew
+    } else {
+        measured
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, grew)| *grew)
     };
+    drop(measured);
     Ok((
         Encoding::Model(vocabulary),
         Some(LoadedTokenizer {
@@ -82,9 +97,13 @@ pub(super) fn resolve_encoding(
     ))
 }
 
-/// The process's resident memory, from `/proc/self/statm` (Linux); `None` elsewhere.
+/// How much resident memory building each vocabulary took, by the digest it is interned under.
+static MEASURED: std::sync::Mutex<Vec<([u8; 32], Option<u64>)>> = std::sync::Mutex::new(Vec::new());
+
+/// The process's resident memory, from `VmRSS` in `/proc/self/status` (Linux); `None` elsewhere.
 fn resident_bytes() -> Option<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some(pages * 4096)
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

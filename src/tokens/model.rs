@@ -21,7 +21,7 @@
 //!    pre-tokenizer's regex (its `\s+(?!\S)` look-ahead rewritten as in `tokens.rs`), and each
 //!    piece counted by `bpe`'s backtracking encoder, linear in the piece.
 //!
-//! Loading takes a few hundred milliseconds and tens of megabytes per vocabulary, so it happens
+//! Loading takes about a second and tens of megabytes per vocabulary, so it happens
 //! at start-up (and in `check-config`), never on the request path. A loaded vocabulary lives for
 //! the rest of the process (`&'static`): the request path copies a pointer to it.
 
@@ -39,6 +39,8 @@ use unicode_normalization::UnicodeNormalization;
 use super::regex_piece;
 use super::template::ChatTemplate;
 
+/// How far past the tokens left `bpe` may run before it gives up (see `count_pieces`).
+const BPE_LIMIT_MARGIN: usize = 64;
 /// Pieces longer than this are checked for being a run of one byte (`count_run`); shorter
 /// ones cost the encoder little however they are made.
 const RUN_MIN_BYTES: usize = 4096;
@@ -67,6 +69,10 @@ pub struct ModelVocabulary {
     merges: FxHashMap<(u32, u32), (u32, u32)>,
     /// The id of each byte's one-byte entry, where merging starts.
     byte_ids: [u32; 256],
+    /// The special tokens `post_processor` adds to one sequence (`add_special_tokens`).
+    prompt_special_tokens: u32,
+    /// `model.ignore_merges`: a piece that is an entry is that entry, whatever merging would do.
+    ignore_merges: bool,
     /// The vocabulary entries a piece may be whole (ignore_merges, or simply a token that BPE
     /// gives back as itself, which the `bpe` constructor checks for every entry).
     whole_tokens: FxHashSet<&'static [u8]>,
@@ -235,10 +241,17 @@ impl ModelVocabulary {
             (Some(matcher), by_pair)
         };
         let mut byte_ids = [0u32; 256];
+        let mut has_byte = [false; 256];
         for (&(id, _), bytes) in by_id.iter().zip(entries.iter()) {
             if let [byte] = bytes.as_slice() {
                 byte_ids[usize::from(*byte)] = u32::try_from(id).unwrap_or(0);
+                has_byte[usize::from(*byte)] = true;
             }
+        }
+        if let Some(missing) = has_byte.iter().position(|&has| !has) {
+            return Err(format!(
+                "model.vocab has no entry for the byte {missing:#04x}: not a byte-level BPE"
+            ));
         }
         let longest_entry = whole_tokens.iter().map(|t| t.len()).max().unwrap_or(1);
         let longest_added = added.iter().map(|t| t.len()).max().unwrap_or(1);
@@ -289,12 +302,19 @@ impl ModelVocabulary {
             unreachable,
             merges,
             byte_ids,
+            ignore_merges,
+            prompt_special_tokens: prompt_special_tokens(json.get("post_processor")),
             whole_tokens,
             max_token_bytes,
             run_block,
             longest_within,
             template,
         })
+    }
+
+    /// The special tokens encoding one sequence with `add_special_tokens` adds.
+    pub fn prompt_special_tokens(&self) -> u32 {
+        self.prompt_special_tokens
     }
 
     /// The file it was loaded from.
@@ -315,7 +335,9 @@ impl ModelVocabulary {
     /// `Some(count)` if `text` has at most `limit` tokens, else `None` (inclusive, as
     /// `Encoding::count_till_limit`).
     pub fn count_till_limit(&self, text: &str, limit: usize) -> Option<usize> {
-        if text.len().div_ceil(self.max_token_bytes) > limit {
+        // NFC can shrink a text (decomposed Hangul to a third), so the bound on the raw bytes
+        // holds only without it; the pieces, normalized, are bounded again below.
+        if !self.nfc && text.len().div_ceil(self.max_token_bytes) > limit {
             return None;
         }
         let mut total = 0usize;
@@ -370,23 +392,34 @@ impl ModelVocabulary {
                         return None;
                     }
                 }
+                let holds_unreachable = || {
+                    self.unreachable
+                        .as_ref()
+                        .is_some_and(|matcher| matcher.is_match(piece))
+                };
                 let tokens = if let Some(tokens) = self.count_run(piece) {
                     tokens
-                } else if piece.len() == 1 || self.whole_tokens.contains(piece) {
+                } else if piece.len() == 1 {
                     1
-                } else if self
-                    .unreachable
-                    .as_ref()
-                    .is_some_and(|matcher| matcher.is_match(piece))
-                {
+                } else if self.ignore_merges && self.whole_tokens.contains(piece) {
+                    // Hugging Face looks the whole piece up before merging anything.
+                    1
+                } else if holds_unreachable() {
                     // Parts are numbered in u32; no body comes near 4 GiB (tokens.max_body_bytes
                     // and Envoy's buffer limit stop it long before), but never misnumber one.
                     if piece.len() >= u32::MAX as usize {
                         return None;
                     }
                     self.merge_by_list(piece)
+                } else if self.whole_tokens.contains(piece) {
+                    // An entry `bpe` holds merges into itself (its constructor checks).
+                    1
                 } else {
-                    self.bpe.count_till_limit(piece, remaining)?
+                    // `bpe` gives up once it holds more than its limit plus a little slack,
+                    // which was measured for OpenAI's vocabularies only: a wider margin here,
+                    // and the exact comparison below.
+                    self.bpe
+                        .count_till_limit(piece, remaining.saturating_add(BPE_LIMIT_MARGIN))?
                 };
                 if tokens > remaining {
                     return None;
@@ -441,6 +474,33 @@ fn byte_class(b: u8) -> usize {
         b'0'..=b'9' => 8,
         0..=0x7f => 16,
         _ => 32,
+    }
+}
+
+/// How many special tokens a post-processor adds to a single sequence: the `SpecialToken`
+/// items of a `TemplateProcessing`'s `single` template (alone or in a `Sequence`); none for
+/// `ByteLevel` and the others, which add no tokens.
+fn prompt_special_tokens(post_processor: Option<&Value>) -> u32 {
+    let Some(post) = post_processor else {
+        return 0;
+    };
+    match type_of(post).as_str() {
+        "TemplateProcessing" => post
+            .get("single")
+            .and_then(Value::as_array)
+            .map_or(0, |items| {
+                items
+                    .iter()
+                    .filter(|i| i.get("SpecialToken").is_some())
+                    .count() as u32
+            }),
+        "Sequence" => post
+            .get("processors")
+            .and_then(Value::as_array)
+            .map_or(0, |all| {
+                all.iter().map(|p| prompt_special_tokens(Some(p))).sum()
+            }),
+        _ => 0,
     }
 }
 

@@ -5,15 +5,17 @@
 //! environment: `trim_blocks`, `lstrip_blocks`, loop controls, Python's string and dict methods,
 //! `raise_exception`, `strftime_now`, and the special tokens as variables.
 //!
-//! Pure: `strftime_now` answers a fixed date (a date is the same handful of tokens whatever the
-//! day), so a count never depends on the clock.
+//! Pure: `strftime_now` answers a fixed date whatever the format (templates ask for
+//! `%d %b %Y`, "26 Jul 2024"; another day costs the same handful of tokens, give or take one),
+//! so a count never depends on the clock.
 
+use minijinja::value::Kwargs;
 use minijinja::{Environment, Error, ErrorKind, Value as Jinja};
 use serde_json::Value;
 
 /// The name the template is registered under in its environment.
 const NAME: &str = "chat";
-/// What `strftime_now` renders, whatever the format: a day of the right shape.
+/// What `strftime_now` renders, whatever the format: a day as `%d %b %Y` spells it.
 const FIXED_DATE: &str = "26 Jul 2024";
 
 /// A compiled chat template and the special tokens it refers to.
@@ -64,6 +66,7 @@ impl ChatTemplate {
             },
         );
         env.add_function("strftime_now", |_format: String| FIXED_DATE.to_owned());
+        env.add_filter("tojson", python_tojson);
         env.add_template_owned(NAME, source)
             .map_err(|e| format!("the template does not compile: {e}"))?;
         Ok(ChatTemplate { env, special })
@@ -85,5 +88,120 @@ impl ChatTemplate {
         }
         let context: Jinja = context.into_iter().collect();
         template.render(context).map_err(|e| e.to_string())
+    }
+}
+
+/// `tojson` as `transformers` defines it: Python's `json.dumps(value, ensure_ascii=False,
+/// indent=indent, separators=separators, sort_keys=sort_keys)`, so tool definitions render with
+/// the same spacing and characters as upstream (minijinja's own `tojson` is compact and escapes
+/// HTML). One difference stays: maps come out with their keys sorted, where Python keeps the
+/// client's order (the same text, reordered).
+fn python_tojson(value: Jinja, kwargs: Kwargs) -> Result<String, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let _sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let (item, key) = match separators.as_deref() {
+        Some([item, key]) => (item.clone(), key.clone()),
+        _ if indent.is_some() => (",".to_owned(), ": ".to_owned()),
+        _ => (", ".to_owned(), ": ".to_owned()),
+    };
+    let style = Style {
+        indent,
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+        item,
+        key,
+    };
+    let mut out = String::new();
+    style.write(&json, 0, &mut out);
+    Ok(out)
+}
+
+struct Style {
+    indent: Option<usize>,
+    ensure_ascii: bool,
+    item: String,
+    key: String,
+}
+
+impl Style {
+    fn write(&self, value: &Value, depth: usize, out: &mut String) {
+        match value {
+            Value::Array(items) if !items.is_empty() => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    self.separate(i, depth + 1, out);
+                    self.write(item, depth + 1, out);
+                }
+                self.close(depth, out);
+                out.push(']');
+            }
+            Value::Object(map) if !map.is_empty() => {
+                out.push('{');
+                for (i, (k, v)) in map.iter().enumerate() {
+                    self.separate(i, depth + 1, out);
+                    self.string(k, out);
+                    out.push_str(&self.key);
+                    self.write(v, depth + 1, out);
+                }
+                self.close(depth, out);
+                out.push('}');
+            }
+            Value::Array(_) => out.push_str("[]"),
+            Value::Object(_) => out.push_str("{}"),
+            Value::String(s) => self.string(s, out),
+            Value::Null => out.push_str("null"),
+            other => out.push_str(&other.to_string()),
+        }
+    }
+
+    /// Before item `i`: the item separator (not before the first), then the indentation.
+    fn separate(&self, i: usize, depth: usize, out: &mut String) {
+        if i > 0 {
+            match self.indent {
+                // Python strips the trailing space of the item separator when indenting.
+                Some(_) => out.push_str(self.item.trim_end()),
+                None => out.push_str(&self.item),
+            }
+        }
+        if let Some(indent) = self.indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(indent * depth));
+        }
+    }
+
+    fn close(&self, depth: usize, out: &mut String) {
+        if let Some(indent) = self.indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(indent * depth));
+        }
+    }
+
+    /// A JSON string as Python writes it: `\n`, `\t` and friends by name, other control
+    /// characters as `\u00XX`, and with `ensure_ascii` everything past ASCII as `\uXXXX`.
+    fn string(&self, s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ensure_ascii && !c.is_ascii()) => {
+                    let mut units = [0u16; 2];
+                    for unit in c.encode_utf16(&mut units) {
+                        out.push_str(&format!("\\u{unit:04x}"));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
     }
 }

@@ -59,7 +59,15 @@ fn policy_for(model: &str, pattern: &str) -> Policy {
 }
 
 /// The reference's answer for `request` (see tests/fixtures/tokenizers/reference.py).
-fn reference(model: &str, texts: &[String], chats: &[Value]) -> (Vec<usize>, Vec<Option<usize>>) {
+/// What the reference counts for `model`: each text, each chat (`None` where its template
+/// refuses it) and each completions prompt.
+struct Counted {
+    texts: Vec<usize>,
+    chats: Vec<Option<usize>>,
+    prompts: Vec<usize>,
+}
+
+fn reference(model: &str, texts: &[String], chats: &[Value], prompts: &[&str]) -> Counted {
     let dir = model_dir(model);
     let tools = repo_root().join(".tools/py-tokenizers");
     assert!(
@@ -72,6 +80,7 @@ fn reference(model: &str, texts: &[String], chats: &[Value]) -> (Vec<usize>, Vec
         "config": dir.join("tokenizer_config.json"),
         "texts": texts,
         "chats": chats,
+        "prompts": prompts,
     });
     let mut child = Command::new("python3")
         .env("PYTHONPATH", &tools)
@@ -95,19 +104,25 @@ fn reference(model: &str, texts: &[String], chats: &[Value]) -> (Vec<usize>, Vec
         String::from_utf8_lossy(&output.stderr)
     );
     let answer: Value = serde_json::from_slice(&output.stdout).expect("reference.py writes JSON");
-    let texts = answer["texts"]
-        .as_array()
-        .expect("texts")
-        .iter()
-        .map(|n| n.as_u64().expect("a count") as usize)
-        .collect();
-    let chats = answer["chats"]
-        .as_array()
-        .expect("chats")
-        .iter()
-        .map(|n| n.as_u64().map(|n| n as usize))
-        .collect();
-    (texts, chats)
+    let counts = |key: &str| -> Vec<Option<usize>> {
+        answer[key]
+            .as_array()
+            .unwrap_or_else(|| panic!("reference.py answers {key}"))
+            .iter()
+            .map(|n| n.as_u64().map(|n| n as usize))
+            .collect()
+    };
+    let all = |key: &str| -> Vec<usize> {
+        counts(key)
+            .into_iter()
+            .map(|n| n.expect("a count"))
+            .collect()
+    };
+    Counted {
+        texts: all("texts"),
+        chats: counts("chats"),
+        prompts: all("prompts"),
+    }
 }
 
 /// Knuth's MMIX LCG: the same generated text on every run.
@@ -277,6 +292,20 @@ fn chats() -> Vec<Value> {
             ]}
         ]}),
         json!({"messages": [{"role": "user", "content": "<|im_start|>user [INST] <s> tricky"}]}),
+        // Tools, which Qwen's and Mistral's templates render with `tojson` (keys written in
+        // sorted order, as tollgate's `tojson` writes them; Python keeps the client's order).
+        json!({
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": [{"function": {
+                "description": "Get the weather, \"now\" — in °C",
+                "name": "get_weather",
+                "parameters": {
+                    "properties": {"city": {"description": "City name", "type": "string"}},
+                    "required": ["city"],
+                    "type": "object"
+                }
+            }, "type": "function"}]
+        }),
     ]
 }
 
@@ -290,7 +319,7 @@ fn counts_equal_hugging_face_tokenizers() {
             matches!(encoding, Encoding::Model(_)),
             "{name} counts with {model}'s own tokenizer, not {encoding:?}"
         );
-        let (expected, _) = reference(model, &texts, &[]);
+        let expected = reference(model, &texts, &[], &[]).texts;
         let mut mismatches = Vec::new();
         for (text, &want) in texts.iter().zip(&expected) {
             let got = encoding.count(text);
@@ -326,7 +355,7 @@ fn chats_count_what_the_template_renders() {
     let chats = chats();
     for (model, name) in MODELS {
         let policy = policy_for(model, "*");
-        let (_, expected) = reference(model, &[], &chats);
+        let expected = reference(model, &[], &chats, &[]).chats;
         for (chat, want) in chats.iter().zip(expected) {
             let want = want.unwrap_or_else(|| panic!("{model}: the template refused {chat}"));
             let mut body = chat.clone();
@@ -351,6 +380,37 @@ fn chats_count_what_the_template_renders() {
     }
 }
 
+/// A completions prompt counts as vLLM encodes it, with the tokenizer's special tokens
+/// (`add_special_tokens=True`: Mistral's `<s>`, none for Llama 3's and Qwen's files).
+#[test]
+fn completions_prompts_count_with_the_tokenizers_special_tokens() {
+    let prompts = [
+        "Once upon a time",
+        "def fibonacci(n):\n    ",
+        "東京都渋谷区。 <s> [INST]",
+        "",
+    ];
+    for (model, name) in MODELS {
+        let policy = policy_for(model, "*");
+        let expected = reference(model, &[], &[], &prompts).prompts;
+        for (prompt, want) in prompts.iter().zip(expected) {
+            let body = json!({"model": name, "prompt": prompt});
+            let parsed = parse_body(
+                &policy,
+                ApiKind::Completions,
+                body.to_string().as_bytes(),
+                u32::MAX,
+            )
+            .unwrap_or_else(|e| panic!("{model}: {prompt:?} parses: {e:?}"));
+            assert_eq!(
+                parsed.input,
+                InputCount::Exact(want as u32),
+                "{model}: {prompt:?}"
+            );
+        }
+    }
+}
+
 /// A conversation the template refuses (Mistral's insists that roles alternate) is still
 /// counted, by the per-message recipe, rather than refused by tollgate.
 #[test]
@@ -363,11 +423,13 @@ fn a_conversation_the_template_refuses_is_counted_by_the_recipe() {
             {"role": "user", "content": "two"}
         ]
     });
-    let (_, rendered) = reference(
+    let rendered = reference(
         "mistral_nemo",
         &[],
         &[json!({"messages": body["messages"].clone()})],
-    );
+        &[],
+    )
+    .chats;
     assert_eq!(
         rendered,
         vec![None],
