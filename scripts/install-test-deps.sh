@@ -137,17 +137,19 @@ require_pip() {
         die "pip is missing for python3 (needed for ${package}). Install it: apt-get install -y python3-pip (or python3 -m ensurepip)"
 }
 
-# pip_install_target DIR REQUIREMENT: installs REQUIREMENT (and its dependencies) into DIR, from
-# scratch, for the python3 on PATH (the one the tests run).
+# pip_install_target DIR REQUIREMENT...: installs the REQUIREMENTs (and their dependencies) into
+# DIR, from scratch, for the python3 on PATH (the one the tests run).
 pip_install_target() {
-    local target="$1" requirement="$2"
+    local target="$1"
+    shift
+    local requirement="$*"
     require_pip "${requirement}"
     note "${requirement}: installing from PyPI into ${target}"
     rm -rf "${target}"
     local pip_log
     pip_log="$(mktemp)"
     if ! python3 -m pip install --quiet --disable-pip-version-check --no-input \
-        --target "${target}" "${requirement}" >"${pip_log}" 2>&1; then
+        --target "${target}" "$@" >"${pip_log}" 2>&1; then
         cat "${pip_log}" >&2
         rm -f "${pip_log}"
         rm -rf "${target}"
@@ -245,16 +247,7 @@ install_hf_tokenizers() {
         note "tokenizers ${HF_TOKENIZERS_VERSION}: already installed (${target})"
         return 0
     fi
-    pip_install_target "${target}" "tokenizers==${HF_TOKENIZERS_VERSION}"
-    local pip_log
-    pip_log="$(mktemp)"
-    if ! python3 -m pip install --quiet --disable-pip-version-check --no-input --target "${target}" \
-        "jinja2==${JINJA2_VERSION}" >"${pip_log}" 2>&1; then
-        cat "${pip_log}" >&2
-        rm -f "${pip_log}"
-        die "pip could not install jinja2==${JINJA2_VERSION}. Check that PyPI is reachable."
-    fi
-    rm -f "${pip_log}"
+    pip_install_target "${target}" "tokenizers==${HF_TOKENIZERS_VERSION}" "jinja2==${JINJA2_VERSION}"
     PYTHONPATH="${target}" python3 -c "${check}" ||
         die "tokenizers==${HF_TOKENIZERS_VERSION} and jinja2==${JINJA2_VERSION} installed into ${target}, but python3 cannot import them"
     note "tokenizers ${HF_TOKENIZERS_VERSION}: installed"

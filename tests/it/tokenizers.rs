@@ -360,23 +360,23 @@ fn chats_count_what_the_template_renders() {
             let want = want.unwrap_or_else(|| panic!("{model}: the template refused {chat}"));
             let mut body = chat.clone();
             body["model"] = json!(name);
-            let parsed = parse_body(
-                &policy,
-                ApiKind::Chat,
-                body.to_string().as_bytes(),
-                u32::MAX,
-            )
-            .unwrap_or_else(|e| panic!("{model}: {chat} parses: {e:?}"));
-            let InputCount::Exact(got) = parsed.input else {
-                panic!("{model}: no ceiling was set")
-            };
-            let got = got as usize;
+            let got = input_tokens(&policy, ApiKind::Chat, &body) as usize;
             println!("{model}: chat counted {got}, template {want}");
             assert!(
                 got.abs_diff(want) <= 2,
                 "{model}: {chat}: tollgate counted {got}, the rendered template has {want} tokens"
             );
         }
+    }
+}
+
+/// The input tokens tollgate counts for a request `body`, with no ceiling.
+fn input_tokens(policy: &Policy, api: ApiKind, body: &Value) -> u32 {
+    let parsed = parse_body(policy, api, body.to_string().as_bytes(), u32::MAX)
+        .unwrap_or_else(|e| panic!("{body} parses: {e:?}"));
+    match parsed.input {
+        InputCount::Exact(n) => n,
+        InputCount::OverCeiling => panic!("{body}: over a ceiling of u32::MAX"),
     }
 }
 
@@ -395,18 +395,8 @@ fn completions_prompts_count_with_the_tokenizers_special_tokens() {
         let expected = reference(model, &[], &[], &prompts).prompts;
         for (prompt, want) in prompts.iter().zip(expected) {
             let body = json!({"model": name, "prompt": prompt});
-            let parsed = parse_body(
-                &policy,
-                ApiKind::Completions,
-                body.to_string().as_bytes(),
-                u32::MAX,
-            )
-            .unwrap_or_else(|e| panic!("{model}: {prompt:?} parses: {e:?}"));
-            assert_eq!(
-                parsed.input,
-                InputCount::Exact(want as u32),
-                "{model}: {prompt:?}"
-            );
+            let got = input_tokens(&policy, ApiKind::Completions, &body);
+            assert_eq!(got, want as u32, "{model}: {prompt:?}");
         }
     }
 }
@@ -435,14 +425,18 @@ fn a_conversation_the_template_refuses_is_counted_by_the_recipe() {
         vec![None],
         "the reference template refuses it too"
     );
-    let parsed = parse_body(
-        &policy,
-        ApiKind::Chat,
-        body.to_string().as_bytes(),
-        u32::MAX,
-    )
-    .expect("counted, not refused");
-    assert!(matches!(parsed.input, InputCount::Exact(n) if n > 0));
+    // Counted, not refused, and just as the same tokenizer counts it with no template.
+    let mut config = Config::default();
+    config.tokens.encodings = vec![EncodingRule {
+        pattern: "mistral*".to_owned(),
+        encoding: None,
+        tokenizer_file: Some(model_dir("mistral_nemo").join("tokenizer.json")),
+        chat_template_file: None,
+    }];
+    let without_template = Policy::from_config(&config).expect("loads");
+    let recipe = input_tokens(&without_template, ApiKind::Chat, &body);
+    assert!(recipe > 0);
+    assert_eq!(input_tokens(&policy, ApiKind::Chat, &body), recipe);
 }
 
 #[test]
