@@ -62,6 +62,8 @@ def main() -> int:
         "a*1Mi": "a" * ADVERSARIAL_BYTES,
         "random-letters": lcg_letters(ADVERSARIAL_BYTES, 1),
         "-*1Mi": "-" * ADVERSARIAL_BYTES,
+        # as examples/bench_tokens.rs: a word Llama 3 makes only in context, repeated
+        "talya*": "talya" * (ADVERSARIAL_BYTES // 5),
     }
     hf = {name: Tokenizer.from_file(os.path.join(d, "tokenizer.json")) for name, d in models.items()}
     rust_mbps, rust_adv, py_mbps, py_adv, tokens, mismatches = {}, {}, {}, {}, {}, []

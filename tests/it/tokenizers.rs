@@ -200,6 +200,10 @@ fn corpus() -> Vec<String> {
     texts.push("漢".repeat(5_000));
     texts.push("😀".repeat(2_000));
     texts.push("記憶している".repeat(3_000));
+    // Llama 3's "talya" and "iyesi" are also made only in context: repeated (no cut), and
+    // inside random letters (cut where two letters stand side by side in no entry).
+    texts.push("talya".repeat(2_000));
+    texts.push("iyesiktedir".repeat(500));
     // Long runs of one byte, counted by their period (`count_run`): every length modulo the
     // block, for the bytes whose runs the vocabularies hold long entries of.
     for (i, byte) in [
@@ -217,6 +221,16 @@ fn corpus() -> Vec<String> {
     texts.push(
         (0..40_000)
             .map(|_| letters[rng.below(letters.len())])
+            .collect(),
+    );
+    texts.push(
+        (0..2_000)
+            .map(|i| {
+                let word: String = (0..rng.below(12))
+                    .map(|_| letters[rng.below(letters.len())])
+                    .collect();
+                if i % 7 == 0 { word + "talya" } else { word }
+            })
             .collect(),
     );
     // Generated text: words, punctuation, digits, scripts and white space mixed.
