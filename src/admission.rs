@@ -35,6 +35,8 @@ pub struct Admission {
     pub upstream_headers: Vec<(&'static str, String)>,
     /// The rewritten body, if anything had to change.
     pub new_body: Option<Vec<u8>>,
+    /// The model's chat template refused the chat; the recipe counted it.
+    pub chat_template_refused: bool,
 }
 
 impl Admission {
@@ -80,7 +82,7 @@ fn admit(policy: &Policy, head: &InferenceHead, body: &[u8]) -> Result<Admission
         input,
         max_output,
         choices,
-        ..
+        template_refused,
     } = request::parse_body(policy, head.api, body, tier.max_input_tokens)?;
 
     let input_tokens = match input {
@@ -162,6 +164,7 @@ fn admit(policy: &Policy, head: &InferenceHead, body: &[u8]) -> Result<Admission
         max_output_tokens,
         choices,
         new_body,
+        chat_template_refused: template_refused,
     })
 }
 

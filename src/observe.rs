@@ -35,6 +35,7 @@ pub const STREAM_COMPLETIONS: &str = "tollgate_stream_completions_total";
 pub const HELD_STREAMS: &str = "tollgate_held_streams";
 pub const DECISION_DURATION: &str = "tollgate_decision_duration_seconds";
 pub const PROTOCOL_ERRORS: &str = "tollgate_protocol_errors_total";
+pub const CHAT_TEMPLATE_FALLBACKS: &str = "tollgate_chat_template_fallbacks_total";
 pub const INFLIGHT_LIMIT: &str = "tollgate_inflight_limit";
 pub const INFLIGHT: &str = "tollgate_inflight_requests";
 pub const QUEUED: &str = "tollgate_queued_requests";
@@ -390,6 +391,7 @@ struct Inner {
     held_streams: Gauge,
     decision_duration: Histogram,
     protocol_errors: Vec<Counter>,
+    chat_template_fallbacks: Counter,
     inflight_limit: Gauge,
     inflight: Gauge,
     queued: Vec<Gauge>,
@@ -513,6 +515,11 @@ impl Metrics {
             PROTOCOL_ERRORS,
             Unit::Count,
             "ext_proc message sequences that broke the protocol, by kind.",
+        );
+        r.describe_counter(
+            CHAT_TEMPLATE_FALLBACKS,
+            Unit::Count,
+            "Admitted chats a model's chat template refused, counted by the per-message recipe.",
         );
 
         r.describe_gauge(
@@ -714,6 +721,7 @@ impl Metrics {
                 .collect(),
             held_streams: r.gauge(HELD_STREAMS, &[]),
             decision_duration: r.histogram(DECISION_DURATION, &[]),
+            chat_template_fallbacks: r.counter(CHAT_TEMPLATE_FALLBACKS, &[]),
             protocol_errors: ProtocolError::ALL
                 .iter()
                 .map(|k| r.counter(PROTOCOL_ERRORS, &[("kind", k.label())]))
@@ -885,6 +893,11 @@ impl Metrics {
 
     pub fn decision_duration(&self, seconds: f64) {
         self.inner.decision_duration.record(seconds);
+    }
+
+    /// Counts an admitted chat whose model's template refused it (see `request::ParsedBody`).
+    pub fn chat_template_fallback(&self) {
+        self.inner.chat_template_fallbacks.increment(1);
     }
 
     pub fn protocol_error(&self, kind: ProtocolError) {

@@ -631,6 +631,9 @@ impl<'p> RequestLife<'p> {
         let metrics = &pipeline.metrics;
         metrics.request(RequestOutcome::Admitted);
         metrics.estimated_input_tokens(tier, admission.input_tokens);
+        if admission.chat_template_refused {
+            metrics.chat_template_fallback();
+        }
         let (input, output) = admission.reserved_tokens();
         metrics.budget_tokens(tier, TokenKind::Input, TokenStage::Reserved, input);
         metrics.budget_tokens(tier, TokenKind::Output, TokenStage::Reserved, output);

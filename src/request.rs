@@ -247,6 +247,9 @@ pub struct ParsedBody {
     pub max_output: MaxOutput,
     /// `n`: how many completions the upstream generates, each up to the output limit.
     pub choices: u32,
+    /// The model's chat template refused this chat (as vLLM would), so it was counted by the
+    /// per-message recipe instead.
+    pub template_refused: bool,
 }
 
 /// Input tokens, counted exactly until the ceiling and no further (a 1 MB prompt over the
@@ -314,13 +317,17 @@ pub fn parse_body(
     let max_output = max_output(&json)?;
 
     let mut counter = Counter::new(encoding, input_ceiling as u64);
+    let mut template_refused = false;
     let within = match (api, encoding.chat_template()) {
         (ApiKind::Chat, Some(template)) => {
             match count_templated_chat(policy, template, &json, &mut counter)? {
                 Some(within) => within,
                 // The template refused this conversation (as vLLM would): counted by the
                 // recipe instead, so the request is still judged on its size.
-                None => count_chat(policy, &json, &mut counter)?,
+                None => {
+                    template_refused = true;
+                    count_chat(policy, &json, &mut counter)?
+                }
             }
         }
         (ApiKind::Chat, None) => count_chat(policy, &json, &mut counter)?,
@@ -339,6 +346,7 @@ pub fn parse_body(
         input,
         max_output,
         choices,
+        template_refused,
     })
 }
 

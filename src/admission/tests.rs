@@ -362,6 +362,7 @@ fn admission_carries_identity_cost_and_upstream_headers() {
             ("x-tollgate-input-tokens", input_tokens.to_string()),
         ],
         new_body: None,
+        chat_template_refused: false,
     };
     assert_eq!(
         decide(p, "clamped", ApiKind::Chat, &body),

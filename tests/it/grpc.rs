@@ -41,7 +41,7 @@ pub(crate) fn immediate_json(response: &ProcessingResponse) -> (i32, String, Val
 }
 
 /// Headers set by a request body response, as (name, value).
-fn body_set_headers(response: &ProcessingResponse) -> Vec<(String, String)> {
+pub(crate) fn body_set_headers(response: &ProcessingResponse) -> Vec<(String, String)> {
     let Some(Response::RequestBody(body)) = &response.response else {
         panic!("expected a request_body answer, got {response:?}");
     };

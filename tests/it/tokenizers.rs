@@ -576,3 +576,72 @@ fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
         "{stderr}"
     );
 }
+
+/// Through the gRPC server: a chat Mistral's template refuses is admitted, counted as the
+/// tokenizer alone counts it, and counted in `tollgate_chat_template_fallbacks_total`, whose
+/// series exists from start-up.
+#[tokio::test]
+async fn a_refused_template_is_admitted_and_counted_in_a_metric() {
+    use crate::support::server::{TestServer, request_body, request_headers};
+    let dir = model_dir("mistral_nemo");
+    let mut config = Config::default();
+    config.tokens.encodings = vec![EncodingRule {
+        pattern: "mistral*".to_owned(),
+        encoding: None,
+        tokenizer_file: Some(dir.join("tokenizer.json")),
+        chat_template_file: Some(dir.join("tokenizer_config.json")),
+    }];
+    let server = TestServer::start(config).await;
+    // The server builds the tokenizer before it serves: seconds in a debug build.
+    let ready = tokio::time::timeout(std::time::Duration::from_secs(120), async {
+        while server.try_metrics().await.is_err() {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    });
+    ready.await.expect("tollgate serves within 120 s");
+    let fallbacks = |m: &crate::support::server::Metrics| {
+        // `value` panics if the series is missing: it must exist before the first event.
+        m.value("tollgate_chat_template_fallbacks_total", &[])
+    };
+    let before = server.metrics().await;
+    assert_eq!(fallbacks(&before), 0.0);
+    let body = json!({
+        "model": "mistral-nemo",
+        "messages": [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]
+    });
+    let mut stream = server.stream().await;
+    stream
+        .exchange(request_headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+                ("content-type", "application/json"),
+                ("x-user-id", "alice"),
+            ],
+            false,
+        ))
+        .await;
+    let answer = stream
+        .exchange(request_body(body.to_string().as_bytes()))
+        .await;
+    let counted = crate::grpc::body_set_headers(&answer)
+        .into_iter()
+        .find(|(k, _)| k == "x-tollgate-input-tokens")
+        .map(|(_, v)| v)
+        .expect("admitted, with its count");
+    let without_template = {
+        let mut config = Config::default();
+        config.tokens.encodings = vec![EncodingRule {
+            pattern: "mistral*".to_owned(),
+            encoding: None,
+            tokenizer_file: Some(dir.join("tokenizer.json")),
+            chat_template_file: None,
+        }];
+        Policy::from_config(&config).expect("loads")
+    };
+    assert_eq!(
+        counted,
+        input_tokens(&without_template, ApiKind::Chat, &body).to_string()
+    );
+    assert_eq!(fallbacks(&server.metrics().await) - fallbacks(&before), 1.0);
+}

@@ -62,9 +62,14 @@ impl TestServer {
     }
 
     pub async fn metrics(&self) -> Metrics {
-        tollgate_testkit::metrics::scrape(self.admin)
+        self.try_metrics()
             .await
             .unwrap_or_else(|error| panic!("{error:#}"))
+    }
+
+    /// One scrape; an error while the server is still starting.
+    pub async fn try_metrics(&self) -> anyhow::Result<Metrics> {
+        tollgate_testkit::metrics::scrape(self.admin).await
     }
 
     /// Polls until `name{labels}` equals `want`, and returns that scrape; panics with the last
