@@ -47,15 +47,30 @@ fn model_dir(model: &str) -> PathBuf {
 
 /// A policy whose only rule sends `pattern` to `model`'s tokenizer and chat template.
 fn policy_for(model: &str, pattern: &str) -> Policy {
+    policy_of(config_for(model, pattern, true))
+}
+
+/// The same without the chat template: chats framed by the per-message recipe.
+fn policy_without_template(model: &str, pattern: &str) -> Policy {
+    policy_of(config_for(model, pattern, false))
+}
+
+/// A default configuration whose only rule sends `pattern` to `model`'s tokenizer (and chat
+/// template, `with_template`).
+fn config_for(model: &str, pattern: &str, with_template: bool) -> Config {
     let dir = model_dir(model);
     let mut config = Config::default();
     config.tokens.encodings = vec![EncodingRule {
         pattern: pattern.to_owned(),
         encoding: None,
         tokenizer_file: Some(dir.join("tokenizer.json")),
-        chat_template_file: Some(dir.join("tokenizer_config.json")),
+        chat_template_file: with_template.then(|| dir.join("tokenizer_config.json")),
     }];
-    Policy::from_config(&config).unwrap_or_else(|e| panic!("the {model} rule loads: {e}"))
+    config
+}
+
+fn policy_of(config: Config) -> Policy {
+    Policy::from_config(&config).unwrap_or_else(|e| panic!("the rule loads: {e}"))
 }
 
 /// The reference's answer for `request` (see tests/fixtures/tokenizers/reference.py).
@@ -440,14 +455,7 @@ fn a_conversation_the_template_refuses_is_counted_by_the_recipe() {
         "the reference template refuses it too"
     );
     // Counted, not refused, and just as the same tokenizer counts it with no template.
-    let mut config = Config::default();
-    config.tokens.encodings = vec![EncodingRule {
-        pattern: "mistral*".to_owned(),
-        encoding: None,
-        tokenizer_file: Some(model_dir("mistral_nemo").join("tokenizer.json")),
-        chat_template_file: None,
-    }];
-    let without_template = Policy::from_config(&config).expect("loads");
+    let without_template = policy_without_template("mistral_nemo", "mistral*");
     let recipe = input_tokens(&without_template, ApiKind::Chat, &body);
     assert!(recipe > 0);
     assert_eq!(input_tokens(&policy, ApiKind::Chat, &body), recipe);
@@ -518,6 +526,15 @@ fn missing_or_malformed_files_are_configuration_errors_naming_them() {
     }
 }
 
+/// `tollgate check-config FILE`, quiet but for its own output.
+fn check_config(file: &std::path::Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["check-config", file.to_str().expect("utf-8")])
+        .env("RUST_LOG", "error")
+        .output()
+        .expect("run tollgate")
+}
+
 /// `tollgate check-config` loads the model's files, reports each tokenizer with the memory it
 /// took, and refuses a rule whose file is missing, naming it (exit status 2).
 #[test]
@@ -536,11 +553,7 @@ fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
         ),
     )
     .expect("write");
-    let output = Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .args(["check-config", config.path().to_str().expect("utf-8")])
-        .env("RUST_LOG", "error")
-        .output()
-        .expect("run tollgate");
+    let output = check_config(config.path());
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
         output.status.success(),
@@ -563,11 +576,7 @@ fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
         ),
     )
     .expect("write");
-    let output = Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .args(["check-config", config.path().to_str().expect("utf-8")])
-        .env("RUST_LOG", "error")
-        .output()
-        .expect("run tollgate");
+    let output = check_config(config.path());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert!(
@@ -583,15 +592,7 @@ fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
 #[tokio::test]
 async fn a_refused_template_is_admitted_and_counted_in_a_metric() {
     use crate::support::server::{TestServer, request_body, request_headers};
-    let dir = model_dir("mistral_nemo");
-    let mut config = Config::default();
-    config.tokens.encodings = vec![EncodingRule {
-        pattern: "mistral*".to_owned(),
-        encoding: None,
-        tokenizer_file: Some(dir.join("tokenizer.json")),
-        chat_template_file: Some(dir.join("tokenizer_config.json")),
-    }];
-    let server = TestServer::start(config).await;
+    let server = TestServer::start(config_for("mistral_nemo", "mistral*", true)).await;
     // The server builds the tokenizer before it serves: seconds in a debug build.
     let ready = tokio::time::timeout(std::time::Duration::from_secs(120), async {
         while server.try_metrics().await.is_err() {
@@ -629,16 +630,7 @@ async fn a_refused_template_is_admitted_and_counted_in_a_metric() {
         .find(|(k, _)| k == "x-tollgate-input-tokens")
         .map(|(_, v)| v)
         .expect("admitted, with its count");
-    let without_template = {
-        let mut config = Config::default();
-        config.tokens.encodings = vec![EncodingRule {
-            pattern: "mistral*".to_owned(),
-            encoding: None,
-            tokenizer_file: Some(dir.join("tokenizer.json")),
-            chat_template_file: None,
-        }];
-        Policy::from_config(&config).expect("loads")
-    };
+    let without_template = policy_without_template("mistral_nemo", "mistral*");
     assert_eq!(
         counted,
         input_tokens(&without_template, ApiKind::Chat, &body).to_string()
