@@ -19,7 +19,13 @@
 //!    spells one is tokenized upstream as that token too.
 //! 2. Each stretch between them is normalized (NFC, where the tokenizer says so), split by the
 //!    pre-tokenizer's regex (its `\s+(?!\S)` look-ahead rewritten as in `tokens.rs`), and each
-//!    piece counted by `bpe`'s backtracking encoder, linear in the piece.
+//!    piece counted by `bpe`'s backtracking encoder, linear in the piece, with three exceptions:
+//!    - a long piece that cannot fit is refused by its length (`longest_within`);
+//!    - a long run of one byte is counted by its period (`count_run`);
+//!    - a piece holding an entry that merging makes only in context (Llama 3 has 695: `bpe`,
+//!      which needs every entry to make itself, cannot hold them) is cut where no merge can
+//!      reach across and merged by the merges list where it must be (`count_cut`,
+//!      `merge_by_list`): exact, O(n log n) at worst.
 //!
 //! Loading takes about a second and tens of megabytes per vocabulary, so it happens
 //! at start-up (and in `check-config`), never on the request path. A loaded vocabulary lives for
