@@ -252,6 +252,7 @@ fn measure_models(tokenizers: &[(String, String)], corpus: &str) -> Result<(Valu
             "tokens": tokens,
             "seconds": seconds,
             "load_seconds": load_seconds,
+            "context_only_entries": vocabulary.context_only_entries(),
             "mb_per_s": corpus.len() as f64 / 1e6 / seconds,
         }));
         for (input, body) in &bodies {
@@ -322,11 +323,12 @@ fn print_tables(report: &Value) {
     }
     for row in report["models"].as_array().into_iter().flatten() {
         println!(
-            "model {:<14} {:>9} tokens {:>9.1} MB/s (loaded in {:.2} s)",
+            "model {:<14} {:>9} tokens {:>9.1} MB/s (loaded in {:.2} s; {} entries made only in context)",
             row["model"].as_str().unwrap_or_default(),
             row["tokens"],
             row["mb_per_s"].as_f64().unwrap_or_default(),
             row["load_seconds"].as_f64().unwrap_or_default(),
+            row["context_only_entries"],
         );
     }
     for row in report["model_adversarial"].as_array().into_iter().flatten() {

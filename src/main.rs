@@ -59,7 +59,7 @@ fn main() -> ExitCode {
         Some(Command::CheckConfig { file }) => Some(file.clone()),
         _ => cli.config.clone(),
     };
-    let (config, warnings) = match effective_config(&cli, file.as_deref()) {
+    let (config, policy) = match effective_config(&cli, file.as_deref()) {
         Ok(checked) => checked,
         Err(e) => {
             eprintln!("tollgate: invalid configuration:\n{e}");
@@ -69,13 +69,13 @@ fn main() -> ExitCode {
     match cli.command {
         Some(Command::CheckConfig { file }) => {
             println!("{}: ok", file.display());
-            // What it warns of does not change the exit status; the models' own tokenizers it
-            // loaded are reported as notes, with the memory each took.
-            for warning in warnings {
-                match warning.strip_prefix("note: ") {
-                    Some(note) => println!("{note}"),
-                    None => println!("warning: {warning}"),
-                }
+            // The models' own tokenizers it loaded, with the memory each took; what it warns of
+            // does not change the exit status.
+            for loaded in &policy.counting.tokenizers {
+                println!("{loaded}");
+            }
+            for warning in policy.warnings() {
+                println!("warning: {warning}");
             }
             ExitCode::SUCCESS
         }
@@ -117,11 +117,11 @@ fn check_password_file(store: &config::StoreConfig) -> Result<(), config::Config
     }
 }
 
-/// The configuration from every layer, and what its validated policy warns of.
+/// The configuration from every layer, and the policy it validates into.
 fn effective_config(
     cli: &Cli,
     file: Option<&std::path::Path>,
-) -> Result<(Config, Vec<String>), config::ConfigError> {
+) -> Result<(Config, Policy), config::ConfigError> {
     let mut config = config::load(file, std::env::vars())?;
     if let Some(addr) = cli.grpc_addr {
         config.listen.grpc_addr = addr.to_string();
@@ -133,15 +133,7 @@ fn effective_config(
         config.store.redis_url = Some(url.clone());
     }
     let policy = Policy::from_config(&config)?;
-    let mut notes = policy.warnings();
-    notes.extend(
-        policy
-            .counting
-            .tokenizers
-            .iter()
-            .map(|loaded| format!("note: {loaded}")),
-    );
-    Ok((config, notes))
+    Ok((config, policy))
 }
 
 fn serve(config: Config) -> ExitCode {

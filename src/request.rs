@@ -4,6 +4,8 @@
 //! Pure code: headers and body bytes in, values or a `LocalReply` out. No clock, no I/O, no
 //! protobuf (the ext_proc adapter turns Envoy's header map into `Header` slices first).
 
+use std::borrow::Cow;
+
 use serde_json::{Map, Value};
 
 use crate::policy::{Policy, TierId};
@@ -453,32 +455,42 @@ fn count_templated_chat(
         ..Counter::new(counter.encoding, u64::MAX)
     };
     count_chat(policy, json, &mut shape)?;
-    let Some(Value::Array(messages)) = json.get("messages") else {
+    let Some(all @ Value::Array(messages)) = json.get("messages") else {
         unreachable!("count_chat refuses a chat without messages");
     };
+    let has_parts = |message: &Value| matches!(message.get("content"), Some(Value::Array(_)));
     let mut images = 0u64;
-    let flattened: Vec<Value> = messages
-        .iter()
-        .map(|message| {
-            let mut message = message.clone();
-            if let Some(Value::Array(parts)) = message.get("content") {
-                let mut texts = Vec::new();
-                for part in parts {
-                    match part.get("type").and_then(Value::as_str) {
-                        Some("text") => texts.extend(part.get("text").and_then(Value::as_str)),
-                        Some("refusal") => {
-                            texts.extend(part.get("refusal").and_then(Value::as_str));
+    // Most chats carry string content and go to the template as they are; only one with
+    // content parts is copied, to join its text.
+    let messages: Cow<'_, Value> = if !messages.iter().any(has_parts) {
+        Cow::Borrowed(all)
+    } else {
+        Cow::Owned(Value::Array(
+            messages
+                .iter()
+                .map(|message| {
+                    let Some(Value::Array(parts)) = message.get("content") else {
+                        return message.clone();
+                    };
+                    let mut texts = Vec::new();
+                    for part in parts {
+                        match part.get("type").and_then(Value::as_str) {
+                            Some("text") => texts.extend(part.get("text").and_then(Value::as_str)),
+                            Some("refusal") => {
+                                texts.extend(part.get("refusal").and_then(Value::as_str));
+                            }
+                            _ => images += 1,
                         }
-                        _ => images += 1,
                     }
-                }
-                message["content"] = Value::String(texts.join("\n"));
-            }
-            message
-        })
-        .collect();
+                    let mut message = message.clone();
+                    message["content"] = Value::String(texts.join("\n"));
+                    message
+                })
+                .collect(),
+        ))
+    };
     let tools = json.get("tools").filter(|tools| !tools.is_null());
-    let Ok(prompt) = template.render(&Value::Array(flattened), tools) else {
+    let Ok(prompt) = template.render(&messages, tools) else {
         return Ok(None);
     };
     let per_image = u64::from(policy.counting.per_image);

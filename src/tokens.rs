@@ -47,7 +47,7 @@ mod template;
 #[cfg(test)]
 mod tests;
 
-pub use model::{ModelVocabulary, intern};
+pub use model::ModelVocabulary;
 pub use template::ChatTemplate;
 
 /// A BPE token encoding: one of OpenAI's, named in the configuration, or a model's own, loaded

@@ -47,46 +47,43 @@ pub(super) fn resolve_encoding(
         digest.update(text);
     }
     let key: [u8; 32] = digest.finalize().into();
-    let before = resident_bytes();
-    let mut built = false;
-    let vocabulary = crate::tokens::intern(key, || {
-        built = true;
-        ModelVocabulary::from_json(
-            &path.display().to_string(),
-            &tokenizer,
-            template.as_ref().map(|(_, text)| text.as_str()),
-        )
-    })
-    .map_err(
-        |problem| match (&template, problem.starts_with("chat_template")) {
-            (Some((template_path, _)), true) => {
-                format!(
-                    ".chat_template_file: {}: {problem}",
-                    template_path.display()
-                )
-            }
-            _ => format!(".tokenizer_file: {}: {problem}", path.display()),
-        },
-    )?;
-    // Measured when it is built, and reported the same for every later policy that reuses it
-    // (`check-config` and the server's start each build a policy from the same files).
-    let mut measured = MEASURED
+    // Held while building, so two policies loading the same files build them once; a later
+    // policy (the server's start after `check-config`, a reload) reuses the vocabulary and
+    // reports the memory measured when it was built.
+    let mut loaded = LOADED
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let grew = if built {
-        let grew = match (before, resident_bytes()) {
-            (Some(before), Some(after)) => Some(after.saturating_sub(before)),
-            _ => None,
-        };
-        measured.push((key, grew));
-        grew
-    } else {
-        measured
-            .iter()
-            .find(|(k, _)| *k == key)
-            .and_then(|(_, grew)| *grew)
+    let (vocabulary, grew) = match loaded.iter().find(|(k, _, _)| *k == key) {
+        Some(&(_, vocabulary, grew)) => (vocabulary, grew),
+        None => {
+            let before = resident_bytes();
+            let built = ModelVocabulary::from_json(
+                &path.display().to_string(),
+                &tokenizer,
+                template.as_ref().map(|(_, text)| text.as_str()),
+            )
+            .map_err(|problem| {
+                match (&template, problem.starts_with("chat_template")) {
+                    (Some((template_path, _)), true) => {
+                        format!(
+                            ".chat_template_file: {}: {problem}",
+                            template_path.display()
+                        )
+                    }
+                    _ => format!(".tokenizer_file: {}: {problem}", path.display()),
+                }
+            })?;
+            // Kept for the rest of the process: the request path copies a pointer to it.
+            let vocabulary: &'static ModelVocabulary = Box::leak(Box::new(built));
+            let grew = match (before, resident_bytes()) {
+                (Some(before), Some(after)) => Some(after.saturating_sub(before)),
+                _ => None,
+            };
+            loaded.push((key, vocabulary, grew));
+            (vocabulary, grew)
+        }
     };
-    drop(measured);
+    drop(loaded);
     Ok((
         Encoding::Model(vocabulary),
         Some(LoadedTokenizer {
@@ -97,8 +94,10 @@ pub(super) fn resolve_encoding(
     ))
 }
 
-/// How much resident memory building each vocabulary took, by the digest it is interned under.
-static MEASURED: std::sync::Mutex<Vec<([u8; 32], Option<u64>)>> = std::sync::Mutex::new(Vec::new());
+/// Every vocabulary built so far, by the digest of the files it was built from, with how much
+/// resident memory building it took.
+type Loaded = Vec<([u8; 32], &'static ModelVocabulary, Option<u64>)>;
+static LOADED: std::sync::Mutex<Loaded> = std::sync::Mutex::new(Vec::new());
 
 /// The process's resident memory, from `VmRSS` in `/proc/self/status` (Linux); `None` elsewhere.
 fn resident_bytes() -> Option<u64> {

@@ -70,6 +70,8 @@ pub struct ModelVocabulary {
     /// (Llama 3's "している": its bytes merge differently alone than after "憶"). `bpe`
     /// cannot hold them, so a piece containing one is merged the slow, exact way (`merges`).
     unreachable: Option<AhoCorasick>,
+    /// How many entries `bpe` cannot hold (`bench_tokens` reports it).
+    context_only: usize,
     /// For that slow way: the merges by the ids they join, with their place in the list and the
     /// id they make; empty without unreachable entries.
     merges: FxHashMap<(u32, u32), (u32, u32)>,
@@ -317,6 +319,7 @@ impl ModelVocabulary {
             nfc,
             added: added_matcher,
             unreachable,
+            context_only: unreachable_ranks.len(),
             merges,
             byte_ids,
             ignore_merges,
@@ -333,6 +336,11 @@ impl ModelVocabulary {
     /// The special tokens encoding one sequence with `add_special_tokens` adds.
     pub fn prompt_special_tokens(&self) -> u32 {
         self.prompt_special_tokens
+    }
+
+    /// Entries merging makes only in context, which `bpe` cannot hold (Llama 3 has some).
+    pub fn context_only_entries(&self) -> usize {
+        self.context_only
     }
 
     /// The file it was loaded from.
@@ -704,8 +712,8 @@ impl ModelVocabulary {
     /// wherever two neighbouring bytes stand side by side in no entry (no merge can reach
     /// across, so each stretch merges as it would alone: the same merges, in the same order),
     /// then each stretch by `bpe`, or by `merge_by_list` if it holds such an entry itself.
-    /// Random letters cut every few dozen bytes (14 of the 676 pairs of lowercase letters are
-    /// in no Llama 3 entry); text made only of joinable pairs is merged whole, O(n log n).
+    /// Random letters cut every few dozen bytes (a few pairs of lowercase letters stand in no
+    /// Llama 3 entry); text made only of joinable pairs is merged whole, O(n log n).
     fn count_cut(&self, piece: &[u8]) -> usize {
         let joinable = |a: u8, b: u8| {
             let bit = usize::from(a) << 8 | usize::from(b);
@@ -860,26 +868,3 @@ static BYTE_LEVEL_DECODE: std::sync::LazyLock<HashMap<char, u8>> = std::sync::La
     }
     map
 });
-
-/// Every vocabulary loaded so far, by the digest of the files it was built from.
-static LOADED: std::sync::Mutex<Vec<([u8; 32], &'static ModelVocabulary)>> =
-    std::sync::Mutex::new(Vec::new());
-
-/// The vocabulary built from files whose contents digest to `key`: the one built before, or the
-/// one `build` makes now, kept for the rest of the process. Loading the same files again (a
-/// second policy, a reload) costs nothing and keeps no second copy.
-pub fn intern(
-    key: [u8; 32],
-    build: impl FnOnce() -> Result<ModelVocabulary, String>,
-) -> Result<&'static ModelVocabulary, String> {
-    // Held while building, so two policies loading the same files build them once.
-    let mut loaded = LOADED
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some(&(_, vocabulary)) = loaded.iter().find(|(k, _)| *k == key) {
-        return Ok(vocabulary);
-    }
-    let vocabulary: &'static ModelVocabulary = Box::leak(Box::new(build()?));
-    loaded.push((key, vocabulary));
-    Ok(vocabulary)
-}
