@@ -15,7 +15,7 @@ const FLOORS: &[&[&str]] = &[
     &["control", "reply"],
     &["policy"],
     &["request", "fleet"],
-    &["admission"],
+    &["admission", "live"],
     &["pipeline"],
     &["extproc", "admin"],
 ];

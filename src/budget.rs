@@ -51,6 +51,15 @@ pub enum Quantity {
     Requests,
 }
 
+impl Quantity {
+    pub fn unit(self) -> &'static str {
+        match self {
+            Quantity::Tokens => "tokens",
+            Quantity::Requests => "requests",
+        }
+    }
+}
+
 /// One rolling-window limit.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct WindowLimit {

@@ -34,6 +34,37 @@ pub struct Config {
     /// How replicas sharing a Redis store share one in-flight budget (unused without Redis).
     pub fleet: FleetConfig,
     pub shutdown: ShutdownConfig,
+    /// Whether refusals are enforced. `false` is shadow mode: the whole decision runs and every
+    /// refusal it would make is counted and logged, but the request continues upstream. A tier's
+    /// `enforce` overrides this, and a tenant's overrides its tier's.
+    pub enforce: bool,
+    /// The admin HTTP API (`/v1/...`, on the admin port).
+    pub admin: AdminConfig,
+    /// Reloading the configuration while serving.
+    pub reload: ReloadConfig,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// A file holding the bearer token the `/v1/` API requires (reads included). Absent: the
+    /// API is off and `/v1/` answers 404; `/metrics`, `/healthz` and `/readyz` never need it.
+    pub token_file: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReloadConfig {
+    /// How often the `--config` file is read to see whether it changed (a Kubernetes ConfigMap
+    /// update swaps a symlink; the content is compared, not the modification time). 0: only
+    /// SIGHUP reloads.
+    pub watch_ms: u64,
+}
+
+impl Default for ReloadConfig {
+    fn default() -> Self {
+        ReloadConfig { watch_ms: 2000 }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -133,6 +164,9 @@ pub struct TierConfig {
     pub max_concurrent: Option<u32>,
     /// Extra budgets for requests whose model matches a glob, counted separately.
     pub model_limits: Vec<ModelLimitConfig>,
+    /// Shadow mode for this tier (`false`) or enforcement (`true`); absent: the top-level
+    /// `enforce`.
+    pub enforce: Option<bool>,
 }
 
 /// A budget that applies only to some models.
@@ -169,6 +203,7 @@ pub struct TierOverride {
     pub requests_per_minute: Option<u64>,
     pub max_concurrent: Option<u32>,
     pub model_limits: Option<Vec<ModelLimitConfig>>,
+    pub enforce: Option<bool>,
 }
 
 impl TierOverride {
@@ -192,6 +227,7 @@ impl TierOverride {
                 .model_limits
                 .clone()
                 .unwrap_or_else(|| tier.model_limits.clone()),
+            enforce: self.enforce.or(tier.enforce),
         }
     }
 }
@@ -507,6 +543,7 @@ impl Default for TierConfig {
             requests_per_minute: None,
             max_concurrent: None,
             model_limits: Vec::new(),
+            enforce: None,
         }
     }
 }
@@ -693,6 +730,9 @@ impl Default for Config {
             store: StoreConfig::default(),
             fleet: FleetConfig::default(),
             shutdown: ShutdownConfig::default(),
+            enforce: true,
+            admin: AdminConfig::default(),
+            reload: ReloadConfig::default(),
         }
     }
 }

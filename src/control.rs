@@ -238,6 +238,15 @@ impl Aimd {
         self.limit
     }
 
+    /// Keeps the limit, moved into `config`'s bounds (a reload or the admin API changed the
+    /// floor or ceiling): the controller's work survives a change of its settings.
+    pub fn rebound(&mut self, config: &AimdConfig) {
+        self.limit = self
+            .limit
+            .max(config.control.floor)
+            .min(config.control.ceiling);
+    }
+
     /// One tick: observation in, new limit and what was done out.
     pub fn step(&mut self, config: &AimdConfig, observation: Observation) -> Action {
         if self.cooldown_left > 0 {

@@ -57,7 +57,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::budget::redis::RedisStore;
 use crate::budget::redis::fleet::{Heartbeat, Joined, MemberRecord, Publish, Published, View};
-use crate::config::{ControlSignal, FleetFallback};
+use crate::config::{ControlConfig, ControlSignal, FleetFallback};
 use crate::control::scrape::Scraper;
 use crate::control::window::{self, LatencyWindow};
 use crate::control::{Action, Aimd, AimdConfig, Observation};
@@ -136,7 +136,9 @@ pub fn fallback_limit(
 
 /// Everything the task needs.
 pub struct Fleet {
-    pub policy: Arc<Policy>,
+    /// The policy in force: a reload or a run-time setting replaces it, and the task reads the
+    /// new one at its next sync, keeping its controller's limit.
+    pub policy: watch::Receiver<Arc<Policy>>,
     pub store: RedisStore,
     pub member_id: String,
     pub scheduler: Arc<Scheduler>,
@@ -189,6 +191,77 @@ struct Memory {
     failures: u32,
 }
 
+/// What the task derives from the policy, again whenever the policy is replaced.
+struct Derived {
+    config: AimdConfig,
+    breach_threshold: Duration,
+    sync: Duration,
+    control_tick: Duration,
+    scraper: Option<Scraper>,
+}
+
+impl Derived {
+    fn of(policy: &Policy) -> Derived {
+        let control = &policy.control;
+        let config = AimdConfig::from(control);
+        Derived {
+            breach_threshold: Duration::from_secs_f64(
+                config.target_p99_ttft_seconds * (1.0 + control.band),
+            ),
+            config,
+            sync: Duration::from_millis(policy.fleet.sync_ms),
+            control_tick: Duration::from_millis(control.tick_ms),
+            scraper: if control.enabled {
+                Scraper::new(&control.engine)
+            } else {
+                None
+            },
+        }
+    }
+}
+
+impl Memory {
+    /// The controllers' state kept across a change of policy: each limit moved into the new
+    /// bounds; a controller switched on starts from the limit in force.
+    fn rebound(&mut self, policy: &Policy, config: &AimdConfig, was_enabled: bool) {
+        if let Some(leadership) = &mut self.leadership {
+            if policy.control.enabled && !was_enabled {
+                leadership.aimd = Aimd::new(self.global_limit, config);
+            } else {
+                leadership.aimd.rebound(config);
+            }
+        }
+        // Run alone again from its current limit, with bounds divided from the new ones.
+        if let Some(alone) = self.alone.take() {
+            let replicas = self.replicas(policy);
+            let local = alone_config(&policy.control, replicas);
+            let mut aimd = alone.aimd;
+            aimd.rebound(&local);
+            self.alone = Some(Alone {
+                aimd,
+                config: local,
+            });
+        }
+    }
+
+    /// The replicas a local budget is divided by: those last seen, or the configured guess.
+    fn replicas(&self, policy: &Policy) -> u32 {
+        if self.members == 0 {
+            policy.fleet.fallback_replicas
+        } else {
+            self.members
+        }
+    }
+}
+
+/// A controller run alone: the fleet's bounds divided as the limit was.
+fn alone_config(control: &ControlConfig, replicas: u32) -> AimdConfig {
+    let mut local = control.clone();
+    local.floor = (control.floor / replicas.max(1)).max(1);
+    local.ceiling = (control.ceiling / replicas.max(1)).max(local.floor);
+    AimdConfig::from(&local)
+}
+
 /// One slow answer from a briefly busy Redis is not a partition.
 pub const FAILURES_BEFORE_FALLBACK: u32 = 3;
 
@@ -196,19 +269,8 @@ impl Fleet {
     /// Runs until the server closes (after its drain: a draining replica still holds slots,
     /// so it keeps reporting them), then leaves the fleet.
     pub async fn run(mut self) {
-        let policy = self.policy.clone();
-        let fleet = &policy.fleet;
-        let control = &policy.control;
-        let config = AimdConfig::from(control);
-        let breach_threshold =
-            Duration::from_secs_f64(config.target_p99_ttft_seconds * (1.0 + control.band));
-        let sync = Duration::from_millis(fleet.sync_ms);
-        let control_tick = Duration::from_millis(control.tick_ms);
-        let mut scraper = if control.enabled {
-            Scraper::new(&control.engine)
-        } else {
-            None
-        };
+        let mut policy = self.policy.borrow_and_update().clone();
+        let mut derived = Derived::of(&policy);
         let mut memory = Memory {
             // Not a member yet: a first sync that fails falls back at once.
             standing: FleetStanding::Alone,
@@ -222,32 +284,54 @@ impl Fleet {
             syncs: 0,
             failures: 0,
         };
-        let mut ticks = tokio::time::interval(sync);
+        let mut ticks = tokio::time::interval(derived.sync);
         ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let mut next_control = Instant::now() + control_tick;
+        let mut next_control = Instant::now() + derived.control_tick;
         loop {
             tokio::select! {
                 _ = ticks.tick() => {}
                 () = reached(&mut self.lifecycle, Lifecycle::Closing) => break,
             }
+            if self.policy.has_changed().unwrap_or(false) {
+                let next = self.policy.borrow_and_update().clone();
+                let next_derived = Derived::of(&next);
+                if next_derived.sync != derived.sync {
+                    ticks = tokio::time::interval(next_derived.sync);
+                    ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+                }
+                if next.control.engine != policy.control.engine {
+                    derived.scraper = None;
+                }
+                derived = Derived {
+                    scraper: derived.scraper.take(),
+                    ..next_derived
+                };
+                if derived.scraper.is_none() && next.control.enabled {
+                    derived.scraper = Scraper::new(&next.control.engine);
+                }
+                memory.rebound(&next, &derived.config, policy.control.enabled);
+                policy = next;
+            }
+            let fleet = &policy.fleet;
+            let control = &policy.control;
             let now = Instant::now();
             let control_due = control.enabled && now >= next_control;
             if control_due {
-                next_control = now + control_tick;
+                next_control = now + derived.control_tick;
             }
             // The engines are read by whoever steps a controller: the leader (as of its last
             // sync) or a replica alone. Before the sync, so that a leader's publish follows its
             // read of the fleet by one round trip, not by a scrape as well.
             let steps_controller =
                 memory.leadership.is_some() || memory.standing != FleetStanding::Member;
-            let engine_saturation = match (&mut scraper, control_due && steps_controller) {
+            let engine_saturation = match (&mut derived.scraper, control_due && steps_controller) {
                 (Some(scraper), true) => tokio::select! {
                     saturation = scraper.saturation(&self.metrics) => saturation,
                     () = reached(&mut self.lifecycle, Lifecycle::Closing) => break,
                 },
                 _ => None,
             };
-            let report = self.report(now, breach_threshold);
+            let report = self.report(now, derived.breach_threshold);
             memory.peak_in_flight = memory.peak_in_flight.max(report.peak_in_flight);
             let heartbeat = Heartbeat {
                 fleet: &fleet.name,
@@ -279,8 +363,15 @@ impl Fleet {
                         // The local peak feeds only a controller run alone: start it afresh.
                         memory.peak_in_flight = 0;
                     }
-                    self.member(&mut memory, view, control_due, engine_saturation, &config)
-                        .await;
+                    self.member(
+                        &policy,
+                        &mut memory,
+                        view,
+                        control_due,
+                        engine_saturation,
+                        &derived.config,
+                    )
+                    .await;
                 }
                 Ok(Joined::PolicyMismatch { fleet_policy }) => {
                     memory.failures = 0;
@@ -296,6 +387,7 @@ impl Fleet {
                         self.metrics.fleet_fallback(true);
                     }
                     self.alone(
+                        &policy,
                         &mut memory,
                         FleetStanding::Refused,
                         control_due,
@@ -320,6 +412,7 @@ impl Fleet {
                         self.metrics.fleet_fallback(false);
                     }
                     self.alone(
+                        &policy,
                         &mut memory,
                         FleetStanding::Fallback,
                         control_due,
@@ -360,7 +453,10 @@ impl Fleet {
             );
             return;
         }
-        let left = self.store.fleet_leave(&fleet.name, &self.member_id).await;
+        let left = self
+            .store
+            .fleet_leave(&policy.fleet.name, &self.member_id)
+            .await;
         self.metrics
             .fleet_store_call(FleetCall::Leave, left.is_ok());
         match left {
@@ -403,6 +499,7 @@ impl Fleet {
     /// A sync answered: lead if this replica holds the lease, then apply the share.
     async fn member(
         &self,
+        policy: &Policy,
         memory: &mut Memory,
         view: View,
         control_due: bool,
@@ -458,7 +555,7 @@ impl Fleet {
                     window_epoch: view.decision.map_or(0, |d| d.window_epoch),
                     peak_in_flight: 0,
                     quiet_until: view.decision.is_none().then(|| {
-                        Instant::now() + Duration::from_millis(self.policy.fleet.member_ttl_ms)
+                        Instant::now() + Duration::from_millis(policy.fleet.member_ttl_ms)
                     }),
                 }
             }
@@ -476,16 +573,17 @@ impl Fleet {
             .collect();
         let mut leadership = leadership;
         self.lead(
+            policy,
             &mut leadership,
             &reports,
             control_due,
             engine_saturation,
             config,
         );
-        let limit = if self.policy.control.enabled {
+        let limit = if policy.control.enabled {
             leadership.aimd.limit()
         } else {
-            self.policy.scheduling.initial_limit
+            policy.scheduling.initial_limit
         };
         let loads: Vec<MemberLoad<'_>> = reports
             .iter()
@@ -509,13 +607,13 @@ impl Fleet {
             .map(|s| (s.member.clone(), s.grant, encode_overrides(&s.overrides)))
             .collect();
         let publish = Publish {
-            fleet: &self.policy.fleet.name,
+            fleet: &policy.fleet.name,
             member: &self.member_id,
             fence,
             limit,
             window_epoch: leadership.window_epoch,
             grants: &grants,
-            member_ttl: Duration::from_millis(self.policy.fleet.member_ttl_ms),
+            member_ttl: Duration::from_millis(policy.fleet.member_ttl_ms),
         };
         let published = self.store.fleet_publish(&publish).await;
         self.metrics
@@ -549,6 +647,7 @@ impl Fleet {
     /// The leader's control step: once per control tick, on the deployment's merged inputs.
     fn lead(
         &self,
+        policy: &Policy,
         leadership: &mut Leadership,
         reports: &[(&MemberRecord, Report)],
         control_due: bool,
@@ -571,7 +670,7 @@ impl Fleet {
             engine_saturation,
         };
         let action = leadership.aimd.step(config, observation);
-        if action == Action::Decrease && self.policy.control.signal == ControlSignal::Upstream {
+        if action == Action::Decrease && policy.control.signal == ControlSignal::Upstream {
             // Every member restarts its window when it sees the new epoch (see
             // `control::tick` for why the upstream signal judges a cut on its own effect).
             leadership.window_epoch += 1;
@@ -589,6 +688,7 @@ impl Fleet {
     /// Runs on a local budget (see "When Redis cannot be reached").
     fn alone(
         &self,
+        policy: &Policy,
         memory: &mut Memory,
         standing: FleetStanding,
         control_due: bool,
@@ -597,13 +697,9 @@ impl Fleet {
     ) {
         memory.standing = standing;
         memory.leadership = None;
-        let control = &self.policy.control;
-        let fleet = &self.policy.fleet;
-        let replicas = if memory.members == 0 {
-            fleet.fallback_replicas
-        } else {
-            memory.members
-        };
+        let control = &policy.control;
+        let fleet = &policy.fleet;
+        let replicas = memory.replicas(policy);
         let alone = memory.alone.get_or_insert_with(|| {
             let limit = fallback_limit(
                 fleet.fallback,
@@ -611,11 +707,7 @@ impl Fleet {
                 memory.global_limit,
                 replicas,
             );
-            // The controller's bounds are the fleet's, divided as the limit was.
-            let mut local = control.clone();
-            local.floor = (control.floor / replicas.max(1)).max(1);
-            local.ceiling = (control.ceiling / replicas.max(1)).max(local.floor);
-            let config = AimdConfig::from(&local);
+            let config = alone_config(control, replicas);
             tracing::info!(limit, replicas, "fleet: local budget");
             Alone {
                 aimd: Aimd::new(limit, &config),

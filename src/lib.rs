@@ -17,6 +17,7 @@ pub mod control;
 pub mod extproc;
 pub mod fleet;
 pub mod lifecycle;
+pub mod live;
 pub mod observe;
 pub mod pipeline;
 pub mod policy;
@@ -48,6 +49,15 @@ pub struct Listeners {
     pub grpc: TcpListener,
     /// /metrics, /healthz, /readyz.
     pub admin: TcpListener,
+}
+
+/// How a running server reads its configuration again (SIGHUP, or the file changed).
+pub struct Reload {
+    /// The `--config` file, whose content is compared every `reload.watch_ms` (None: only
+    /// SIGHUP reloads).
+    pub file: Option<std::path::PathBuf>,
+    /// Reads the whole configuration as at start-up: defaults, file, environment and flags.
+    pub load: Arc<dyn Fn() -> Result<Config, config::ConfigError> + Send + Sync>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -129,13 +139,14 @@ pub async fn run(
     config: Config,
     listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send,
+    reload: Option<Reload>,
 ) -> Result<(), Error> {
     // `Server::tcp_nodelay` applies only to listeners tonic binds itself; a listener handed in
     // keeps Nagle's algorithm unless each accepted connection is set here. With Nagle on, a small
     // answer written after a small message can wait for the peer's delayed ACK (up to 40 ms on
     // Linux), which is what an admission decision would then cost.
     let grpc_incoming = TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
-    serve(config, grpc_incoming, listeners.admin, shutdown).await
+    serve(config, grpc_incoming, listeners.admin, shutdown, reload).await
 }
 
 /// Runs tollgate with gRPC connections from `grpc_incoming` (TCP in production; an in-memory
@@ -151,6 +162,7 @@ pub async fn serve<I, IO, IE>(
     grpc_incoming: I,
     admin_listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
+    reload: Option<Reload>,
 ) -> Result<(), Error>
 where
     I: tokio_stream::Stream<Item = Result<IO, IE>> + Send + 'static,
@@ -204,16 +216,24 @@ where
     // The fleet has a connection of its own, so its syncs never queue behind requests'
     // decisions (nor theirs behind a leader's larger reads), bounded by a sync period rather
     // than the decisions' tight timeout.
-    let fleet = match redis {
-        Some(settings) => Some(
-            budget::redis::RedisStore::connect(budget::redis::RedisSettings {
-                timeout: Duration::from_millis(policy.fleet.sync_ms.max(policy.store.timeout_ms)),
-                ..settings
-            })
-            .await?,
-        ),
+    let redis_for_settings = redis.map(|settings| budget::redis::RedisSettings {
+        timeout: Duration::from_millis(policy.fleet.sync_ms.max(policy.store.timeout_ms)),
+        ..settings
+    });
+    let fleet = match &redis_for_settings {
+        Some(settings) => Some(budget::redis::RedisStore::connect(settings.clone()).await?),
         None => None,
     };
+    // Run-time settings are shared through Redis on a connection of their own, read each sync.
+    let settings_store = match &redis_for_settings {
+        Some(settings) => Some((
+            budget::redis::RedisStore::connect(settings.clone()).await?,
+            policy.fleet.name.clone(),
+        )),
+        None => None,
+    };
+    let live = live::Live::new(policy.clone(), settings_store, metrics.clone());
+    let admin_token = admin::read_token(&policy.source.admin).await?;
     let (budget_ready_tx, budget_ready) = watch::channel(fleet.is_none());
     if fleet.is_some() {
         scheduler.set_share(0, policy.scheduling.initial_limit, None);
@@ -230,7 +250,7 @@ where
     let renewer = tokio::spawn(ledger.clone().renew_leases());
     let shared = Arc::new(Shared {
         pipeline: pipeline::Pipeline {
-            policy: policy.clone(),
+            rules: live.subscribe_rules(),
             metrics: metrics.clone(),
             scheduler: scheduler.clone(),
             ledger,
@@ -245,7 +265,7 @@ where
         tracing::info!(fleet = %policy.fleet.name, member = %member_id, policy_hash = %policy.hash, "fleet: sharing the in-flight budget through Redis");
         tokio::spawn(
             fleet::Fleet {
-                policy: policy.clone(),
+                policy: live.subscribe(),
                 store,
                 member_id,
                 scheduler: scheduler.clone(),
@@ -257,6 +277,23 @@ where
             }
             .run(),
         )
+    });
+    let tick_settings = |policy: &Policy| control::tick::TickSettings {
+        control: policy.control.clone(),
+        static_limit: policy.scheduling.initial_limit,
+    };
+    // Alone, this replica's own controller task owns the limit (the fleet's task does
+    // otherwise); it runs whether or not the controller is on, since either may change live.
+    let tick_tx = fleet_task.is_none().then(|| {
+        let (tx, rx) = watch::channel(tick_settings(&policy));
+        tokio::spawn(control::tick::run(
+            rx,
+            scheduler.clone(),
+            ttft_window.clone(),
+            metrics.clone(),
+            lifecycle.clone(),
+        ));
+        tx
     });
     if policy.control.enabled && fleet_task.is_none() {
         let control = &policy.control;
@@ -270,14 +307,32 @@ where
             engine_metrics_urls = ?control.engine.metrics_urls,
             "controller"
         );
-        tokio::spawn(control::tick::run(
-            policy.control.clone(),
-            policy.scheduling.initial_limit,
-            scheduler.clone(),
-            ttft_window,
-            metrics.clone(),
-            lifecycle.clone(),
-        ));
+    }
+    // Hands a replaced policy to what read the old one at start-up.
+    let follower = {
+        let mut policies = live.subscribe();
+        let scheduler = scheduler.clone();
+        tokio::spawn(async move {
+            while policies.changed().await.is_ok() {
+                let policy = policies.borrow_and_update().clone();
+                scheduler.set_max_queued_body_bytes(policy.scheduling.max_queued_body_bytes);
+                if let Some(tx) = &tick_tx {
+                    let next = tick_settings(&policy);
+                    tx.send_if_modified(|settings| {
+                        let changed = *settings != next;
+                        *settings = next;
+                        changed
+                    });
+                }
+            }
+        })
+    };
+    let settings_follower = tokio::spawn(live.clone().follow_shared_settings(
+        Duration::from_millis(policy.fleet.sync_ms),
+        lifecycle.clone(),
+    ));
+    if let Some(reload) = reload {
+        spawn_reloaders(&live, reload, policy.source.reload.watch_ms, &lifecycle);
     }
 
     let upkeep = {
@@ -325,7 +380,15 @@ where
     };
     let admin_server = axum::serve(
         admin_listener,
-        admin::router(metrics.clone(), scheduler.clone(), lifecycle, budget_ready),
+        admin::router(admin::AdminState {
+            metrics: metrics.clone(),
+            scheduler: scheduler.clone(),
+            lifecycle,
+            budget_ready,
+            live: live.clone(),
+            ledger: shared.pipeline.ledger.clone(),
+            token: admin_token,
+        }),
     )
     .with_graceful_shutdown(admin_stopping);
     let admin_server = tokio::spawn(async move { admin_server.await });
@@ -338,6 +401,8 @@ where
             let _ = lifecycle_tx.send(Lifecycle::Closing);
             upkeep.abort();
             renewer.abort();
+            follower.abort();
+            settings_follower.abort();
             return match result {
                 Ok(inner) => inner.map_err(Error::from),
                 Err(join_error) => Err(Error::Admin(std::io::Error::other(join_error))),
@@ -377,6 +442,8 @@ where
     };
     upkeep.abort();
     renewer.abort();
+    follower.abort();
+    settings_follower.abort();
     if let Some(task) = fleet_task {
         // It leaves the fleet once Closing is reached; bounded, since Redis may be down.
         let _ = tokio::time::timeout(FLEET_LEAVE_GRACE, task).await;
@@ -387,4 +454,53 @@ where
     };
     tracing::info!("shutdown: done");
     grpc_result.and(admin_result)
+}
+
+/// Reloads on SIGHUP, and whenever the configuration file's content changes (every
+/// `watch_ms`; 0: SIGHUP only), until the server closes.
+fn spawn_reloaders(
+    live: &Arc<live::Live>,
+    reload: Reload,
+    watch_ms: u64,
+    lifecycle: &watch::Receiver<Lifecycle>,
+) {
+    if let (Some(file), true) = (&reload.file, watch_ms > 0) {
+        tokio::spawn(live.clone().watch_file(
+            file.clone(),
+            Duration::from_millis(watch_ms),
+            reload.load.clone(),
+            lifecycle.clone(),
+        ));
+    }
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut hangups = match signal(SignalKind::hangup()) {
+            Ok(hangups) => hangups,
+            Err(e) => {
+                tracing::warn!(
+                    "cannot watch SIGHUP ({e}); the configuration reloads only when its file changes"
+                );
+                return;
+            }
+        };
+        let live = live.clone();
+        let mut lifecycle = lifecycle.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    hangup = hangups.recv() => if hangup.is_none() { return },
+                    () = lifecycle::reached(&mut lifecycle, Lifecycle::Closing) => return,
+                }
+                if let Some(content) = match &reload.file {
+                    Some(file) => tokio::fs::read(file).await.ok(),
+                    None => None,
+                } {
+                    live.note_file_read(content);
+                }
+                let load = reload.load.clone();
+                let _ = live.reload(move || load(), "SIGHUP").await;
+            }
+        });
+    }
 }

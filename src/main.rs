@@ -99,7 +99,13 @@ fn main() -> ExitCode {
                 eprintln!("tollgate: invalid configuration:\n{e}");
                 return ExitCode::from(EXIT_CONFIG);
             }
-            serve(config)
+            let flags = Flags::of(&cli);
+            let file = cli.config.clone();
+            let reload = tollgate::Reload {
+                file: file.clone(),
+                load: std::sync::Arc::new(move || layered_config(&flags, file.as_deref())),
+            };
+            serve(config, reload)
         }
     }
 }
@@ -117,26 +123,54 @@ fn check_password_file(store: &config::StoreConfig) -> Result<(), config::Config
     }
 }
 
+/// The flags that override the configuration file and the environment.
+#[derive(Clone)]
+struct Flags {
+    grpc_addr: Option<SocketAddr>,
+    admin_addr: Option<SocketAddr>,
+    redis_url: Option<String>,
+}
+
+impl Flags {
+    fn of(cli: &Cli) -> Flags {
+        Flags {
+            grpc_addr: cli.grpc_addr,
+            admin_addr: cli.admin_addr,
+            redis_url: cli.redis_url.clone(),
+        }
+    }
+}
+
+/// The configuration from every layer: defaults, file, environment, flags. A reload reads it
+/// again the same way.
+fn layered_config(
+    flags: &Flags,
+    file: Option<&std::path::Path>,
+) -> Result<Config, config::ConfigError> {
+    let mut config = config::load(file, std::env::vars())?;
+    if let Some(addr) = flags.grpc_addr {
+        config.listen.grpc_addr = addr.to_string();
+    }
+    if let Some(addr) = flags.admin_addr {
+        config.listen.admin_addr = addr.to_string();
+    }
+    if let Some(url) = &flags.redis_url {
+        config.store.redis_url = Some(url.clone());
+    }
+    Ok(config)
+}
+
 /// The configuration from every layer, and the policy it validates into.
 fn effective_config(
     cli: &Cli,
     file: Option<&std::path::Path>,
 ) -> Result<(Config, Policy), config::ConfigError> {
-    let mut config = config::load(file, std::env::vars())?;
-    if let Some(addr) = cli.grpc_addr {
-        config.listen.grpc_addr = addr.to_string();
-    }
-    if let Some(addr) = cli.admin_addr {
-        config.listen.admin_addr = addr.to_string();
-    }
-    if let Some(url) = &cli.redis_url {
-        config.store.redis_url = Some(url.clone());
-    }
+    let config = layered_config(&Flags::of(cli), file)?;
     let policy = Policy::from_config(&config)?;
     Ok((config, policy))
 }
 
-fn serve(config: Config) -> ExitCode {
+fn serve(config: Config, reload: tollgate::Reload) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -171,7 +205,7 @@ fn serve(config: Config) -> ExitCode {
                 tracing::info!(%addr, "{name} listening");
             }
         }
-        match tollgate::run(config, listeners, shutdown_signal()).await {
+        match tollgate::run(config, listeners, shutdown_signal(), Some(reload)).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e @ tollgate::Error::Config(_)) => {
                 eprintln!("tollgate: {e}");

@@ -64,6 +64,9 @@ pub const FLEET_STANDING: &str = "tollgate_fleet_standing";
 pub const FLEET_FALLBACKS: &str = "tollgate_fleet_fallbacks_total";
 pub const FLEET_LEADERSHIPS: &str = "tollgate_fleet_leaderships_total";
 pub const FLEET_STORE_CALLS: &str = "tollgate_fleet_store_calls_total";
+pub const SHADOW_REFUSALS: &str = "tollgate_shadow_refusals_total";
+pub const CONFIG_RELOADS: &str = "tollgate_config_reloads_total";
+pub const CONFIG_LAST_RELOAD_SUCCESSFUL: &str = "tollgate_config_last_reload_successful";
 
 /// Seconds from first token targets of tens of ms up to the 30 s+ of an overloaded vLLM.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -178,6 +181,32 @@ impl FleetStanding {
             FleetStanding::Member => "member",
             FleetStanding::Fallback => "fallback",
             FleetStanding::Refused => "refused",
+        }
+    }
+}
+
+/// What a configuration reload did: the `result` label of `tollgate_config_reloads_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReloadResult {
+    Applied,
+    /// The configuration was the one in force.
+    Unchanged,
+    /// Invalid, or changing what only a restart can: the policy in force kept running.
+    Refused,
+}
+
+impl ReloadResult {
+    const ALL: [ReloadResult; 3] = [
+        ReloadResult::Applied,
+        ReloadResult::Unchanged,
+        ReloadResult::Refused,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReloadResult::Applied => "applied",
+            ReloadResult::Unchanged => "unchanged",
+            ReloadResult::Refused => "refused",
         }
     }
 }
@@ -372,21 +401,14 @@ const NO_TIER: &str = "none";
 #[derive(Clone)]
 pub struct Metrics {
     inner: Arc<Inner>,
+    tiers: Arc<TierSeries>,
 }
 
 struct Inner {
+    /// Kept to register the series of a reloaded policy's tiers.
+    recorder: metrics_exporter_prometheus::PrometheusRecorder,
     handle: PrometheusHandle,
     requests: Vec<Counter>,
-    /// `[tier or NO_TIER][reason]`; the last row is NO_TIER.
-    rejections: Vec<Vec<Counter>>,
-    /// The `reason` of each column of `rejections`.
-    reasons: Vec<&'static str>,
-    estimated_input_tokens: Vec<Histogram>,
-    /// `[tier][prompt, completion]`.
-    usage_tokens: Vec<[Counter; 2]>,
-    ttft: Vec<Histogram>,
-    upstream_ttft: Vec<Histogram>,
-    request_duration: Vec<Histogram>,
     stream_completions: Vec<Counter>,
     held_streams: Gauge,
     decision_duration: Histogram,
@@ -394,14 +416,9 @@ struct Inner {
     chat_template_fallbacks: Counter,
     inflight_limit: Gauge,
     inflight: Gauge,
-    queued: Vec<Gauge>,
     queued_body_bytes: Gauge,
     headroom_held: Gauge,
     lent: Gauge,
-    queue_wait: Vec<Histogram>,
-    scheduler_submitted: Vec<Counter>,
-    /// `[tier][SchedulerOutcome]`.
-    scheduler_outcomes: Vec<Vec<Counter>>,
     controller_actions: Vec<Counter>,
     /// The `action` of each of `controller_actions`.
     actions: Vec<&'static str>,
@@ -411,8 +428,6 @@ struct Inner {
     engine_saturation: Gauge,
     engine_kv_cache_usage: Gauge,
     engine_waiting: Gauge,
-    /// `[tier][kind * 3 + stage]`.
-    budget_tokens: Vec<Vec<Counter>>,
     store_duration: Vec<Histogram>,
     /// `[op][kind]`.
     store_errors: Vec<Vec<Counter>>,
@@ -434,6 +449,34 @@ struct Inner {
     fleet_leaderships: Counter,
     /// `[join, publish, leave]` × `[ok, error]`.
     fleet_store_calls: [[Counter; 2]; 3],
+    /// One per `ReloadResult::ALL`.
+    config_reloads: Vec<Counter>,
+    config_last_reload_successful: Gauge,
+}
+
+/// The series labelled by tier, registered again (the same series, and new ones for new
+/// tiers) when a reload changes the tiers: a `tier` index is valid only with the policy it
+/// came from, so a request uses the `Metrics` of the policy it was admitted under.
+struct TierSeries {
+    /// `[tier or NO_TIER][reason]`; the last row is NO_TIER.
+    rejections: Vec<Vec<Counter>>,
+    /// The `reason` of each column of `rejections`.
+    reasons: Vec<&'static str>,
+    estimated_input_tokens: Vec<Histogram>,
+    /// `[tier][prompt, completion]`.
+    usage_tokens: Vec<[Counter; 2]>,
+    ttft: Vec<Histogram>,
+    upstream_ttft: Vec<Histogram>,
+    request_duration: Vec<Histogram>,
+    queued: Vec<Gauge>,
+    queue_wait: Vec<Histogram>,
+    scheduler_submitted: Vec<Counter>,
+    /// `[tier][SchedulerOutcome]`.
+    scheduler_outcomes: Vec<Vec<Counter>>,
+    /// `[tier][kind * 3 + stage]`.
+    budget_tokens: Vec<Vec<Counter>>,
+    /// `[tier][reason]`.
+    shadow_refusals: Vec<Vec<Counter>>,
 }
 
 impl Metrics {
@@ -458,6 +501,7 @@ impl Metrics {
         let recorder = builder.build_recorder();
         let r = Registrar {
             recorder: &recorder,
+            fresh: true,
         };
 
         r.describe_counter(
@@ -672,49 +716,38 @@ impl Metrics {
              (join: every sync; publish: the leader's decision; leave: at shutdown) and result.",
         );
         r.describe_counter(
+            SHADOW_REFUSALS,
+            Unit::Count,
+            "Refusals shadow mode (enforce: false) counted and let through, by rule and tier.",
+        );
+        r.describe_gauge(
+            CONFIG_LAST_RELOAD_SUCCESSFUL,
+            Unit::Count,
+            "1 if the last configuration reload was applied (or found nothing to change, or none \
+             was tried), 0 if it was refused and an older policy is running.",
+        );
+        r.describe_counter(
+            CONFIG_RELOADS,
+            Unit::Count,
+            "Configuration reloads (SIGHUP or the file changed), by result (applied, \
+             unchanged, refused: the policy in force kept running).",
+        );
+        r.describe_counter(
             FLEET_LEADERSHIPS,
             Unit::Count,
             "Times this replica took the fleet's leader lease.",
         );
 
-        let tier_names = labels.tier_names();
-        let reasons = label_set::<L::Reason>();
         let actions = label_set::<L::Action>();
         let fail_modes = label_set::<L::FailMode>();
         let store_error_kinds = label_set::<<L::StoreError as ErrorKind>::Kind>();
-        let per_tier = |f: &dyn Fn(&str) -> Histogram| tier_names.iter().map(|t| f(t)).collect();
+        let tiers = tier_series(&r, labels);
+        let handle = recorder.handle();
         let inner = Inner {
             requests: RequestOutcome::ALL
                 .iter()
                 .map(|o| r.counter(REQUESTS, &o.labels()))
                 .collect(),
-            rejections: tier_names
-                .iter()
-                .copied()
-                .chain([NO_TIER])
-                .map(|tier| {
-                    reasons
-                        .iter()
-                        .map(|reason| r.counter(REJECTIONS, &[("reason", reason), ("tier", tier)]))
-                        .collect()
-                })
-                .collect(),
-            reasons,
-            estimated_input_tokens: per_tier(&|t| {
-                r.histogram(ESTIMATED_INPUT_TOKENS, &[("tier", t)])
-            }),
-            usage_tokens: tier_names
-                .iter()
-                .map(|t| {
-                    [
-                        r.counter(USAGE_TOKENS, &[("tier", t), ("kind", "prompt")]),
-                        r.counter(USAGE_TOKENS, &[("tier", t), ("kind", "completion")]),
-                    ]
-                })
-                .collect(),
-            ttft: per_tier(&|t| r.histogram(TTFT, &[("tier", t)])),
-            upstream_ttft: per_tier(&|t| r.histogram(UPSTREAM_TTFT, &[("tier", t)])),
-            request_duration: per_tier(&|t| r.histogram(REQUEST_DURATION, &[("tier", t)])),
             stream_completions: <ResponseEnd as LabelValue>::ALL
                 .iter()
                 .map(|e| r.counter(STREAM_COMPLETIONS, &[("result", e.label())]))
@@ -728,29 +761,9 @@ impl Metrics {
                 .collect(),
             inflight_limit: r.gauge(INFLIGHT_LIMIT, &[]),
             inflight: r.gauge(INFLIGHT, &[]),
-            queued: tier_names
-                .iter()
-                .map(|t| r.gauge(QUEUED, &[("tier", t)]))
-                .collect(),
             queued_body_bytes: r.gauge(QUEUED_BODY_BYTES, &[]),
             headroom_held: r.gauge(HEADROOM_HELD, &[]),
             lent: r.gauge(LENT, &[]),
-            queue_wait: per_tier(&|t| r.histogram(QUEUE_WAIT, &[("tier", t)])),
-            scheduler_submitted: tier_names
-                .iter()
-                .map(|t| r.counter(SCHEDULER_SUBMITTED, &[("tier", t)]))
-                .collect(),
-            scheduler_outcomes: tier_names
-                .iter()
-                .map(|t| {
-                    SchedulerOutcome::ALL
-                        .iter()
-                        .map(|o| {
-                            r.counter(SCHEDULER_OUTCOMES, &[("tier", t), ("outcome", o.label())])
-                        })
-                        .collect()
-                })
-                .collect(),
             controller_actions: actions
                 .iter()
                 .map(|action| r.counter(CONTROLLER_ACTIONS, &[("action", action)]))
@@ -762,22 +775,6 @@ impl Metrics {
             engine_saturation: r.gauge(ENGINE_SATURATION, &[]),
             engine_kv_cache_usage: r.gauge(ENGINE_KV_CACHE_USAGE, &[]),
             engine_waiting: r.gauge(ENGINE_WAITING, &[]),
-            budget_tokens: tier_names
-                .iter()
-                .map(|t| {
-                    ["input", "output"]
-                        .iter()
-                        .flat_map(|kind| {
-                            ["reserved", "settled", "refunded"].map(|stage| {
-                                r.counter(
-                                    BUDGET_TOKENS,
-                                    &[("tier", t), ("kind", kind), ("stage", stage)],
-                                )
-                            })
-                        })
-                        .collect()
-                })
-                .collect(),
             store_duration: StoreOp::ALL
                 .iter()
                 .map(|op| r.histogram(STORE_DURATION, &[("op", op.label())]))
@@ -824,7 +821,13 @@ impl Metrics {
                     )
                 })
             }),
-            handle: recorder.handle(),
+            config_reloads: ReloadResult::ALL
+                .iter()
+                .map(|result| r.counter(CONFIG_RELOADS, &[("result", result.as_str())]))
+                .collect(),
+            config_last_reload_successful: r.gauge(CONFIG_LAST_RELOAD_SUCCESSFUL, &[]),
+            handle,
+            recorder,
         };
         // Nothing scraped yet (or the engines' signal is off): unknown, not an idle engine.
         for unknown in [
@@ -834,8 +837,25 @@ impl Metrics {
         ] {
             unknown.set(f64::NAN);
         }
+        // The configuration in force was loaded: no reload has failed yet.
+        inner.config_last_reload_successful.set(1.0);
         Metrics {
             inner: Arc::new(inner),
+            tiers: Arc::new(tiers),
+        }
+    }
+
+    /// These metrics with the tier series of `labels` (a reloaded policy): the series of
+    /// tiers kept are the same, new tiers' are created, and those of tiers removed stay as
+    /// they were. Every other series is shared.
+    pub fn for_tiers<L: MetricLabels + ?Sized>(&self, labels: &L) -> Metrics {
+        let r = Registrar {
+            recorder: &self.inner.recorder,
+            fresh: false,
+        };
+        Metrics {
+            inner: self.inner.clone(),
+            tiers: Arc::new(tier_series(&r, labels)),
         }
     }
 
@@ -860,31 +880,31 @@ impl Metrics {
 
     /// Counts a local reply by its rule (`MetricLabels::Reason`) and tier, if one was known.
     pub fn rejection(&self, reason: impl LabelValue, tier: Option<usize>) {
-        let row = tier.unwrap_or(self.inner.rejections.len() - 1);
-        let col = column(&self.inner.reasons, reason);
-        self.inner.rejections[row][col].increment(1);
+        let row = tier.unwrap_or(self.tiers.rejections.len() - 1);
+        let col = column(&self.tiers.reasons, reason);
+        self.tiers.rejections[row][col].increment(1);
     }
 
     pub fn estimated_input_tokens(&self, tier: usize, tokens: u32) {
-        self.inner.estimated_input_tokens[tier].record(f64::from(tokens));
+        self.tiers.estimated_input_tokens[tier].record(f64::from(tokens));
     }
 
     pub fn usage(&self, tier: usize, prompt_tokens: u64, completion_tokens: u64) {
-        let [prompt, completion] = &self.inner.usage_tokens[tier];
+        let [prompt, completion] = &self.tiers.usage_tokens[tier];
         prompt.increment(prompt_tokens);
         completion.increment(completion_tokens);
     }
 
     pub fn time_to_first_token(&self, tier: usize, seconds: f64) {
-        self.inner.ttft[tier].record(seconds);
+        self.tiers.ttft[tier].record(seconds);
     }
 
     pub fn upstream_time_to_first_token(&self, tier: usize, seconds: f64) {
-        self.inner.upstream_ttft[tier].record(seconds);
+        self.tiers.upstream_ttft[tier].record(seconds);
     }
 
     pub fn request_duration(&self, tier: usize, seconds: f64) {
-        self.inner.request_duration[tier].record(seconds);
+        self.tiers.request_duration[tier].record(seconds);
     }
 
     pub fn stream_completion(&self, end: ResponseEnd) {
@@ -917,20 +937,20 @@ impl Metrics {
     }
 
     pub fn scheduler_submitted(&self, tier: usize) {
-        self.inner.scheduler_submitted[tier].increment(1);
+        self.tiers.scheduler_submitted[tier].increment(1);
     }
 
     pub fn scheduler_outcome(&self, tier: usize, outcome: SchedulerOutcome) {
-        self.inner.scheduler_outcomes[tier][outcome.index()].increment(1);
+        self.tiers.scheduler_outcomes[tier][outcome.index()].increment(1);
     }
 
     pub fn queue_wait(&self, tier: usize, seconds: f64) {
-        self.inner.queue_wait[tier].record(seconds);
+        self.tiers.queue_wait[tier].record(seconds);
     }
 
     /// Counts a request of `tier` as queued until the returned guard drops.
     pub fn hold_queued(&self, tier: usize) -> GaugeGuard {
-        GaugeGuard::new(self.inner.queued[tier].clone())
+        GaugeGuard::new(self.tiers.queued[tier].clone())
     }
 
     /// Counts one controller tick by its action (`MetricLabels::Action`), and the p99 it saw.
@@ -971,7 +991,7 @@ impl Metrics {
 
     pub fn budget_tokens(&self, tier: usize, kind: TokenKind, stage: TokenStage, tokens: u64) {
         let index = (kind as usize) * 3 + stage as usize;
-        self.inner.budget_tokens[tier][index].increment(tokens);
+        self.tiers.budget_tokens[tier][index].increment(tokens);
     }
 
     /// One store round trip, and its failure by kind (`MetricLabels::StoreError`) if it failed.
@@ -1013,6 +1033,21 @@ impl Metrics {
     /// Counts one of the fleet's Redis calls.
     pub fn fleet_store_call(&self, call: FleetCall, ok: bool) {
         self.inner.fleet_store_calls[call as usize][usize::from(!ok)].increment(1);
+    }
+
+    /// Counts a configuration reload by what it did.
+    pub fn config_reload(&self, result: ReloadResult) {
+        self.inner.config_reloads[result as usize].increment(1);
+        let successful = result != ReloadResult::Refused;
+        self.inner
+            .config_last_reload_successful
+            .set(if successful { 1.0 } else { 0.0 });
+    }
+
+    /// Counts a refusal shadow mode let through, by its rule (`MetricLabels::Reason`) and tier.
+    pub fn shadow_refusal(&self, reason: impl LabelValue, tier: usize) {
+        let col = column(&self.tiers.reasons, reason);
+        self.tiers.shadow_refusals[tier][col].increment(1);
     }
 
     /// Counts a leadership taken.
@@ -1074,8 +1109,89 @@ impl Drop for GaugeGuard {
 }
 
 /// Registers series on one recorder (not the global one).
+/// Registers the series labelled by tier (again, for a reloaded policy: registering an existing
+/// series returns it, counts and all).
+fn tier_series<L: MetricLabels + ?Sized>(r: &Registrar<'_>, labels: &L) -> TierSeries {
+    let tier_names = labels.tier_names();
+    let reasons = label_set::<L::Reason>();
+    let per_tier = |f: &dyn Fn(&str) -> Histogram| tier_names.iter().map(|t| f(t)).collect();
+    TierSeries {
+        rejections: tier_names
+            .iter()
+            .copied()
+            .chain([NO_TIER])
+            .map(|tier| {
+                reasons
+                    .iter()
+                    .map(|reason| r.counter(REJECTIONS, &[("reason", reason), ("tier", tier)]))
+                    .collect()
+            })
+            .collect(),
+        reasons: reasons.clone(),
+        estimated_input_tokens: per_tier(&|t| r.histogram(ESTIMATED_INPUT_TOKENS, &[("tier", t)])),
+        usage_tokens: tier_names
+            .iter()
+            .map(|t| {
+                [
+                    r.counter(USAGE_TOKENS, &[("tier", t), ("kind", "prompt")]),
+                    r.counter(USAGE_TOKENS, &[("tier", t), ("kind", "completion")]),
+                ]
+            })
+            .collect(),
+        ttft: per_tier(&|t| r.histogram(TTFT, &[("tier", t)])),
+        upstream_ttft: per_tier(&|t| r.histogram(UPSTREAM_TTFT, &[("tier", t)])),
+        request_duration: per_tier(&|t| r.histogram(REQUEST_DURATION, &[("tier", t)])),
+        queued: tier_names
+            .iter()
+            .map(|t| r.gauge(QUEUED, &[("tier", t)]))
+            .collect(),
+        queue_wait: per_tier(&|t| r.histogram(QUEUE_WAIT, &[("tier", t)])),
+        scheduler_submitted: tier_names
+            .iter()
+            .map(|t| r.counter(SCHEDULER_SUBMITTED, &[("tier", t)]))
+            .collect(),
+        scheduler_outcomes: tier_names
+            .iter()
+            .map(|t| {
+                SchedulerOutcome::ALL
+                    .iter()
+                    .map(|o| r.counter(SCHEDULER_OUTCOMES, &[("tier", t), ("outcome", o.label())]))
+                    .collect()
+            })
+            .collect(),
+        budget_tokens: tier_names
+            .iter()
+            .map(|t| {
+                ["input", "output"]
+                    .iter()
+                    .flat_map(|kind| {
+                        ["reserved", "settled", "refunded"].map(|stage| {
+                            r.counter(
+                                BUDGET_TOKENS,
+                                &[("tier", t), ("kind", kind), ("stage", stage)],
+                            )
+                        })
+                    })
+                    .collect()
+            })
+            .collect(),
+        shadow_refusals: tier_names
+            .iter()
+            .map(|tier| {
+                reasons
+                    .iter()
+                    .map(|reason| r.counter(SHADOW_REFUSALS, &[("reason", reason), ("tier", tier)]))
+                    .collect()
+            })
+            .collect(),
+    }
+}
+
 struct Registrar<'a> {
     recorder: &'a metrics_exporter_prometheus::PrometheusRecorder,
+    /// Registering for the first time: gauges start at 0. Otherwise a gauge may already hold
+    /// a value (requests queued under the policy before a reload), which must stay.
+    fresh: bool,
 }
 
 impl Registrar<'_> {
@@ -1100,7 +1216,12 @@ impl Registrar<'_> {
         let gauge = self
             .recorder
             .register_gauge(&Self::key(name, labels), &METADATA);
-        gauge.set(0.0);
+        if self.fresh {
+            gauge.set(0.0);
+        } else {
+            // Renders a new series without changing an existing one.
+            gauge.increment(0.0);
+        }
         gauge
     }
 

@@ -22,11 +22,12 @@ use crate::budget::ledger::{Grant, Hold, Ledger, Reserved};
 use crate::config::{ControlSignal, FairnessCost};
 use crate::control::window::{self, LatencyWindow, Pending};
 use crate::lifecycle::{Lifecycle, reached};
+use crate::live::Rules;
 use crate::observe::response::{ResponseEnd, ResponseObserver, Usage};
 use crate::observe::{
     GaugeGuard, Metrics, RequestOutcome, SchedulerOutcome, TokenKind, TokenStage,
 };
-use crate::policy::{ENVOY_TIMEOUT_MARGIN, Policy, TierId};
+use crate::policy::{ENVOY_TIMEOUT_MARGIN, TierId};
 use crate::reply::{self, LocalReply, Reason};
 use crate::request::{self, HeadVerdict, Header, InferenceHead};
 use crate::scheduler::{Admit, FlowClass, Permit, Scheduler, Ticket};
@@ -43,7 +44,10 @@ const INLINE_BODY_BYTES_WITH_MODEL_TOKENIZERS: usize = 16 * 1024;
 /// What every request's life shares: the policy, the budgets, the global slots and the
 /// controller's window.
 pub struct Pipeline {
-    pub policy: Arc<Policy>,
+    /// The policy in force with the metrics of its tiers, replaced by a reload; a request keeps
+    /// the one it started under.
+    pub rules: watch::Receiver<Arc<Rules>>,
+    /// The series that do not depend on the policy (the same as every `Rules`' ones).
     pub metrics: Metrics,
     pub scheduler: Arc<Scheduler>,
     pub ledger: Arc<Ledger>,
@@ -158,6 +162,8 @@ impl Phase {
 /// One HTTP request's life through the pipeline.
 pub struct RequestLife<'p> {
     pipeline: &'p Pipeline,
+    /// The policy in force when the request began, kept for its whole life.
+    rules: Arc<Rules>,
     state: State,
     /// Whether the protocol will show the response body (`None`: it has not said). Unknown
     /// counts as yes for charging, where assuming wrongly only charges the reserved output, and
@@ -221,6 +227,7 @@ impl<'p> RequestLife<'p> {
     pub fn new(pipeline: &'p Pipeline) -> RequestLife<'p> {
         RequestLife {
             pipeline,
+            rules: pipeline.rules.borrow().clone(),
             state: State::Start,
             response_body_shown: None,
         }
@@ -258,16 +265,16 @@ impl<'p> RequestLife<'p> {
         if !matches!(self.state, State::Start) {
             return Err(self.out_of_order());
         }
-        let pipeline = self.pipeline;
+        let rules = self.rules.clone();
         Ok(
-            match request::classify_head(&pipeline.policy, headers, end_of_stream) {
+            match request::classify_head(&rules.policy, headers, end_of_stream) {
                 HeadVerdict::Inference(mut head) => {
                     let remove_headers = std::mem::take(&mut head.spoofed_headers);
                     self.state = State::AwaitingBody { head, arrived: now };
                     HeadDecision::Continue { remove_headers }
                 }
                 HeadVerdict::PassThrough => {
-                    pipeline.metrics.request(RequestOutcome::PassedThrough);
+                    rules.metrics.request(RequestOutcome::PassedThrough);
                     self.state = State::PassedThrough;
                     HeadDecision::PassThrough
                 }
@@ -298,6 +305,7 @@ impl<'p> RequestLife<'p> {
             }
         };
         let pipeline = self.pipeline;
+        let rules = self.rules.clone();
         let tier = head.identity.tier;
         if !complete {
             let reply = LocalReply::new(
@@ -314,13 +322,13 @@ impl<'p> RequestLife<'p> {
         let received = body.len();
         // The decoded body is freed once decided: what waits in the queue, or goes upstream, is
         // the `Admission`, with its rewritten body if there is one.
-        let admission = match decide_body(pipeline, &head, body).await {
+        let admission = match decide_body(&rules, &head, body).await {
             BodyVerdict::Admit(admission) => admission,
             BodyVerdict::Reject(reply) => {
                 return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
             }
         };
-        let policy = &pipeline.policy;
+        let policy = &rules.policy;
         let tenant = &admission.identity.tenant;
         let tier_policy = policy.tier_for(tenant, tier);
         let reserved = pipeline
@@ -332,13 +340,24 @@ impl<'p> RequestLife<'p> {
                 admission.worst_case_tokens(),
             )
             .await;
+        let mut admission = admission;
         let grant = match reserved {
             Reserved::Granted(grant) => grant,
             Reserved::Denied(denial) => {
                 let reply = reply::rate_limit::denial(&denial, &tier_policy.name);
-                return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
+                if tier_policy.enforce {
+                    return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
+                }
+                // Shadow mode: refused as enforcement would, nothing reserved (enforcement
+                // would have charged nothing either), and on it goes.
+                shadow_refusal(&rules, &mut admission, &reply, tier);
+                Grant {
+                    hold: Hold::none(),
+                    budgets: None,
+                }
             }
         };
+        let tenant = &admission.identity.tenant;
         // A reservation is a share of the deployment's budget: on a fleet member the fleet's
         // override carries this replica's slice of it.
         let limit = pipeline.scheduler.load().global_limit;
@@ -357,12 +376,12 @@ impl<'p> RequestLife<'p> {
             FairnessCost::Tokens => admission.worst_case_tokens(),
         };
         let held_bytes = queued_body_bytes(received, &admission);
-        let metrics = &pipeline.metrics;
+        let metrics = &rules.metrics;
         metrics.scheduler_submitted(tier);
         match pipeline.scheduler.submit(tenant, class, cost, held_bytes) {
             Admit::Now(permit) => {
                 metrics.scheduler_outcome(tier, SchedulerOutcome::AdmittedNow);
-                let forward = self.admit(admission, grant, arrived, permit);
+                let forward = self.admit(admission, grant, arrived, Some(permit));
                 metrics.decision_duration(Instant::now().duration_since(now).as_secs_f64());
                 Ok(BodyDecision::Admit(forward))
             }
@@ -387,9 +406,15 @@ impl<'p> RequestLife<'p> {
                     )
                 };
                 metrics.scheduler_outcome(tier, outcome);
+                let reply = LocalReply::new(reason, message);
+                if !tier_policy.enforce {
+                    // Shadow mode: upstream without a slot (see `shadow_refusal`).
+                    shadow_refusal(&rules, &mut admission, &reply, tier);
+                    let forward = self.admit(admission, grant, arrived, None);
+                    return Ok(BodyDecision::Admit(forward));
+                }
                 // A refused request consumes nothing: give its reservation back.
                 pipeline.ledger.settle(grant.hold, 0, true).await;
-                let reply = LocalReply::new(reason, message);
                 Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)))
             }
             Admit::Queued(ticket) => {
@@ -450,7 +475,8 @@ impl<'p> RequestLife<'p> {
         } = *queued;
         drop(ticket);
         let pipeline = self.pipeline;
-        let metrics = &pipeline.metrics;
+        let rules = self.rules.clone();
+        let metrics = &rules.metrics;
         let tier = admission.identity.tier;
         let left = match outcome {
             Ok(permit) => {
@@ -459,10 +485,26 @@ impl<'p> RequestLife<'p> {
                 metrics.queue_wait(tier, waited);
                 metrics.scheduler_outcome(tier, SchedulerOutcome::AdmittedAfterWait);
                 metrics.decision_duration(waited);
-                return Ok(Waited::Admit(self.admit(admission, grant, arrived, permit)));
+                return Ok(Waited::Admit(self.admit(
+                    admission,
+                    grant,
+                    arrived,
+                    Some(permit),
+                )));
             }
             Err(left) => left,
         };
+        let mut admission = admission;
+        if matches!(left, Left::Deadline) {
+            let tier_policy = rules.policy.tier_for(&admission.identity.tenant, tier);
+            if !tier_policy.enforce {
+                // Shadow mode: the deadline passed; upstream now, without a slot.
+                metrics.scheduler_outcome(tier, SchedulerOutcome::QueueTimeout);
+                let reply = LocalReply::new(Reason::QueueTimeout, "the queue deadline passed");
+                shadow_refusal(&rules, &mut admission, &reply, tier);
+                return Ok(Waited::Admit(self.admit(admission, grant, arrived, None)));
+            }
+        }
         // Left the queue without a slot: it consumes nothing, so its reservation goes back.
         // Boxed: this future waits as long as the request does, and the settle would otherwise
         // make it larger for the whole wait.
@@ -487,7 +529,7 @@ impl<'p> RequestLife<'p> {
                 format!(
                     "the service is at capacity: no slot freed within the {} ms queue deadline; \
                      retry shortly",
-                    pipeline
+                    rules
                         .policy
                         .tier_for(&admission.identity.tenant, tier)
                         .queue_deadline
@@ -553,7 +595,7 @@ impl<'p> RequestLife<'p> {
         let mut observer = ResponseObserver::new(
             status,
             content_type,
-            self.pipeline.policy.max_buffered_json_bytes,
+            self.rules.policy.max_buffered_json_bytes,
         )
         .counting_output(watched.admission.encoding);
         if end_of_stream {
@@ -575,7 +617,7 @@ impl<'p> RequestLife<'p> {
     ) -> Result<(), OutOfOrder> {
         match &mut self.state {
             State::Admitted(watched) => {
-                watched.on_response_body(self.pipeline, chunk, end_of_stream, now);
+                watched.on_response_body(self.pipeline, &self.rules, chunk, end_of_stream, now);
                 Ok(())
             }
             State::AwaitingBody { .. } | State::PassedThrough => {
@@ -601,9 +643,7 @@ impl<'p> RequestLife<'p> {
     /// passed-through request still arrive and are let through unchanged.
     fn answered_by_envoy(&mut self) {
         if matches!(self.state, State::AwaitingBody { .. }) {
-            self.pipeline
-                .metrics
-                .request(RequestOutcome::AnsweredByEnvoy);
+            self.rules.metrics.request(RequestOutcome::AnsweredByEnvoy);
             self.state = State::PassedThrough;
         }
     }
@@ -615,9 +655,10 @@ impl<'p> RequestLife<'p> {
         mut admission: Admission,
         grant: Grant,
         arrived: Instant,
-        permit: Permit,
+        permit: Option<Permit>,
     ) -> Forward<'_> {
         let pipeline = self.pipeline;
+        let rules = self.rules.clone();
         let budget_headers = grant
             .budgets
             .as_ref()
@@ -628,7 +669,7 @@ impl<'p> RequestLife<'p> {
         let headers = std::mem::take(&mut admission.upstream_headers);
         let body = admission.new_body.take();
         let tier = admission.identity.tier;
-        let metrics = &pipeline.metrics;
+        let metrics = &rules.metrics;
         metrics.request(RequestOutcome::Admitted);
         metrics.estimated_input_tokens(tier, admission.input_tokens);
         if admission.chat_template_refused {
@@ -643,7 +684,7 @@ impl<'p> RequestLife<'p> {
         let awaiting_first_token = (self.response_body_shown == Some(true)).then(|| {
             Pending::start(
                 &pipeline.ttft_window,
-                control_started(pipeline, arrived, dispatched),
+                control_started(&rules, arrived, dispatched),
             )
         });
         self.state = State::Admitted(Box::new(Watched {
@@ -652,7 +693,7 @@ impl<'p> RequestLife<'p> {
             dispatched,
             awaiting_first_token,
             response: None,
-            permit: Some(permit),
+            permit,
             hold: grant.hold,
             budget_headers,
         }));
@@ -667,7 +708,7 @@ impl<'p> RequestLife<'p> {
     }
 
     fn refuse(&mut self, reply: LocalReply, tier: Option<TierId>, started: Instant) -> LocalReply {
-        let metrics = &self.pipeline.metrics;
+        let metrics = &self.rules.metrics;
         metrics.request(if reply.status() == 503 {
             RequestOutcome::Shed
         } else {
@@ -685,8 +726,9 @@ impl<'p> RequestLife<'p> {
     pub async fn finish(self) {
         let output_observed = self.response_body_shown != Some(false);
         let pipeline = self.pipeline;
+        let rules = self.rules.clone();
         match self.state {
-            State::AwaitingBody { .. } => pipeline.metrics.request(RequestOutcome::Abandoned),
+            State::AwaitingBody { .. } => rules.metrics.request(RequestOutcome::Abandoned),
             // Only if `wait` was never called: the request leaves the queue now, unanswered.
             State::Queued(queued) => {
                 let Queued {
@@ -697,35 +739,42 @@ impl<'p> RequestLife<'p> {
                 } = *queued;
                 drop(ticket);
                 let tier = admission.identity.tier;
-                pipeline
+                rules
                     .metrics
                     .scheduler_outcome(tier, SchedulerOutcome::Cancelled);
-                pipeline.metrics.request(RequestOutcome::Abandoned);
+                rules.metrics.request(RequestOutcome::Abandoned);
                 pipeline.ledger.settle(grant.hold, 0, true).await;
             }
-            State::Admitted(watched) => watched.finish(pipeline, output_observed).await,
+            State::Admitted(watched) => watched.finish(pipeline, &rules, output_observed).await,
             State::Start | State::PassedThrough | State::Refused => {}
         }
     }
 }
 
 impl Watched {
-    fn on_response_body(&mut self, pipeline: &Pipeline, chunk: &[u8], end: bool, now: Instant) {
+    fn on_response_body(
+        &mut self,
+        pipeline: &Pipeline,
+        rules: &Rules,
+        chunk: &[u8],
+        end: bool,
+        now: Instant,
+    ) {
         // Without response headers (header mode SKIP) the status is unknown: assume success and
         // sniff nothing but usage from a JSON body.
         let encoding = self.admission.encoding;
         let observer = self.response.get_or_insert_with(|| {
-            ResponseObserver::new(200, None, pipeline.policy.max_buffered_json_bytes)
+            ResponseObserver::new(200, None, rules.policy.max_buffered_json_bytes)
                 .counting_output(encoding)
         });
         if observer.on_chunk(chunk, end) {
-            let metrics = &pipeline.metrics;
+            let metrics = &rules.metrics;
             let tier = self.admission.identity.tier;
             let ttft = now.duration_since(self.arrived).as_secs_f64();
             let upstream_ttft = now.duration_since(self.dispatched).as_secs_f64();
             metrics.time_to_first_token(tier, ttft);
             metrics.upstream_time_to_first_token(tier, upstream_ttft);
-            let started = control_started(pipeline, self.arrived, self.dispatched);
+            let started = control_started(rules, self.arrived, self.dispatched);
             let seconds = now.duration_since(started).as_secs_f64();
             match self.awaiting_first_token.take() {
                 Some(pending) => pending.answered(now, seconds),
@@ -738,7 +787,7 @@ impl Watched {
         }
     }
 
-    async fn finish(self, pipeline: &Pipeline, output_observed: bool) {
+    async fn finish(self, pipeline: &Pipeline, rules: &Rules, output_observed: bool) {
         let Watched {
             admission,
             arrived,
@@ -752,7 +801,7 @@ impl Watched {
         // Over without a first token (an error, a reset): no longer pending.
         drop(awaiting_first_token);
         let tier = admission.identity.tier;
-        let metrics = &pipeline.metrics;
+        let metrics = &rules.metrics;
         let end = response
             .as_ref()
             .map_or(ResponseEnd::NoResponse, ResponseObserver::end);
@@ -785,9 +834,29 @@ impl Watched {
     }
 }
 
+/// A refusal shadow mode (`enforce: false`) lets through: counted, logged with its reason, and
+/// named to the upstream in `x-tollgate-shadow-refusal`. Scheduling still applies in shadow
+/// mode (the request waits for a slot like any other); a request the queue would have refused
+/// (full, or its deadline passed) goes upstream without a slot, so the in-flight budget does
+/// not count it.
+fn shadow_refusal(rules: &Rules, admission: &mut Admission, reply: &LocalReply, tier: TierId) {
+    rules.metrics.shadow_refusal(reply.reason, tier);
+    tracing::info!(
+        tenant = %admission.identity.tenant,
+        tier = %rules.policy.tiers[tier].name,
+        reason = reply.reason.as_str(),
+        status = reply.status(),
+        "shadow mode: would refuse; let through"
+    );
+    admission.upstream_headers.push((
+        "x-tollgate-shadow-refusal",
+        reply.reason.as_str().to_owned(),
+    ));
+}
+
 /// Where the controller's time to first token starts for a request (`control.signal`).
-fn control_started(pipeline: &Pipeline, arrived: Instant, dispatched: Instant) -> Instant {
-    match pipeline.policy.control.signal {
+fn control_started(rules: &Rules, arrived: Instant, dispatched: Instant) -> Instant {
+    match rules.policy.control.signal {
         ControlSignal::Upstream => dispatched,
         ControlSignal::Gateway => arrived,
     }
@@ -843,18 +912,18 @@ fn spent_tokens(
 
 /// The admission decision on a body, on the blocking pool if the body is large. Takes the body,
 /// so its bytes are freed as soon as the decision is made.
-async fn decide_body(pipeline: &Pipeline, head: &InferenceHead, body: Vec<u8>) -> BodyVerdict {
+async fn decide_body(rules: &Rules, head: &InferenceHead, body: Vec<u8>) -> BodyVerdict {
     // A model's own tokenizer may take its slow, exact path (0.25 µs a byte) and render a chat
     // template: with one loaded, only small bodies are decided on the async workers.
-    let inline = if pipeline.policy.counting.tokenizers.is_empty() {
+    let inline = if rules.policy.counting.tokenizers.is_empty() {
         INLINE_BODY_BYTES
     } else {
         INLINE_BODY_BYTES_WITH_MODEL_TOKENIZERS
     };
     if body.len() <= inline {
-        return admission::decide_body(&pipeline.policy, head, &body);
+        return admission::decide_body(&rules.policy, head, &body);
     }
-    let policy = pipeline.policy.clone();
+    let policy = rules.policy.clone();
     let head = head.clone();
     match tokio::task::spawn_blocking(move || admission::decide_body(&policy, &head, &body)).await {
         Ok(verdict) => verdict,

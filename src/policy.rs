@@ -43,6 +43,9 @@ pub struct Policy {
     pub fleet: FleetConfig,
     /// What replicas must agree on to share a budget (`policy_hash`).
     pub hash: String,
+    /// The configuration this policy was built from, for the admin API's `/v1/policy` and for
+    /// telling a reload which settings it changed.
+    pub source: Arc<Config>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -62,6 +65,9 @@ pub struct Tier {
     /// Extra windows for models matching a glob.
     pub model_windows: Vec<(String, Vec<WindowLimit>)>,
     pub max_concurrent: Option<u32>,
+    /// Refusals are enforced; `false` is shadow mode (counted, logged, let through). Resolved:
+    /// the tenant's override, else the tier's, else the top level's.
+    pub enforce: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -406,6 +412,7 @@ impl Policy {
             store: config.store.clone(),
             fleet: config.fleet.clone(),
             hash: policy_hash(config),
+            source: Arc::new(config.clone()),
         })
     }
 
@@ -433,12 +440,36 @@ impl Policy {
         warnings
     }
 
+    /// This policy with `control` in place of its controller settings (a run-time change), or
+    /// every problem that makes, each naming its field as the file would.
+    pub fn with_control(&self, control: ControlConfig) -> Result<Policy, Vec<String>> {
+        let mut problems = control_problems(&control);
+        problems.extend(fleet_problems(&self.fleet, &control));
+        if !problems.is_empty() {
+            return Err(problems);
+        }
+        Ok(Policy {
+            control,
+            ..self.clone()
+        })
+    }
+
     /// The limits that apply to `tenant` in `tier`: the tier's, or the tenant's override of it.
     pub fn tier_for(&self, tenant: &str, tier: TierId) -> &Tier {
         match self.overrides.get(tenant) {
             Some(tiers) => &tiers[tier],
             None => &self.tiers[tier],
         }
+    }
+
+    /// The tier of `tenant`'s API key, if it has one, else the default tier: where a lookup
+    /// that names no tier finds the tenant.
+    pub fn tier_of_tenant(&self, tenant: &str) -> TierId {
+        self.identity
+            .api_keys
+            .values()
+            .find(|owner| owner.tenant == tenant)
+            .map_or(self.default_tier, |owner| owner.tier)
     }
 
     pub fn tier_named(&self, name: &str) -> Option<TierId> {
@@ -575,6 +606,7 @@ fn build_tier(
         windows: windows.into(),
         model_windows,
         max_concurrent: tier.max_concurrent,
+        enforce: tier.enforce.unwrap_or(config.enforce),
     }
 }
 
@@ -700,13 +732,18 @@ const FLEET_PROTOCOL: &str = "tollgate fleet protocol 2\n";
 /// The hash a fleet member publishes so that replicas running different policies do not share
 /// a budget: SHA-256 (first 16 bytes, hex) of the configuration as JSON, without what is each
 /// replica's own (listen addresses, the store's address and credentials, the member id,
-/// shutdown timing). Tiers, tenants, weights, limits, the scheduler and the controller are in.
+/// shutdown timing, the admin token's file, the reload period). Tiers, tenants, weights,
+/// limits, shadow mode, the scheduler and the controller are in; the admin API's run-time
+/// settings are not (every replica reads the same ones).
 pub fn policy_hash(config: &Config) -> String {
     let mut shared = config.clone();
     shared.listen = Default::default();
     shared.store = Default::default();
     shared.shutdown = Default::default();
     shared.fleet.member_id = String::new();
+    // Each replica's own: its credentials and how it notices a new file.
+    shared.admin = Default::default();
+    shared.reload = Default::default();
     // Serializing a `Config` cannot fail: every map key is a string.
     let json = serde_json::to_vec(&shared).unwrap_or_default();
     let mut hasher = Sha256::new();

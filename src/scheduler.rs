@@ -216,6 +216,11 @@ impl Scheduler {
         self.dispatch(state);
     }
 
+    /// Caps the body bytes queued requests may hold (a reload): those already waiting stay.
+    pub fn set_max_queued_body_bytes(&self, cap: usize) {
+        self.lock().queued_bodies.cap = cap;
+    }
+
     /// Every tenant with requests waiting or in flight here, and its load: O(tenants), for the
     /// fleet's report, never on a request's path.
     pub fn flows(&self) -> Vec<FlowLoad> {

@@ -407,6 +407,14 @@ impl Inner {
         self.answer(generation, reply)
     }
 
+    /// One plain command, bounded and mapped like `invoke`.
+    async fn command<T: FromRedisValue>(&self, command: &redis::Cmd) -> Result<T, StoreError> {
+        let (generation, mut connection) = self.connection();
+        let reply =
+            tokio::time::timeout(self.timeout, command.query_async::<T>(&mut connection)).await;
+        self.answer(generation, reply)
+    }
+
     fn connection(&self) -> (u64, ConnectionManager) {
         let connection = self
             .connection

@@ -16,34 +16,85 @@ use crate::lifecycle::{Lifecycle, reached};
 use crate::observe::{FleetStanding, Metrics};
 use crate::scheduler::Scheduler;
 
+/// What the tick runs on: the controller's settings and the static budget (applied while the
+/// controller is off). A reload or the admin API replaces them; the tick keeps its limit.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TickSettings {
+    pub control: ControlConfig,
+    /// `scheduler.initial_limit`: where the controller starts, and the budget while it is off.
+    pub static_limit: u32,
+}
+
 /// Runs until the server starts draining (a draining server admits nothing new, so resizing
 /// the budget would only react to its own wind-down).
 pub async fn run(
-    control: ControlConfig,
-    initial_limit: u32,
+    mut settings: watch::Receiver<TickSettings>,
     scheduler: Arc<Scheduler>,
     ttft_window: Arc<Mutex<LatencyWindow>>,
     metrics: Metrics,
     mut lifecycle: watch::Receiver<Lifecycle>,
 ) {
-    let config = AimdConfig::from(&control);
-    let breach_threshold =
-        Duration::from_secs_f64(config.target_p99_ttft_seconds * (1.0 + config.control.band));
-    let mut aimd = Aimd::new(initial_limit, &config);
-    let mut scraper = Scraper::new(&control.engine);
-    scheduler.set_limit(aimd.limit());
-    metrics.scheduler_load(scheduler.load());
-    let mut tick = tokio::time::interval_at(
-        Instant::now() + Duration::from_millis(control.tick_ms),
-        Duration::from_millis(control.tick_ms),
-    );
+    let mut current = settings.borrow_and_update().clone();
+    let mut config = AimdConfig::from(&current.control);
+    let mut aimd = Aimd::new(current.static_limit, &config);
+    let mut scraper = Scraper::new(&current.control.engine);
+    let applied = |aimd: &Aimd, current: &TickSettings| {
+        let limit = if current.control.enabled {
+            aimd.limit()
+        } else {
+            current.static_limit
+        };
+        scheduler.set_limit(limit);
+        // Alone (no shared store: the fleet's task would run the controller otherwise), this
+        // replica's limit is the deployment's.
+        metrics.fleet(FleetStanding::Alone, 1, limit, false);
+        metrics.scheduler_load(scheduler.load());
+    };
+    applied(&aimd, &current);
+    let period = |current: &TickSettings| Duration::from_millis(current.control.tick_ms);
+    let mut tick = tokio::time::interval_at(Instant::now() + period(&current), period(&current));
     // After a stall, tick on the normal period again rather than in a burst of catch-up steps.
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut settings_open = true;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
+            changed = settings.changed(), if settings_open => {
+                if changed.is_err() {
+                    settings_open = false;
+                    continue;
+                }
+                let next = settings.borrow_and_update().clone();
+                if next == current {
+                    continue;
+                }
+                config = AimdConfig::from(&next.control);
+                if next.control.enabled && !current.control.enabled {
+                    // Switched on: from the budget in force, not from where it was switched off.
+                    aimd = Aimd::new(scheduler.load().limit, &config);
+                } else {
+                    aimd.rebound(&config);
+                }
+                if next.control.engine != current.control.engine {
+                    scraper = Scraper::new(&next.control.engine);
+                }
+                if next.control.tick_ms != current.control.tick_ms {
+                    tick = tokio::time::interval_at(Instant::now() + period(&next), period(&next));
+                    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+                }
+                current = next;
+                applied(&aimd, &current);
+                tracing::info!(enabled = current.control.enabled, limit = scheduler.load().limit, "controller settings changed");
+                continue;
+            }
             () = reached(&mut lifecycle, Lifecycle::Draining) => return,
         }
+        if !current.control.enabled {
+            continue;
+        }
+        let control = &current.control;
+        let breach_threshold =
+            Duration::from_secs_f64(config.target_p99_ttft_seconds * (1.0 + control.band));
         // First, so the latency and the peak in flight below are read after it, as fresh.
         let engine_saturation = match &mut scraper {
             Some(scraper) => tokio::select! {
@@ -74,12 +125,8 @@ pub async fn run(
             // at once.)
             window::lock(&ttft_window).restart(now);
         }
-        scheduler.set_limit(aimd.limit());
-        // Alone (no shared store: the fleet's task would run the controller otherwise), this
-        // replica's limit is the deployment's.
-        metrics.fleet(FleetStanding::Alone, 1, aimd.limit(), false);
+        applied(&aimd, &current);
         metrics.controller_tick(action, p99);
-        metrics.scheduler_load(scheduler.load());
         tracing::debug!(
             ?observation,
             ?action,
@@ -99,6 +146,7 @@ mod tests {
     struct Harness {
         scheduler: Arc<Scheduler>,
         window: Arc<Mutex<LatencyWindow>>,
+        settings: watch::Sender<TickSettings>,
         _lifecycle: watch::Sender<Lifecycle>,
     }
 
@@ -110,9 +158,12 @@ mod tests {
             30,
         )));
         let (lifecycle_tx, lifecycle) = watch::channel(Lifecycle::Serving);
-        tokio::spawn(run(
+        let (settings_tx, settings) = watch::channel(TickSettings {
             control,
-            initial,
+            static_limit: initial,
+        });
+        tokio::spawn(run(
+            settings,
             scheduler.clone(),
             window.clone(),
             Metrics::new(&policy),
@@ -121,6 +172,7 @@ mod tests {
         Harness {
             scheduler,
             window,
+            settings: settings_tx,
             _lifecycle: lifecycle_tx,
         }
     }
@@ -164,6 +216,40 @@ mod tests {
         (0..requests)
             .map(|_| h.scheduler.submit("t", class, 1, 0))
             .collect()
+    }
+
+    /// A reload or the admin API replaces the settings: the limit survives, moved into new
+    /// bounds; switched off, the static budget applies; switched on, it starts from the limit
+    /// in force.
+    #[tokio::test(start_paused = true)]
+    async fn new_settings_keep_the_limit_within_their_bounds() {
+        let h = start(ControlConfig::default(), 128);
+        tokio::task::yield_now().await;
+        assert_eq!(h.limit(), 128);
+        let change = |edit: &dyn Fn(&mut TickSettings)| {
+            h.settings.send_modify(|s| edit(s));
+        };
+        change(&|s| s.control.ceiling = 64);
+        tokio::task::yield_now().await;
+        assert_eq!(h.limit(), 64, "clamped under the new ceiling");
+        change(&|s| {
+            s.control.enabled = false;
+            s.static_limit = 20;
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(h.limit(), 20, "off: the static budget");
+        // Ticks change nothing while it is off, whatever the latency.
+        h.record(10.0, 100);
+        tokio::time::sleep(tick() * 3).await;
+        assert_eq!(h.limit(), 20);
+        change(&|s| {
+            s.control.enabled = true;
+            s.control.floor = 8;
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(h.limit(), 20, "on again: from the budget in force");
+        tokio::time::sleep(tick() + Duration::from_millis(1)).await;
+        assert_eq!(h.limit(), 18, "and stepping again: 20 x 0.9");
     }
 
     #[tokio::test(start_paused = true)]

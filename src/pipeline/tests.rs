@@ -15,6 +15,11 @@ const QUEUE_DEADLINE: Duration = Duration::from_millis(1000);
 /// One tier, `free`, with a token budget per minute, a concurrency limit and a short queue;
 /// one global slot unless `edit` says otherwise.
 fn pipeline_with(edit: impl FnOnce(&mut Config)) -> Pipeline {
+    pipeline_and_rules(edit).0
+}
+
+/// As `pipeline_with`, and the sender that replaces its policy, as a reload does.
+fn pipeline_and_rules(edit: impl FnOnce(&mut Config)) -> (Pipeline, watch::Sender<Arc<Rules>>) {
     let tier = TierConfig {
         max_input_tokens: 1000,
         max_output_tokens: 100,
@@ -32,8 +37,8 @@ fn pipeline_with(edit: impl FnOnce(&mut Config)) -> Pipeline {
     };
     config.scheduler.initial_limit = 1;
     edit(&mut config);
-    let policy = Arc::new(Policy::from_config(&config).expect("a valid test policy"));
-    let metrics = Metrics::new(&policy);
+    let policy = Arc::new(test_policy(&config));
+    let metrics = Metrics::new(&*policy);
     let scheduler = Scheduler::new(
         policy.scheduling.initial_limit,
         policy.scheduling.max_queued_body_bytes,
@@ -45,13 +50,19 @@ fn pipeline_with(edit: impl FnOnce(&mut Config)) -> Pipeline {
         metrics.clone(),
     );
     let ttft_window = Arc::new(Mutex::new(LatencyWindow::new(Duration::from_secs(10), 10)));
-    Pipeline {
-        policy,
+    let (rules_tx, rules) = watch::channel(Rules::new(policy, &metrics));
+    let pipeline = Pipeline {
+        rules,
         metrics,
         scheduler,
         ledger,
         ttft_window,
-    }
+    };
+    (pipeline, rules_tx)
+}
+
+fn test_policy(config: &Config) -> crate::policy::Policy {
+    crate::policy::Policy::from_config(config).expect("a valid test policy")
 }
 
 fn pipeline() -> Pipeline {
@@ -120,9 +131,8 @@ async fn admitted(pipeline: &Pipeline, max_tokens: u32) -> RequestLife<'_> {
 
 /// Tokens alice has used this minute, and her live leases.
 async fn budget(pipeline: &Pipeline) -> (u64, u32) {
-    let tier = pipeline
-        .policy
-        .tier_for(TENANT, pipeline.policy.tier_named("free").unwrap());
+    let policy = pipeline.rules.borrow().policy.clone();
+    let tier = policy.tier_for(TENANT, policy.tier_named("free").unwrap());
     let windows = tier.windows_for("gpt-4o-mini");
     let usage = pipeline
         .ledger
@@ -695,7 +705,7 @@ async fn a_response_before_the_body_is_envoys_own_answer() {
 fn settlement_rules() {
     // The pure part of finishing: `spent_tokens`, by ending.
     let pipeline = pipeline();
-    let policy = &pipeline.policy;
+    let policy = pipeline.rules.borrow().policy.clone();
     let head = InferenceHead {
         identity: request::Identity {
             tenant: TENANT.to_owned(),
@@ -704,7 +714,7 @@ fn settlement_rules() {
         api: request::ApiKind::Chat,
         spoofed_headers: Vec::new(),
     };
-    let BodyVerdict::Admit(admission) = admission::decide_body(policy, &head, &chat_body(40))
+    let BodyVerdict::Admit(admission) = admission::decide_body(&policy, &head, &chat_body(40))
     else {
         panic!("a valid body");
     };
@@ -732,4 +742,216 @@ fn settlement_rules() {
             "{end:?} {usage:?} observed={observed}"
         );
     }
+}
+
+/// Shadow mode at each level (top, tier, tenant): what enforcement would refuse with a 429 or
+/// 503 is counted and goes upstream, named in `x-tollgate-shadow-refusal`; what is wrong with
+/// the request itself is still refused.
+#[tokio::test(start_paused = true)]
+async fn shadow_mode_counts_what_it_would_refuse_and_lets_it_through() {
+    struct Row {
+        name: &'static str,
+        edit: fn(&mut Config),
+        before: usize,
+        max_tokens: u32,
+        reason: Reason,
+        /// Whether the request's reservation stands (granted, only its slot was refused).
+        charged: bool,
+    }
+    let table = [
+        Row {
+            name: "token budget spent, shadow at the top",
+            edit: |c| {
+                c.enforce = false;
+                let free = c.tiers.get_mut("free").unwrap();
+                (free.max_input_tokens, free.max_output_tokens) = (100, 100);
+                free.tokens_per_minute = Some(200);
+                c.scheduler.initial_limit = 4;
+            },
+            before: 1,
+            max_tokens: 100,
+            reason: Reason::TokenBudgetExhausted,
+            charged: false,
+        },
+        Row {
+            name: "concurrency limit, shadow in the tier",
+            edit: |c| {
+                let free = c.tiers.get_mut("free").unwrap();
+                free.max_concurrent = Some(1);
+                free.enforce = Some(false);
+                c.scheduler.initial_limit = 4;
+            },
+            before: 1,
+            max_tokens: 10,
+            reason: Reason::ConcurrencyLimitReached,
+            charged: false,
+        },
+        Row {
+            name: "queue full, shadow for the tenant over an enforcing top level",
+            edit: |c| {
+                c.tiers.get_mut("free").unwrap().queue_max = 0;
+                c.tenants.insert(
+                    TENANT.to_owned(),
+                    crate::config::TierOverride {
+                        enforce: Some(false),
+                        ..Default::default()
+                    },
+                );
+            },
+            before: 1,
+            max_tokens: 10,
+            reason: Reason::QueueFull,
+            charged: true,
+        },
+    ];
+    for row in table {
+        let pipeline = pipeline_with(row.edit);
+        let mut kept = Vec::new();
+        for _ in 0..row.before {
+            kept.push(admitted(&pipeline, row.max_tokens).await);
+        }
+        let taken = budget(&pipeline).await;
+        let mut life = RequestLife::new(&pipeline);
+        let decision = submit(&mut life, TENANT, row.max_tokens).await;
+        let BodyDecision::Admit(forward) = decision else {
+            panic!("{}: expected it let through, got {decision:?}", row.name);
+        };
+        assert!(
+            forward
+                .headers
+                .contains(&("x-tollgate-shadow-refusal", row.reason.as_str().to_owned())),
+            "{}: {:?}",
+            row.name,
+            forward.headers
+        );
+        assert_eq!(life.phase(), Phase::Admitted, "{}", row.name);
+        let shadow = metric(
+            &pipeline,
+            crate::observe::SHADOW_REFUSALS,
+            &[&format!("reason=\"{}\"", row.reason.as_str())],
+        );
+        assert_eq!(shadow, 1.0, "{}", row.name);
+        assert_eq!(
+            metric(&pipeline, crate::observe::REJECTIONS, &[]),
+            0.0,
+            "{}",
+            row.name
+        );
+        let (tokens, leases) = budget(&pipeline).await;
+        if row.charged {
+            assert!(tokens > taken.0, "{}: reserved as usual", row.name);
+        } else {
+            assert_eq!(
+                (tokens, leases),
+                taken,
+                "{}: refused, so nothing reserved",
+                row.name
+            );
+        }
+        life.finish().await;
+        drop(kept);
+    }
+
+    // Shadow mode does not rehearse checks of the request itself.
+    let pipeline = pipeline_with(|c| c.enforce = false);
+    let mut life = RequestLife::new(&pipeline);
+    let decision = submit(&mut life, TENANT, 1000).await;
+    let BodyDecision::Refuse(reply) = decision else {
+        panic!("expected a refusal, got {decision:?}");
+    };
+    assert_eq!(reply.reason, Reason::OutputTokensExceeded);
+}
+
+#[tokio::test(start_paused = true)]
+async fn in_shadow_mode_a_request_past_its_queue_deadline_goes_upstream_without_a_slot() {
+    let pipeline = pipeline_with(|c| c.enforce = false);
+    let (first, mut second, one) = one_running_one_queued(&pipeline).await;
+    let (_lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
+    let enqueued = Instant::now();
+    let waited = second
+        .wait(
+            client_leaving_after(Duration::from_secs(60)),
+            &mut lifecycle,
+        )
+        .await
+        .unwrap();
+    assert_eq!(Instant::now().duration_since(enqueued), QUEUE_DEADLINE);
+    let Waited::Admit(forward) = waited else {
+        panic!("expected it let through, got {waited:?}");
+    };
+    assert!(
+        forward
+            .headers
+            .contains(&("x-tollgate-shadow-refusal", "queue_timeout".to_owned()))
+    );
+    assert_eq!(in_flight(&pipeline), 1, "only the first holds a slot");
+    assert_eq!(
+        budget(&pipeline).await,
+        (2 * one, 2),
+        "both reserved as usual"
+    );
+    second.finish().await;
+    assert_eq!(budget(&pipeline).await.1, 1, "settled at its end");
+    drop(first);
+}
+
+/// A reload replaces the policy for requests that begin after it; one already queued keeps the
+/// rules it was admitted under (here, its queue deadline).
+#[tokio::test(start_paused = true)]
+async fn a_request_keeps_the_policy_it_began_under() {
+    let (pipeline, rules) = pipeline_and_rules(|_| {});
+    let (first, mut second, _) = one_running_one_queued(&pipeline).await;
+
+    let mut reloaded = Config {
+        default_tier: "free".to_owned(),
+        ..Config::default()
+    };
+    reloaded.tiers = BTreeMap::from([(
+        "free".to_owned(),
+        TierConfig {
+            max_input_tokens: 1000,
+            max_output_tokens: 100,
+            queue_max: 2,
+            queue_deadline_ms: 5_000,
+            ..TierConfig::default()
+        },
+    )]);
+    reloaded.scheduler.initial_limit = 1;
+    let policy = Arc::new(test_policy(&reloaded));
+    rules.send_replace(Rules::new(policy, &pipeline.metrics));
+
+    let (_lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
+    let enqueued = Instant::now();
+    let waited = second
+        .wait(
+            client_leaving_after(Duration::from_secs(60)),
+            &mut lifecycle,
+        )
+        .await
+        .unwrap();
+    assert!(matches!(waited, Waited::Refuse(_)), "{waited:?}");
+    assert_eq!(
+        Instant::now().duration_since(enqueued),
+        QUEUE_DEADLINE,
+        "the deadline it was queued under"
+    );
+    second.finish().await;
+
+    let mut third = queued(&pipeline).await;
+    let enqueued = Instant::now();
+    let waited = third
+        .wait(
+            client_leaving_after(Duration::from_secs(60)),
+            &mut lifecycle,
+        )
+        .await
+        .unwrap();
+    assert!(matches!(waited, Waited::Refuse(_)), "{waited:?}");
+    assert_eq!(
+        Instant::now().duration_since(enqueued),
+        Duration::from_secs(5),
+        "a request after the reload waits as long as the new policy says"
+    );
+    third.finish().await;
+    drop(first);
 }

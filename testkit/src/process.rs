@@ -125,6 +125,16 @@ impl Proc {
         Ok(())
     }
 
+    /// Sends `signal` (a name `kill` knows: `HUP`, `USR1`, ...).
+    pub fn signal(&self, signal: &str) -> Result<()> {
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &self.pid.to_string()])
+            .status()
+            .context("run kill")?;
+        anyhow::ensure!(status.success(), "kill -{signal} {} failed", self.pid);
+        Ok(())
+    }
+
     /// SIGKILLs the process (no shutdown: a crash) and reaps it. Errors mean it is already
     /// gone.
     pub fn kill(&mut self) {

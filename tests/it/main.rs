@@ -11,6 +11,7 @@ mod fleet;
 mod fleet_store;
 mod grpc;
 mod lab;
+mod operate;
 mod queue;
 mod redis_store;
 mod replay;

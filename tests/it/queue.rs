@@ -35,6 +35,7 @@ impl InMemory {
             async move {
                 let _ = stop.await;
             },
+            None,
         ));
         let channel = tonic::transport::Endpoint::from_static("http://in-memory")
             .connect_with_connector(tower::service_fn(move |_| {

@@ -19,6 +19,10 @@
 //! - `tollgate:fleet:{<name>}:fence`: INCR counter: the fencing token of each new leadership.
 //! - `tollgate:fleet:{<name>}:decision`: HASH: `seq`, `limit`, `window_epoch`, `fence`, and per
 //!   member `g:<id>` (its grant) and `o:<id>` (its overrides, opaque).
+//! - `tollgate:fleet:{<name>}:settings`: HASH setting → value (opaque JSON): what the admin API
+//!   changed at run time (`engine`, `control`), read by every replica each sync. Written whole
+//!   per setting (`HSET`), so of two racing writes one wins entire; it never expires, so a
+//!   change outlives restarts until it is deleted (`HDEL`).
 //!
 //! Every key gets a `PEXPIRE` of a few member TTLs on every write, so an abandoned fleet deletes
 //! itself.
@@ -197,6 +201,34 @@ impl RedisStore {
         }
         invocation.arg(member);
         this.invoke::<Value>(&invocation).await.map(drop)
+    }
+}
+
+impl RedisStore {
+    /// The settings changed at run time (`HGETALL`; see the module docs).
+    pub async fn fleet_settings(
+        &self,
+        fleet: &str,
+    ) -> Result<std::collections::HashMap<String, String>, StoreError> {
+        let this = &*self.inner;
+        this.command(redis::cmd("HGETALL").arg(fleet_key(fleet, "settings")))
+            .await
+    }
+
+    /// Replaces one run-time setting whole (`HSET`), or drops it (`HDEL`, for `None`).
+    pub async fn fleet_set_setting(
+        &self,
+        fleet: &str,
+        setting: &str,
+        value: Option<&str>,
+    ) -> Result<(), StoreError> {
+        let this = &*self.inner;
+        let key = fleet_key(fleet, "settings");
+        let command = match value {
+            Some(value) => redis::cmd("HSET").arg(key).arg(setting).arg(value).clone(),
+            None => redis::cmd("HDEL").arg(key).arg(setting).clone(),
+        };
+        this.command::<Value>(&command).await.map(drop)
     }
 }
 

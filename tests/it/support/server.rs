@@ -34,6 +34,7 @@ impl TestServer {
             async move {
                 let _ = rx.await;
             },
+            None,
         ));
         TestServer {
             grpc: grpc_addr,
