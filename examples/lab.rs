@@ -161,6 +161,15 @@ async fn lab(args: &Args) -> Result<()> {
     let mut tables = String::new();
     for run in runs {
         let tollgate_config = scenario.tollgate_config(run, time_scale);
+        // tollgate's admin API answers only with a bearer token (`admin.token_file`): the
+        // configuration's own, or, for a run that calls it, one the stack writes in.
+        let admin_token = match admin_token(tollgate_config.as_ref())? {
+            Some(token) => Some(token),
+            None if !run.admin_calls.is_empty() => {
+                Some(format!("tollgate-lab-{}", std::process::id()))
+            }
+            None => None,
+        };
         // The ports are picked free and then bound by the children, so another process on the
         // machine can take one in between ("Address already in use"): try a fresh set.
         let mut attempt = 1;
@@ -169,6 +178,7 @@ async fn lab(args: &Args) -> Result<()> {
                 &binaries,
                 &upstream_args,
                 tollgate_config.as_ref(),
+                admin_token.as_deref(),
                 scenario.replicas,
                 &front_proxy,
             )
@@ -200,6 +210,8 @@ async fn lab(args: &Args) -> Result<()> {
                     )
                 })
                 .collect(),
+            admin_calls: run.admin_calls.clone(),
+            admin_token,
             time_scale,
             sample_every: scenario.sample_every_s,
             duration: scenario.duration_s,
@@ -277,4 +289,17 @@ async fn lab(args: &Args) -> Result<()> {
     )?;
     eprintln!("results in {}", out.display());
     Ok(())
+}
+
+/// The bearer token for tollgate's admin API: the contents of its `admin.token_file`, if the
+/// run's configuration names one.
+fn admin_token(config: Option<&Value>) -> Result<Option<String>> {
+    let Some(path) = config
+        .and_then(|c| c.pointer("/admin/token_file"))
+        .and_then(Value::as_str)
+    else {
+        return Ok(None);
+    };
+    let token = std::fs::read_to_string(path).with_context(|| format!("read {path}"))?;
+    Ok(Some(token.trim().to_owned()))
 }

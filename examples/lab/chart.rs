@@ -254,6 +254,16 @@ pub fn run_chart(
             .label(legend(name))
             .legend(move |(x, y)| Circle::new((x, y), 4, color.filled()));
     }
+    for (row, call) in summary.admin_calls.iter().enumerate() {
+        chart
+            .draw_series(std::iter::once(PathElement::new(
+                vec![(call.sent_s, 0.05), (call.sent_s, max_ttft)],
+                Color::stroke_width(&ADMIN_COLOR, 2),
+            )))
+            .map_err(err)?;
+        let at = chart.backend_coord(&(call.sent_s, max_ttft));
+        admin_label(&root, call, row, at, call.sent_s > end / 2.0)?;
+    }
     chart
         .configure_series_labels()
         .label_font(label_font.clone())
@@ -320,6 +330,16 @@ pub fn run_chart(
         .x_labels(10)
         .draw()
         .map_err(err)?;
+    for (row, call) in summary.admin_calls.iter().enumerate() {
+        chart
+            .draw_series(std::iter::once(PathElement::new(
+                vec![(call.sent_s, 0.0), (call.sent_s, top)],
+                Color::stroke_width(&ADMIN_COLOR, 2),
+            )))
+            .map_err(err)?;
+        let at = chart.backend_coord(&(call.sent_s, top));
+        admin_label(&root, call, row, at, call.sent_s > end / 2.0)?;
+    }
     for (name, color, f) in series {
         let points: Vec<(f64, f64)> = outcome
             .samples
@@ -352,12 +372,13 @@ pub fn run_chart(
         RGBColor,
         fn(&crate::report::TenantSummary) -> u64,
     );
-    let bars: [Bar; 4] = [
+    let bars: [Bar; 5] = [
         ("completed", RGBColor(44, 160, 44), |t| t.completed),
+        ("400/413", RGBColor(148, 103, 189), |t| t.rejected_4xx),
         ("429", RGBColor(255, 127, 14), |t| t.rejected_429),
         ("503", RGBColor(214, 39, 40), |t| t.rejected_503),
         ("truncated/other/hung", RGBColor(90, 90, 90), |t| {
-            t.truncated + t.other_errors + t.unfinished
+            t.truncated + t.other_errors - t.rejected_4xx + t.unfinished
         }),
     ];
     let highest = summary
@@ -484,6 +505,42 @@ pub fn run_chart(
     }
     root.present().map_err(err)?;
     Ok(())
+}
+
+/// The admin calls' markers: a vertical line at the time each was sent, and what it sent.
+const ADMIN_COLOR: RGBColor = RGBColor(255, 0, 255);
+
+/// `PUT {kv_cache_threshold:0.85,queue_depth_threshold:10}` (or `PUT /path` without a body)
+/// beside the marker's line, whose top is at pixel `at`: to its right, or to its left in the
+/// chart's right half; one text row lower for each call before it, so that labels never
+/// overlap.
+fn admin_label<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    call: &crate::load::AdminCallResult,
+    row: usize,
+    at: (i32, i32),
+    left: bool,
+) -> Result<()> {
+    // The body's values, without the keys' quotes: short enough to sit on a chart.
+    let what = match &call.call.body {
+        Some(body) => body.to_string().replace('"', ""),
+        None => call.call.path.clone(),
+    };
+    let (h_pos, dx) = if left {
+        (HPos::Right, -4)
+    } else {
+        (HPos::Left, 4)
+    };
+    let style = ("sans-serif", 8)
+        .into_font()
+        .color(&ADMIN_COLOR)
+        .pos(plotters::style::text_anchor::Pos::new(h_pos, VPos::Top));
+    area.draw(&Text::new(
+        format!("{} {what}", call.call.method),
+        (at.0 + dx, at.1 + 2 + 10 * row as i32),
+        style,
+    ))
+    .map_err(err)
 }
 
 const REPLICA_COLORS: [RGBColor; 4] = [

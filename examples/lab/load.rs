@@ -17,7 +17,7 @@ use serde::Serialize;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::scenario::Arrival;
+use crate::scenario::{AdminCall, Arrival};
 
 /// What the client saw of one request. Times are simulated seconds.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -34,6 +34,8 @@ pub struct Record {
     /// Due time to the end of the response.
     pub e2e: Option<f64>,
     pub completion_tokens: Option<u64>,
+    /// `usage.prompt_tokens` as the upstream reported it (the simulated vLLM counts words).
+    pub prompt_tokens: Option<u64>,
     /// A 200 whose stream ended without `data: [DONE]` (or broke off).
     pub truncated: bool,
     /// Still open when the drain time ran out: it hung.
@@ -59,6 +61,9 @@ pub struct Sample {
     pub vllm_running: Option<f64>,
     pub vllm_waiting: Option<f64>,
     pub vllm_kv_usage: Option<f64>,
+    /// `vllm:prompt_tokens_total`: prompt tokens the engine has prefilled since it started
+    /// (recomputations after a preemption included).
+    pub vllm_prompt_tokens: Option<f64>,
     /// The deployment's limit: the one replica's, or the fleet's (`tollgate_fleet_inflight_limit`
     /// as the leader reports it).
     pub tollgate_limit: Option<f64>,
@@ -102,8 +107,12 @@ pub struct Target {
     pub upstream: SocketAddr,
     /// Every replica's admin address (empty: tollgate off).
     pub tollgate_admins: Vec<SocketAddr>,
-    /// `(x-user-id, x-user-tier)` per tenant.
+    /// `(x-user-id, x-user-tier)` per tenant (a tenant of several users appends `-<n>`).
     pub identities: Vec<(String, Option<String>)>,
+    /// Calls to every replica's admin API, at their times.
+    pub admin_calls: Vec<AdminCall>,
+    /// `Authorization: Bearer` for the admin calls: the token in tollgate's `admin.token_file`.
+    pub admin_token: Option<String>,
     pub time_scale: f64,
     pub sample_every: f64,
     pub duration: f64,
@@ -120,6 +129,27 @@ pub struct Outcome {
     pub send_lag_p99_ms: f64,
     /// Each replica's counters at the end, with more than one replica (empty with one).
     pub replicas: Vec<ReplicaEnd>,
+    /// The admin calls made, with every replica's answer.
+    pub admin_calls: Vec<AdminCallResult>,
+}
+
+/// One scheduled admin call and what each replica answered.
+#[derive(Debug, Clone, Serialize)]
+pub struct AdminCallResult {
+    #[serde(flatten)]
+    pub call: AdminCall,
+    /// When it was sent (simulated seconds from the start).
+    pub sent_s: f64,
+    /// One per replica, in start order.
+    pub answers: Vec<AdminAnswer>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct AdminAnswer {
+    /// HTTP status; 0 when no answer came.
+    pub status: u16,
+    /// The answer's body (or the error), at most 1,000 characters.
+    pub body: String,
 }
 
 struct Shared {
@@ -160,11 +190,24 @@ pub async fn run(target: &Target, arrivals: &[Arrival], client: &reqwest::Client
         client.clone(),
     ));
 
+    let admin = tokio::spawn(admin_loop(
+        target.admin_calls.clone(),
+        target.tollgate_admins.clone(),
+        target.admin_token.clone(),
+        start,
+        scale,
+        client.clone(),
+    ));
+
     let mut tasks = JoinSet::new();
     for (index, arrival) in arrivals.iter().enumerate() {
         let due = start + real(arrival.at);
         tokio::time::sleep_until(due).await;
         let (user, tier) = target.identities[arrival.tenant].clone();
+        let user = match arrival.user {
+            Some(n) => format!("{user}-{n}"),
+            None => user,
+        };
         let request = client
             .post(&target.url)
             .header("content-type", "application/json")
@@ -204,6 +247,8 @@ pub async fn run(target: &Target, arrivals: &[Arrival], client: &reqwest::Client
     }
     sampler.abort();
     let _ = sampler.await;
+    // Every call is due before the arrivals end (the scenario checks): sent by now, or soon.
+    let admin_calls = admin.await.unwrap_or_default();
     if std::io::stderr().is_terminal() {
         eprintln!();
     }
@@ -246,7 +291,77 @@ pub async fn run(target: &Target, arrivals: &[Arrival], client: &reqwest::Client
             .collect(),
         send_lag_p99_ms,
         replicas,
+        admin_calls,
     }
+}
+
+/// Sends each admin call at its time to every replica, at once, and keeps the answers.
+async fn admin_loop(
+    calls: Vec<AdminCall>,
+    admins: Vec<SocketAddr>,
+    token: Option<String>,
+    start: Instant,
+    scale: f64,
+    client: reqwest::Client,
+) -> Vec<AdminCallResult> {
+    let mut calls = calls;
+    calls.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
+    let mut results = Vec::new();
+    for call in calls {
+        tokio::time::sleep_until(start + Duration::from_secs_f64(call.at_s / scale)).await;
+        let sent_s = start.elapsed().as_secs_f64() * scale;
+        let answers = futures_util::future::join_all(admins.iter().map(|&addr| {
+            let method =
+                reqwest::Method::from_bytes(call.method.as_bytes()).unwrap_or(reqwest::Method::PUT);
+            let mut request = client
+                .request(method, format!("http://{addr}{}", call.path))
+                .timeout(Duration::from_secs(5));
+            if let Some(body) = &call.body {
+                request = request
+                    .header("content-type", "application/json")
+                    .body(body.to_string());
+            }
+            if let Some(token) = &token {
+                request = request.bearer_auth(token);
+            }
+            async move {
+                match request.send().await {
+                    Ok(response) => {
+                        let status = response.status().as_u16();
+                        let text = response.text().await.unwrap_or_default();
+                        // JSON on one line, so that it sits in a table.
+                        let body = serde_json::from_str::<serde_json::Value>(&text)
+                            .map_or_else(|_| text.trim().to_owned(), |v| v.to_string());
+                        AdminAnswer {
+                            status,
+                            body: body.chars().take(1000).collect(),
+                        }
+                    }
+                    Err(error) => AdminAnswer {
+                        status: 0,
+                        body: format!("{error}"),
+                    },
+                }
+            }
+        }))
+        .await;
+        for (replica, answer) in answers.iter().enumerate() {
+            eprintln!(
+                "admin call at {sent_s:.1} s: {} {} -> replica {}: {} {}",
+                call.method,
+                call.path,
+                replica + 1,
+                answer.status,
+                answer.body
+            );
+        }
+        results.push(AdminCallResult {
+            call,
+            sent_s,
+            answers,
+        });
+    }
+    results
 }
 
 /// A replica's end-of-run counters from its `/metrics`.
@@ -345,13 +460,18 @@ async fn send(request: reqwest::RequestBuilder, due: Instant, scale: f64) -> Rec
     record.e2e = Some(sim(Instant::now()));
     if record.status == 200 {
         let text = String::from_utf8_lossy(&tail);
-        record.completion_tokens = text.rfind("\"completion_tokens\":").and_then(|at| {
-            let digits: String = text[at + "\"completion_tokens\":".len()..]
-                .chars()
-                .take_while(char::is_ascii_digit)
-                .collect();
-            digits.parse().ok()
-        });
+        let usage = |field: &str| {
+            let key = format!("\"{field}\":");
+            text.rfind(&key).and_then(|at| {
+                let digits: String = text[at + key.len()..]
+                    .chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect();
+                digits.parse().ok()
+            })
+        };
+        record.completion_tokens = usage("completion_tokens");
+        record.prompt_tokens = usage("prompt_tokens");
         record.truncated = broke || (streaming && !text.contains("data: [DONE]"));
     } else {
         record.ttft = None;
@@ -411,6 +531,7 @@ async fn sample_loop(args: SamplerArgs, shared: Arc<Shared>, client: reqwest::Cl
                     vllm_running: value(&vllm, "vllm:num_requests_running"),
                     vllm_waiting: value(&vllm, "vllm:num_requests_waiting"),
                     vllm_kv_usage: value(&vllm, "vllm:kv_cache_usage_perc"),
+                    vllm_prompt_tokens: value(&vllm, VLLM_PROMPT_TOKENS),
                     tollgate_limit: value(&tollgate, "tollgate_inflight_limit"),
                     tollgate_inflight: value(&tollgate, "tollgate_inflight_requests"),
                     tollgate_queued: value(&tollgate, "tollgate_queued_requests"),
@@ -439,6 +560,7 @@ async fn sample_loop(args: SamplerArgs, shared: Arc<Shared>, client: reqwest::Cl
                     vllm_running: value(&vllm, "vllm:num_requests_running"),
                     vllm_waiting: value(&vllm, "vllm:num_requests_waiting"),
                     vllm_kv_usage: value(&vllm, "vllm:kv_cache_usage_perc"),
+                    vllm_prompt_tokens: value(&vllm, VLLM_PROMPT_TOKENS),
                     // The leader's word on the deployment's limit; between leaders, the
                     // highest any replica last applied.
                     tollgate_limit: leader.and_then(|l| value(l, FLEET_LIMIT)).or_else(|| {
@@ -497,6 +619,7 @@ async fn sample_loop(args: SamplerArgs, shared: Arc<Shared>, client: reqwest::Cl
     }
 }
 
+const VLLM_PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
 const CONTROLLER_P99: &str = "tollgate_controller_observed_p99_ttft_seconds";
 const FLEET_LIMIT: &str = "tollgate_fleet_inflight_limit";
 

@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use serde_json::Value;
 
-use crate::load::{Outcome, Record};
+use crate::load::{AdminCallResult, Outcome, Record};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TenantSummary {
@@ -20,6 +20,9 @@ pub struct TenantSummary {
     pub completed: u64,
     pub rejected_429: u64,
     pub rejected_503: u64,
+    /// 400 and 413: refused by a hard limit (input tokens, body size, a malformed request).
+    /// Counted in `other_errors` too.
+    pub rejected_4xx: u64,
     /// Other statuses and connection errors.
     pub other_errors: u64,
     pub truncated: u64,
@@ -32,6 +35,8 @@ pub struct TenantSummary {
     pub e2e_p99_ms: Option<f64>,
     pub peak_inflight: u64,
     pub output_tokens: u64,
+    /// Prompt tokens of the completed requests, as the upstream's usage reported them.
+    pub input_tokens: u64,
     /// `x-tollgate-reason` (or `status NNN`) of every refusal.
     pub refusals: BTreeMap<String, u64>,
     /// Arrivals and admissions in the scenario's window.
@@ -63,6 +68,12 @@ pub struct RunSummary {
     pub send_lag_p99_ms: f64,
     /// p99 TTFT of every completed request, all tenants together (what the controller targets).
     pub ttft_p99_all_ms: Option<f64>,
+    /// Prompt tokens the engine prefilled (`vllm:prompt_tokens_total` at the last sample,
+    /// recomputations after preemption included): its bill for inputs.
+    pub engine_prompt_tokens: Option<f64>,
+    /// Calls made to tollgate's admin API during the run, with the answers.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub admin_calls: Vec<AdminCallResult>,
     /// tollgate replicas behind Envoy (0: tollgate off).
     pub replicas: usize,
     /// Each replica's own figures, with more than one (the rest of the summary is the
@@ -150,6 +161,7 @@ pub fn summarize(info: &RunInfo<'_>, outcome: &Outcome) -> RunSummary {
                 completed: count(&|r| r.status == 200 && !r.truncated),
                 rejected_429: count(&|r| r.status == 429),
                 rejected_503: count(&|r| r.status == 503),
+                rejected_4xx: count(&|r| matches!(r.status, 400 | 413)),
                 other_errors: count(&|r| !matches!(r.status, 200 | 429 | 503) && !r.unfinished),
                 truncated: count(&|r| r.status == 200 && r.truncated),
                 unfinished: count(&|r| r.unfinished),
@@ -163,6 +175,11 @@ pub fn summarize(info: &RunInfo<'_>, outcome: &Outcome) -> RunSummary {
                     .iter()
                     .filter(ok)
                     .filter_map(|r| r.completion_tokens)
+                    .sum(),
+                input_tokens: records
+                    .iter()
+                    .filter(ok)
+                    .filter_map(|r| r.prompt_tokens)
                     .sum(),
                 refusals,
                 window_submitted: count(&|r| in_window(r)),
@@ -207,6 +224,12 @@ pub fn summarize(info: &RunInfo<'_>, outcome: &Outcome) -> RunSummary {
         limit_last: outcome.samples.iter().rev().find_map(|s| s.tollgate_limit),
         send_lag_p99_ms: outcome.send_lag_p99_ms,
         ttft_p99_all_ms: ms(percentile(&all_ttfts, 99.0)),
+        engine_prompt_tokens: outcome
+            .samples
+            .iter()
+            .rev()
+            .find_map(|s| s.vllm_prompt_tokens),
+        admin_calls: outcome.admin_calls.clone(),
         replicas: info.replicas,
         replica_summaries: replica_summaries(outcome),
     }
@@ -298,6 +321,7 @@ pub fn table(summary: &RunSummary, window: Option<[f64; 2]>) -> String {
     let mut rows: Vec<(&str, Cell)> = vec![
         ("Submitted", |t| t.submitted.to_string()),
         ("Admitted (200)", |t| t.admitted.to_string()),
+        ("400/413 (hard limits)", |t| t.rejected_4xx.to_string()),
         ("429", |t| t.rejected_429.to_string()),
         ("503", |t| t.rejected_503.to_string()),
         ("Other errors", |t| t.other_errors.to_string()),
@@ -312,6 +336,19 @@ pub fn table(summary: &RunSummary, window: Option<[f64; 2]>) -> String {
         ("Median E2E", |t| ms_cell(t.e2e_p50_ms)),
         ("p99 E2E", |t| ms_cell(t.e2e_p99_ms)),
         ("Peak in-flight (client)", |t| t.peak_inflight.to_string()),
+        ("Input tokens served (usage of completed)", |t| {
+            thousands(t.input_tokens as f64)
+        }),
+        ("Refusals by reason", |t| {
+            if t.refusals.is_empty() {
+                return "–".to_owned();
+            }
+            t.refusals
+                .iter()
+                .map(|(reason, n)| format!("{reason} {n}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }),
     ];
     if window.is_some() {
         rows.push(("Admitted in window", |t| {
@@ -340,8 +377,8 @@ pub fn table(summary: &RunSummary, window: Option<[f64; 2]>) -> String {
     let _ = writeln!(
         out,
         "\nGoodput {:.2} req/s ({:.2} req/s with TTFT ≤ {} ms), {} output tokens/s; p99 TTFT of \
-         all completed requests {}; vLLM peak KV {}, peak running {}, peak waiting {}{}; client \
-         send lag p99 {:.1} ms (real).\n",
+         all completed requests {}; vLLM peak KV {}, peak running {}, peak waiting {}, prompt \
+         tokens prefilled {}{}; client send lag p99 {:.1} ms (real).\n",
         summary.goodput_rps,
         summary.slo_goodput_rps,
         thousands(summary.slo_ttft_ms),
@@ -352,6 +389,9 @@ pub fn table(summary: &RunSummary, window: Option<[f64; 2]>) -> String {
             .map_or("–".to_owned(), |kv| format!("{:.0}%", kv * 100.0)),
         summary.peak_vllm_running.map_or("–".to_owned(), thousands),
         summary.peak_vllm_waiting.map_or("–".to_owned(), thousands),
+        summary
+            .engine_prompt_tokens
+            .map_or("–".to_owned(), thousands),
         match (summary.limit_min, summary.limit_max, summary.limit_last) {
             (Some(min), Some(max), Some(last)) if summary.replica_summaries.is_empty() => {
                 format!("; tollgate limit {min}..{max}, last {last}")
@@ -367,6 +407,26 @@ pub fn table(summary: &RunSummary, window: Option<[f64; 2]>) -> String {
     if !summary.replica_summaries.is_empty() {
         out.push_str(&replicas_table(&summary.replica_summaries));
         out.push('\n');
+    }
+    for call in &summary.admin_calls {
+        let answers: Vec<String> = call
+            .answers
+            .iter()
+            .map(|a| format!("{} `{}`", a.status, a.body))
+            .collect();
+        let _ = writeln!(
+            out,
+            "Admin call at {:.1} s (due {} s): {} {}{} → {}\n",
+            call.sent_s,
+            call.call.at_s,
+            call.call.method,
+            call.call.path,
+            call.call
+                .body
+                .as_ref()
+                .map_or(String::new(), |b| format!(" `{b}`")),
+            answers.join("; ")
+        );
     }
     out
 }
@@ -530,20 +590,26 @@ pub fn overview(summaries: &[RunSummary]) -> String {
         return String::new();
     };
     let names: Vec<&str> = first.tenants.iter().map(|t| t.name.as_str()).collect();
+    // A column for hard-limit refusals only where some run has them (seed 003).
+    let hard_limits = summaries
+        .iter()
+        .any(|s| s.tenants.iter().any(|t| t.rejected_4xx > 0));
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "| run | goodput req/s | within SLO req/s | {} | shed (429+503) | peak KV | limit |",
+        "| run | goodput req/s | within SLO req/s | {} | shed (429+503) |{} peak KV | limit |",
         names
             .iter()
             .map(|n| format!("{n} p99 TTFT"))
             .collect::<Vec<_>>()
-            .join(" | ")
+            .join(" | "),
+        if hard_limits { " 400/413 |" } else { "" }
     );
     let _ = writeln!(
         out,
-        "|---|---|---|{}---|---|---|",
-        "---|".repeat(names.len())
+        "|---|---|---|{}---|{}---|---|",
+        "---|".repeat(names.len()),
+        if hard_limits { "---|" } else { "" }
     );
     for s in summaries {
         let p99s: Vec<String> = s.tenants.iter().map(|t| ms_cell(t.ttft_p99_ms)).collect();
@@ -552,14 +618,20 @@ pub fn overview(summaries: &[RunSummary]) -> String {
             .iter()
             .map(|t| t.rejected_429 + t.rejected_503)
             .sum();
+        let refused = s.tenants.iter().map(|t| t.rejected_4xx).sum::<u64>();
         let _ = writeln!(
             out,
-            "| {} | {:.2} | {:.2} | {} | {} | {} | {} |",
+            "| {} | {:.2} | {:.2} | {} | {} |{} {} | {} |",
             s.run,
             s.goodput_rps,
             s.slo_goodput_rps,
             p99s.join(" | "),
             shed,
+            if hard_limits {
+                format!(" {refused} |")
+            } else {
+                String::new()
+            },
             s.peak_kv_usage
                 .map_or("–".to_owned(), |kv| format!("{:.0}%", kv * 100.0)),
             match (s.limit_min, s.limit_max, s.limit_last) {
@@ -575,13 +647,14 @@ pub fn overview(summaries: &[RunSummary]) -> String {
 /// Every request of a run, one CSV line each.
 pub fn records_csv(records: &[Record], tenant_names: &[String]) -> String {
     let mut out = String::from(
-        "tenant,arrival_s,status,reason,ttft_ms,e2e_ms,completion_tokens,truncated,unfinished\n",
+        "tenant,arrival_s,status,reason,ttft_ms,e2e_ms,completion_tokens,truncated,unfinished,\
+         prompt_tokens\n",
     );
     let opt = |v: Option<f64>| v.map_or(String::new(), |s| format!("{:.1}", s * 1000.0));
     for r in records {
         let _ = writeln!(
             out,
-            "{},{:.3},{},{},{},{},{},{},{}",
+            "{},{:.3},{},{},{},{},{},{},{},{}",
             tenant_names[r.tenant],
             r.at,
             r.status,
@@ -590,7 +663,8 @@ pub fn records_csv(records: &[Record], tenant_names: &[String]) -> String {
             opt(r.e2e),
             r.completion_tokens.map_or(String::new(), |n| n.to_string()),
             r.truncated,
-            r.unfinished
+            r.unfinished,
+            r.prompt_tokens.map_or(String::new(), |n| n.to_string())
         );
     }
     out
@@ -601,14 +675,14 @@ pub fn summary_csv(summaries: &[RunSummary]) -> String {
     let mut out = String::from(
         "scenario,run,tollgate,tenant,submitted,admitted,completed,429,503,other_errors,truncated,\
          unfinished,ttft_p50_ms,ttft_p99_ms,per_token_p50_ms,e2e_p50_ms,e2e_p99_ms,peak_inflight,\
-         goodput_rps,slo_goodput_rps,peak_kv_usage\n",
+         goodput_rps,slo_goodput_rps,peak_kv_usage,rejected_4xx,input_tokens\n",
     );
     let opt = |v: Option<f64>| v.map_or(String::new(), |x| format!("{x:.1}"));
     for s in summaries {
         for t in &s.tenants {
             let _ = writeln!(
                 out,
-                "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{}",
+                "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{},{},{}",
                 s.scenario,
                 s.run,
                 s.tollgate,
@@ -630,7 +704,9 @@ pub fn summary_csv(summaries: &[RunSummary]) -> String {
                 s.goodput_rps,
                 s.slo_goodput_rps,
                 s.peak_kv_usage
-                    .map_or(String::new(), |kv| format!("{kv:.3}"))
+                    .map_or(String::new(), |kv| format!("{kv:.3}")),
+                t.rejected_4xx,
+                t.input_tokens
             );
         }
     }

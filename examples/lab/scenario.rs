@@ -55,6 +55,13 @@ pub struct Scenario {
     /// `scheduler.initial_limit` and the controller's floor and ceiling are the deployment's.
     #[serde(default = "one_u32")]
     pub replicas: u32,
+    /// Multiply tollgate's per-window budgets (`tokens_per_minute`, `_hour`, `_day`,
+    /// `requests_per_minute`) by the time scale (the default), which keeps their rate. `false`
+    /// leaves them as written, which keeps what one window holds: right when the whole run fits
+    /// in one window (seed 003's hourly budgets in a run of a few minutes), where nothing rolls
+    /// off and the window's capacity is what binds.
+    #[serde(default = "yes")]
+    pub scale_budgets: bool,
     pub runs: Vec<Run>,
 }
 
@@ -76,6 +83,11 @@ pub struct Tenant {
     /// `x-user-tier` (default: none, so tollgate's `default_tier`).
     #[serde(default)]
     pub tier: Option<String>,
+    /// How many users the tenant stands for. Above 1 its requests take turns, in arrival
+    /// order, among `x-user-id`s `<user>-1` .. `<user>-<users>`, each with its own per-user
+    /// budgets and concurrency: a population of a tier rather than one user.
+    #[serde(default = "one_u32")]
+    pub users: u32,
     /// Poisson arrivals per second between `start_s` and `end_s`.
     #[serde(default)]
     pub rate: f64,
@@ -118,6 +130,26 @@ pub struct Run {
     /// Per-tenant replacements of `start_s` for this run (e.g. a late joiner).
     #[serde(default)]
     pub starts: BTreeMap<String, f64>,
+    /// Calls to tollgate's admin API during the run, each sent to every replica at its time
+    /// (e.g. new engine thresholds mid-run); marked on the charts.
+    #[serde(default)]
+    pub admin_calls: Vec<AdminCall>,
+}
+
+/// One call to tollgate's admin API at a time in a run.
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminCall {
+    /// When (simulated seconds from the start of the run).
+    pub at_s: f64,
+    /// `GET`, `PUT`, `POST` or `DELETE` (default `PUT`).
+    #[serde(default = "put")]
+    pub method: String,
+    /// The path on the admin listener, e.g. `/v1/engine/thresholds`.
+    pub path: String,
+    /// A JSON body, sent with `content-type: application/json`.
+    #[serde(default)]
+    pub body: Option<Value>,
 }
 
 fn one() -> f64 {
@@ -130,6 +162,14 @@ fn one_u64() -> u64 {
 
 fn one_u32() -> u32 {
     1
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn put() -> String {
+    "PUT".to_owned()
 }
 
 fn default_slo() -> f64 {
@@ -145,6 +185,8 @@ fn default_drain() -> f64 {
 pub struct Arrival {
     pub at: f64,
     pub tenant: usize,
+    /// Which of the tenant's users sends it (1-based), when the tenant stands for several.
+    pub user: Option<u32>,
     pub prompt_tokens: u64,
     pub output_tokens: u64,
     pub stream: bool,
@@ -174,7 +216,38 @@ impl Scenario {
             (1..=16).contains(&self.replicas),
             "replicas must be between 1 and 16"
         );
+        for tenant in &self.tenants {
+            ensure!(
+                tenant.users >= 1,
+                "tenant {}: users must be at least 1",
+                tenant.name
+            );
+        }
         for run in &self.runs {
+            for call in &run.admin_calls {
+                ensure!(
+                    (0.0..self.duration_s).contains(&call.at_s),
+                    "run {}: an admin call's at_s must be in [0, duration_s)",
+                    run.name
+                );
+                ensure!(
+                    matches!(call.method.as_str(), "GET" | "PUT" | "POST" | "DELETE"),
+                    "run {}: admin call method {} (GET, PUT, POST or DELETE)",
+                    run.name,
+                    call.method
+                );
+                ensure!(
+                    call.path.starts_with('/'),
+                    "run {}: admin call path {} must start with /",
+                    run.name,
+                    call.path
+                );
+                ensure!(
+                    !matches!(run.tollgate, Some(Value::Bool(false))),
+                    "run {}: admin calls need tollgate on",
+                    run.name
+                );
+            }
             for name in run
                 .without
                 .iter()
@@ -213,7 +286,7 @@ impl Scenario {
         if self.replicas > 1 {
             fill_fleet_defaults(&mut config);
         }
-        scale_times(&mut config, time_scale);
+        scale_times(&mut config, time_scale, self.scale_budgets);
         Some(config)
     }
 
@@ -245,9 +318,12 @@ impl Scenario {
                 let burst_end = (burst.start_s + burst.length_s).min(self.duration_s);
                 times.extend(poisson(&mut rng, burst.rate, burst.start_s, burst_end));
             }
-            out.extend(times.into_iter().map(|at| Arrival {
+            times.sort_by(f64::total_cmp);
+            let users = tenant.users;
+            out.extend(times.into_iter().enumerate().map(|(n, at)| Arrival {
                 at,
                 tenant: index,
+                user: (users > 1).then(|| n as u32 % users + 1),
                 prompt_tokens,
                 output_tokens,
                 stream,
@@ -306,14 +382,14 @@ pub fn merge(base: &mut Value, patch: &Value) {
 }
 
 /// tollgate's settings measured in time, divided by `scale` (never below 1 ms); its budgets per
-/// window, multiplied by it: a simulated minute lasts 60/scale real seconds.
+/// window, multiplied by it if `scale_budgets`: a simulated minute lasts 60/scale real seconds.
 ///
 /// A time the scenario leaves out would otherwise run on tollgate's real-time default (a 5 s
 /// controller tick would be 20 simulated seconds at scale 4), so tollgate's own defaults for the
 /// scaled times are written in first: the controller's tick, window and target, and the queue
 /// deadline of every tier (the built-in tiers, if the scenario names none), and the engines'
 /// scrape timeout if the scenario scrapes them.
-fn scale_times(config: &mut Value, scale: f64) {
+fn scale_times(config: &mut Value, scale: f64, scale_budgets: bool) {
     fill_time_defaults(config);
     let divide = |value: &mut Value| {
         if let Some(ms) = value.as_f64() {
@@ -339,7 +415,9 @@ fn scale_times(config: &mut Value, scale: f64) {
     }
     walk(config, &mut |key, value| match key {
         "queue_deadline_ms" | "scrape_timeout_ms" => divide(value),
-        "tokens_per_minute" | "tokens_per_hour" | "tokens_per_day" | "requests_per_minute" => {
+        "tokens_per_minute" | "tokens_per_hour" | "tokens_per_day" | "requests_per_minute"
+            if scale_budgets =>
+        {
             multiply(value)
         }
         _ => {}
@@ -519,7 +597,7 @@ mod tests {
             "store": {"timeout_ms": 50},
             "scheduler": {"initial_limit": 64, "headroom": {"enabled": true, "window_ms": 30000}},
         });
-        scale_times(&mut config, 4.0);
+        scale_times(&mut config, 4.0, true);
         assert_eq!(
             config,
             json!({
@@ -540,7 +618,7 @@ mod tests {
             "tiers": {"free": {"weight": 1}, "paid": {"queue_deadline_ms": 2000}},
             "control": {"enabled": true},
         });
-        scale_times(&mut config, 4.0);
+        scale_times(&mut config, 4.0, true);
         assert_eq!(
             config,
             json!({
@@ -553,7 +631,7 @@ mod tests {
         );
         // No tiers named: the built-in ones, with their deadlines scaled.
         let mut config = json!({});
-        scale_times(&mut config, 4.0);
+        scale_times(&mut config, 4.0, true);
         assert_eq!(config["tiers"]["free"]["queue_deadline_ms"], json!(250));
         assert_eq!(config["tiers"]["premium"]["queue_deadline_ms"], json!(500));
         assert_eq!(config["tiers"]["free"]["max_concurrent"], json!(3));
@@ -562,7 +640,7 @@ mod tests {
         // tick as tollgate requires.
         for (engine, timeout) in [(json!({}), 63), (json!({"scrape_timeout_ms": 100}), 25)] {
             let mut config = json!({"control": {"engine": engine}});
-            scale_times(&mut config, 4.0);
+            scale_times(&mut config, 4.0, true);
             assert_eq!(
                 config["control"]["engine"]["scrape_timeout_ms"],
                 json!(timeout)
@@ -637,6 +715,81 @@ mod tests {
             let error = Scenario::parse(&format!("{REPLICAS}{bad}")).unwrap_err();
             assert!(format!("{error:#}").contains("replicas"), "{error:#}");
         }
+    }
+
+    #[test]
+    fn budgets_keep_their_window_when_asked() {
+        let text = "name: b\nduration_s: 10\ntenants: [{name: A, rate: 1}]\n\
+                    tollgate: {tiers: {free: {tokens_per_hour: 100000, queue_deadline_ms: 10000}}}\n\
+                    runs: [{name: on}]\n";
+        // (scale_budgets line, the hour's budget at time scale 4)
+        for (line, budget) in [("", 400_000), ("scale_budgets: false\n", 100_000)] {
+            let scenario = Scenario::parse(&format!("{text}{line}")).unwrap();
+            let config = scenario.tollgate_config(&scenario.runs[0], 4.0).unwrap();
+            assert_eq!(config["tiers"]["free"]["tokens_per_hour"], json!(budget));
+            // Times scale either way.
+            assert_eq!(config["tiers"]["free"]["queue_deadline_ms"], json!(2500));
+        }
+    }
+
+    #[test]
+    fn a_tenant_of_several_users_sends_in_turns() {
+        let scenario = Scenario::parse(
+            "name: u\nduration_s: 100\ntenants: [{name: A, rate: 2, users: 3}, {name: B, rate: 1}]\n\
+             runs: [{name: on}]\n",
+        )
+        .unwrap();
+        let arrivals = scenario.arrivals(&scenario.runs[0]);
+        let a: Vec<Option<u32>> = arrivals
+            .iter()
+            .filter(|x| x.tenant == 0)
+            .map(|x| x.user)
+            .collect();
+        assert!(a.len() > 100);
+        for (n, user) in a.iter().enumerate() {
+            assert_eq!(*user, Some(n as u32 % 3 + 1));
+        }
+        assert!(
+            arrivals
+                .iter()
+                .filter(|x| x.tenant == 1)
+                .all(|x| x.user.is_none())
+        );
+        assert!(
+            Scenario::parse(
+                "name: u\nduration_s: 10\ntenants: [{name: A, users: 0}]\nruns: [{name: on}]\n"
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn admin_calls_are_checked() {
+        let base = "name: a\nduration_s: 60\ntenants: [{name: A, rate: 1}]\nruns:\n";
+        let good = format!(
+            "{base}  - {{name: on, admin_calls: [{{at_s: 30, path: /v1/engine/thresholds, \
+             body: {{kv_cache_threshold: 0.85, queue_depth_threshold: 10}}}}]}}\n"
+        );
+        let scenario = Scenario::parse(&good).unwrap();
+        let call = &scenario.runs[0].admin_calls[0];
+        assert_eq!(call.method, "PUT");
+        assert_eq!(
+            call.body,
+            Some(json!({"kv_cache_threshold": 0.85, "queue_depth_threshold": 10}))
+        );
+        for (bad, why) in [
+            ("{at_s: 60, path: /x}", "at_s"),
+            ("{at_s: 1, path: x}", "path"),
+            ("{at_s: 1, method: PATCH, path: /x}", "method"),
+        ] {
+            let text = format!("{base}  - {{name: on, admin_calls: [{bad}]}}\n");
+            let error = Scenario::parse(&text).unwrap_err();
+            assert!(format!("{error:#}").contains(why), "{error:#}");
+        }
+        let off = format!(
+            "{base}  - {{name: off, tollgate: false, admin_calls: [{{at_s: 1, path: /x}}]}}\n"
+        );
+        assert!(format!("{:#}", Scenario::parse(&off).unwrap_err()).contains("tollgate on"));
     }
 
     #[test]

@@ -8,6 +8,9 @@
 //! `store.redis_url` of a redis-server of the lab's own (testkit), so they share one in-flight
 //! budget (`src/fleet.rs`), and Envoy's tollgate cluster lists all N with `LEAST_REQUEST`. The
 //! run starts once every replica sees all N members and one of them leads.
+//!
+//! A run that calls tollgate's admin API (`admin_calls`) gets a bearer token in the temp dir
+//! and `admin.token_file` pointing at it, unless its configuration names one.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -78,6 +81,7 @@ impl Stack {
         binaries: &Binaries,
         upstream_args: &[String],
         tollgate_config: Option<&Value>,
+        admin_token: Option<&str>,
         replicas: u32,
         front_proxy: &str,
     ) -> Result<Stack> {
@@ -97,6 +101,16 @@ impl Stack {
         if let Some(config) = tollgate_config {
             let path = dir.path().join("tollgate.yaml");
             let mut config = with_upstream(config, &format!("http://{upstream_addr}"));
+            if let Some(token) = admin_token
+                && config.pointer("/admin/token_file").is_none()
+            {
+                let token_file = dir.path().join("admin-token");
+                std::fs::write(&token_file, token)?;
+                merge(
+                    &mut config,
+                    &json!({"admin": {"token_file": token_file.to_string_lossy()}}),
+                );
+            }
             if replicas > 1 {
                 let server = RedisServer::launch(RedisOptions::default()).await?;
                 merge(

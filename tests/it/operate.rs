@@ -588,6 +588,41 @@ async fn a_change_on_one_replica_reaches_the_other_and_racing_changes_leave_one_
     .await;
     assert_eq!(policy["settings"]["control"], switch);
     assert_eq!(policy["config"]["control"]["ceiling"], 40);
+    // The fleet applies it: off, the deployment's limit is scheduler.initial_limit (128); on
+    // again with a ceiling of 40, the leader's controller starts from the limit in force and
+    // keeps under the ceiling.
+    let fleet_limit = |gate: &Gate| {
+        let admin = gate.process.admin;
+        async move {
+            tollgate_testkit::metrics::scrape(admin)
+                .await
+                .unwrap()
+                .value("tollgate_fleet_inflight_limit", &[])
+        }
+    };
+    for gate in [&a, &b] {
+        eventually(
+            "the controller switched off gives the static limit",
+            || async { fleet_limit(gate).await == 128.0 },
+        )
+        .await;
+    }
+    let on = json!({"enabled": true, "floor": 4, "ceiling": 40});
+    let (status, _) = call(
+        &client,
+        put.clone(),
+        &a.url("/v1/control"),
+        Some(TOKEN),
+        Some(&on.to_string()),
+    )
+    .await;
+    assert_eq!(status, 200);
+    for gate in [&a, &b] {
+        eventually("on again, under the new ceiling", || async {
+            fleet_limit(gate).await == 40.0
+        })
+        .await;
+    }
 
     // Twenty PUTs at once, half to each replica, each a different pair: both replicas end on
     // the same pair, and it is one that was sent, whole.
