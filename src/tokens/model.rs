@@ -25,7 +25,8 @@
 //!    - a piece holding an entry that merging makes only in context (Llama 3 has 695: `bpe`,
 //!      which needs every entry to make itself, cannot hold them) is cut where no merge can
 //!      reach across and merged by the merges list where it must be (`count_cut`,
-//!      `merge_by_list`): exact, O(n log n) at worst.
+//!      `merge_by_list`): exact; linear for a list in training order (every merge's result pairs
+//!      only in later merges), O(n log n) by a heap otherwise.
 //!
 //! Loading takes about a second and tens of megabytes per vocabulary, so it happens
 //! at start-up (and in `check-config`), never on the request path. A loaded vocabulary lives for
@@ -707,6 +708,10 @@ fn unreachable_entries(entries: &[Vec<u8>]) -> Vec<usize> {
     unreachable
 }
 
+/// Pieces shorter than this are merged by the heap at once: a sweep's bookkeeping costs more
+/// than the heap's log factor on a few hundred bytes.
+const SWEEP_MIN_BYTES: usize = 1024;
+
 impl ModelVocabulary {
     /// A piece that holds an entry `bpe` cannot hold, counted exactly and mostly fast: cut
     /// wherever two neighbouring bytes stand side by side in no entry (no merge can reach
@@ -746,10 +751,111 @@ impl ModelVocabulary {
     }
 
     /// How many tokens merging `piece` as Hugging Face `tokenizers` does leaves: from single
-    /// bytes, always the adjacent pair whose merge comes first in the list, leftmost on ties,
-    /// exact for any vocabulary. A heap of candidate pairs over a linked list of parts, so
-    /// O(n log n) in the piece's length.
+    /// bytes, always the adjacent pair whose merge comes first in the list, leftmost on ties.
+    /// Long pieces try `merge_by_sweeps` first, in linear time where the list is in the order
+    /// BPE training writes it; the heap (`merge_by_heap`) is exact for any list.
     fn merge_by_list(&self, piece: &[u8]) -> usize {
+        if piece.len() >= SWEEP_MIN_BYTES
+            && let Some(parts) = self.merge_by_sweeps(piece)
+        {
+            return parts;
+        }
+        self.merge_by_heap(piece)
+    }
+
+    /// `merge_by_list` by sweeps: every candidate pair of one place in the list is merged in one
+    /// sweep, left to right. That is the heap's order as long as no merge makes a pair that comes
+    /// at or before the place being swept (a trained list never does: a merge's result pairs
+    /// only in merges learnt after it). None if one does: the caller merges by the heap. Linear
+    /// in the piece plus the sorting of a place's candidates, which arrive sorted from one sweep
+    /// and need merging only when several sweeps feed one place.
+    fn merge_by_sweeps(&self, piece: &[u8]) -> Option<usize> {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        let n = piece.len();
+        let mut id: Vec<u32> = piece
+            .iter()
+            .map(|&b| self.byte_ids[usize::from(b)])
+            .collect();
+        let mut next: Vec<u32> = (1..=n as u32).collect();
+        let mut prev: Vec<u32> = (0..n as u32).map(|i| i.wrapping_sub(1)).collect();
+        let mut alive = vec![true; n];
+        let place_of = |left: u32, right: u32, id: &[u32]| {
+            self.merges
+                .get(&(id[left as usize], id[right as usize]))
+                .map(|&(place, _)| place)
+        };
+        // Place -> the left parts of its candidate pairs; the places with candidates, lowest
+        // first. Few distinct places, however long the piece.
+        let mut lefts: FxHashMap<u32, Vec<u32>> = FxHashMap::default();
+        let mut places: BinaryHeap<Reverse<u32>> = BinaryHeap::new();
+        let add = |place: u32,
+                   left: u32,
+                   lefts: &mut FxHashMap<u32, Vec<u32>>,
+                   places: &mut BinaryHeap<Reverse<u32>>| {
+            lefts
+                .entry(place)
+                .or_insert_with(|| {
+                    places.push(Reverse(place));
+                    Vec::new()
+                })
+                .push(left);
+        };
+        for i in 0..n.saturating_sub(1) as u32 {
+            if let Some(place) = place_of(i, i + 1, &id) {
+                add(place, i, &mut lefts, &mut places);
+            }
+        }
+        let mut parts = n;
+        while let Some(Reverse(place)) = places.pop() {
+            let mut sweep = lefts.remove(&place).unwrap_or_default();
+            if !sweep.is_sorted() {
+                sweep.sort_unstable();
+            }
+            for left in sweep {
+                let right = next[left as usize];
+                if !alive[left as usize] || right as usize >= n {
+                    continue;
+                }
+                let Some(&(current, made)) =
+                    self.merges.get(&(id[left as usize], id[right as usize]))
+                else {
+                    continue;
+                };
+                if current != place {
+                    continue;
+                }
+                id[left as usize] = made;
+                alive[right as usize] = false;
+                let after = next[right as usize];
+                next[left as usize] = after;
+                parts -= 1;
+                if (after as usize) < n {
+                    prev[after as usize] = left;
+                    if let Some(new) = place_of(left, after, &id) {
+                        if new <= place {
+                            return None;
+                        }
+                        add(new, left, &mut lefts, &mut places);
+                    }
+                }
+                let before = prev[left as usize];
+                if before != u32::MAX
+                    && let Some(new) = place_of(before, left, &id)
+                {
+                    if new <= place {
+                        return None;
+                    }
+                    add(new, before, &mut lefts, &mut places);
+                }
+            }
+        }
+        Some(parts)
+    }
+
+    /// `merge_by_list` by a heap of candidate pairs over a linked list of parts: exact for any
+    /// list, O(n log n) in the piece's length.
+    fn merge_by_heap(&self, piece: &[u8]) -> usize {
         use std::cmp::Reverse;
         use std::collections::BinaryHeap;
         let n = piece.len();

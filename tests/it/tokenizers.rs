@@ -248,6 +248,16 @@ fn corpus() -> Vec<String> {
             })
             .collect(),
     );
+    // Long pieces merged by the list's sweeps (`merge_by_sweeps`, from 1 KiB): letters that
+    // join in Llama 3 pairs, with its context-only entries inside, in random order.
+    let joining = ["talya", "iyesi", "ktedir", "ta", "ly", "a", "ye", "si"];
+    for length in [1_100, 6_000] {
+        let mut text = String::new();
+        while text.len() < length {
+            text.push_str(joining[rng.below(joining.len())]);
+        }
+        texts.push(text);
+    }
     // Generated text: words, punctuation, digits, scripts and white space mixed.
     let pieces = [
         "the",
