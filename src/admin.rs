@@ -69,7 +69,7 @@ pub fn router(state: AdminState) -> Router {
             get(control_get).put(control_put).delete(control_delete),
         )
         .route("/v1/tenants/{tenant}/usage", get(usage))
-        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+        .layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
         .route("/metrics", get(metrics_text))
         .route("/healthz", get(|| async { "ok\n" }))
@@ -153,6 +153,9 @@ async fn policy(State(state): State<AdminState>) -> Response {
     if let Some(url) = &mut config.store.redis_url {
         *url = redact_url(url);
     }
+    for url in &mut config.control.engine.metrics_urls {
+        *url = redact_url(url);
+    }
     let settings = state.live.settings();
     json(
         StatusCode::OK,
@@ -167,7 +170,7 @@ async fn policy(State(state): State<AdminState>) -> Response {
     )
 }
 
-/// A Redis URL without its password.
+/// A URL without its credentials.
 fn redact_url(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
@@ -182,7 +185,7 @@ async fn engine_get(State(state): State<AdminState>) -> Response {
 }
 
 async fn engine_put(State(state): State<AdminState>, body: Bytes) -> Response {
-    match parse::<EngineThresholds>(&body) {
+    match parse::<EngineThresholds>(&body, ENGINE_FIELDS) {
         Ok(value) => change(&state, Setting::Engine, Some(SettingValue::Engine(value))).await,
         Err(response) => *response,
     }
@@ -200,7 +203,7 @@ async fn control_get(State(state): State<AdminState>) -> Response {
 }
 
 async fn control_put(State(state): State<AdminState>, body: Bytes) -> Response {
-    match parse::<ControlSwitch>(&body) {
+    match parse::<ControlSwitch>(&body, CONTROL_FIELDS) {
         Ok(value) => change(&state, Setting::Control, Some(SettingValue::Control(value))).await,
         Err(response) => *response,
     }
@@ -210,25 +213,107 @@ async fn control_delete(State(state): State<AdminState>) -> Response {
     change(&state, Setting::Control, None).await
 }
 
-/// A JSON body of exactly `T`'s fields, or a 400 naming what is wrong.
-fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Box<Response>> {
-    serde_json::from_slice(body).map_err(|e| {
-        let message = format!("the body is not a valid JSON document of this resource: {e}");
-        // serde names the field in its message (`unknown field `x``, `missing field `y``).
-        let field = message
-            .split('`')
-            .nth(1)
-            .filter(|_| message.contains("field `"))
-            .map(str::to_owned);
-        Box::new(error(StatusCode::BAD_REQUEST, &message, field.as_deref()))
-    })
+/// What a field of a resource holds, as a `PUT` body must give it.
+#[derive(Clone, Copy)]
+enum Kind {
+    /// A finite number.
+    Number,
+    /// A whole number from 0 to 2^32 - 1.
+    Count,
+    /// `true` or `false`.
+    Switch,
+}
+
+impl Kind {
+    fn holds(self, value: &serde_json::Value) -> bool {
+        match self {
+            Kind::Number => value.as_f64().is_some_and(f64::is_finite),
+            Kind::Count => value.as_u64().is_some_and(|n| u32::try_from(n).is_ok()),
+            Kind::Switch => value.is_boolean(),
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Kind::Number => "a number",
+            Kind::Count => "a whole number from 0 to 4294967295",
+            Kind::Switch => "true or false",
+        }
+    }
+}
+
+const ENGINE_FIELDS: &[(&str, Kind)] = &[
+    ("kv_cache_threshold", Kind::Number),
+    ("queue_depth_threshold", Kind::Count),
+];
+
+const CONTROL_FIELDS: &[(&str, Kind)] = &[
+    ("enabled", Kind::Switch),
+    ("floor", Kind::Count),
+    ("ceiling", Kind::Count),
+];
+
+/// A JSON object of exactly `fields`, each of its kind, as `T`; or a 400 naming the field at
+/// fault (ranges are the policy's to judge, after this).
+fn parse<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    fields: &[(&str, Kind)],
+) -> Result<T, Box<Response>> {
+    let bad = |message: String, field: Option<&str>| {
+        Box::new(error(StatusCode::BAD_REQUEST, &message, field))
+    };
+    let names = || {
+        fields
+            .iter()
+            .map(|(name, _)| *name)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| bad(format!("the body is not valid JSON: {e}"), None))?;
+    let Some(object) = value.as_object() else {
+        return Err(bad(
+            format!("the body must be a JSON object with the fields {}", names()),
+            None,
+        ));
+    };
+    if let Some(unknown) = object
+        .keys()
+        .find(|key| !fields.iter().any(|(f, _)| f == key))
+    {
+        return Err(bad(
+            format!("unknown field {unknown:?}; the fields are {}", names()),
+            Some(unknown),
+        ));
+    }
+    for (field, kind) in fields {
+        match object.get(*field) {
+            None => {
+                return Err(bad(
+                    format!(
+                        "missing field {field:?}: a PUT gives the whole resource ({})",
+                        names()
+                    ),
+                    Some(field),
+                ));
+            }
+            Some(found) if !kind.holds(found) => {
+                return Err(bad(
+                    format!("{field}: {found} is not {}", kind.describe()),
+                    Some(field),
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    serde_json::from_value(value).map_err(|e| bad(e.to_string(), None))
 }
 
 /// Applies a change and answers with the setting's value in force after it.
 async fn change(state: &AdminState, setting: Setting, value: Option<SettingValue>) -> Response {
     match state.live.set(setting, value).await {
-        Ok(_) => {
-            let policy = state.live.current();
+        Ok(policy) => {
+            // The policy this change installed, not whatever is in force by now.
             match setting {
                 Setting::Engine => json(StatusCode::OK, &Settings::engine_in(&policy)),
                 Setting::Control => json(StatusCode::OK, &Settings::control_in(&policy.control)),
@@ -305,7 +390,12 @@ async fn usage(State(state): State<AdminState>, Path(tenant): Path<String>, uri:
         .map_or("", |(_, m)| m.as_str());
     let tier_policy = policy.tier_for(&tenant, tier);
     let windows = tier_policy.windows_for(model);
-    match state.ledger.usage(&tenant, &windows).await {
+    // With Redis, on the run-time settings' connection: a lookup never queues behind decisions.
+    let usage = match state.live.usage(&tenant, &windows).await {
+        Some(usage) => usage,
+        None => state.ledger.usage(&tenant, &windows).await,
+    };
+    match usage {
         Ok(usage) => json(
             StatusCode::OK,
             &UsageBody {

@@ -245,6 +245,8 @@ impl Aimd {
             .limit
             .max(config.control.floor)
             .min(config.control.ceiling);
+        // Slow start switched off ends it; switched on, it waits for a fresh start.
+        self.slow_start &= config.control.slow_start;
     }
 
     /// One tick: observation in, new limit and what was done out.

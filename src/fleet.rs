@@ -231,11 +231,21 @@ impl Memory {
                 leadership.aimd.rebound(config);
             }
         }
-        // Run alone again from its current limit, with bounds divided from the new ones.
+        // Run alone again from its current limit, with bounds divided from the new ones; a
+        // controller switched on starts from the local budget in force (the static one).
         if let Some(alone) = self.alone.take() {
             let replicas = self.replicas(policy);
             let local = alone_config(&policy.control, replicas);
             let mut aimd = alone.aimd;
+            if policy.control.enabled && !was_enabled {
+                let in_force = fallback_limit(
+                    policy.fleet.fallback,
+                    self.last_share,
+                    self.global_limit,
+                    replicas,
+                );
+                aimd = Aimd::new(in_force, &local);
+            }
             aimd.rebound(&local);
             self.alone = Some(Alone {
                 aimd,
@@ -294,11 +304,8 @@ impl Fleet {
             }
             if self.policy.has_changed().unwrap_or(false) {
                 let next = self.policy.borrow_and_update().clone();
+                // `fleet.sync_ms` is restart-only (`live::RESTART_ONLY`): the ticks stay.
                 let next_derived = Derived::of(&next);
-                if next_derived.sync != derived.sync {
-                    ticks = tokio::time::interval(next_derived.sync);
-                    ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
-                }
                 if next.control.engine != policy.control.engine {
                     derived.scraper = None;
                 }

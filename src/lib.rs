@@ -58,6 +58,10 @@ pub struct Reload {
     pub file: Option<std::path::PathBuf>,
     /// Reads the whole configuration as at start-up: defaults, file, environment and flags.
     pub load: Arc<dyn Fn() -> Result<Config, config::ConfigError> + Send + Sync>,
+    /// SIGHUP, watched from as early as the caller could (until a handler is installed, the
+    /// signal would end the process); None: `serve` installs it.
+    #[cfg(unix)]
+    pub hangups: Option<tokio::signal::unix::Signal>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -417,7 +421,8 @@ where
     health
         .set_service_status("", tonic_health::ServingStatus::NotServing)
         .await;
-    let deadline = Duration::from_millis(config.shutdown.drain_deadline_ms);
+    // The policy in force now: a reload may have changed the drain deadline.
+    let deadline = Duration::from_millis(live.current().source.shutdown.drain_deadline_ms);
     if tokio::time::timeout(deadline, shared.open_streams.all_closed())
         .await
         .is_err()
@@ -475,7 +480,10 @@ fn spawn_reloaders(
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        let mut hangups = match signal(SignalKind::hangup()) {
+        let mut hangups = match reload
+            .hangups
+            .map_or_else(|| signal(SignalKind::hangup()), Ok)
+        {
             Ok(hangups) => hangups,
             Err(e) => {
                 tracing::warn!(

@@ -138,8 +138,9 @@ pub enum Reloaded {
 }
 
 /// Settings only a restart can change: the sockets, the store's connection, the fleet's name
-/// and this replica's id in it, the gRPC message limit (`tokens.max_body_bytes`), the admin
-/// token's file, how the file is watched, and the scheduler's headroom.
+/// and this replica's id in it and sync period, the gRPC message limit (`tokens.max_body_bytes`),
+/// the admin token's file, how the file is watched, the scheduler's headroom and the TTFT
+/// window's length.
 /// Whether two configurations agree on one setting.
 type Same = fn(&Config, &Config) -> bool;
 
@@ -164,6 +165,11 @@ const RESTART_ONLY: &[(&str, Same)] = &[
     ("scheduler.headroom", |a, b| {
         a.scheduler.headroom == b.scheduler.headroom
     }),
+    // The TTFT window is sized once, and the fleet's connections time out by the sync period.
+    ("control.window_ms", |a, b| {
+        a.control.window_ms == b.control.window_ms
+    }),
+    ("fleet.sync_ms", |a, b| a.fleet.sync_ms == b.fleet.sync_ms),
 ];
 
 /// The settings `next` changes that only a restart can (empty: it may be applied live).
@@ -217,6 +223,9 @@ pub struct Live {
     /// The configuration file's content as last read for a reload (SIGHUP or the watch), so
     /// the watch does not reload again what a SIGHUP already did.
     file_seen: Mutex<Option<Vec<u8>>>,
+    /// Bumped by every change made here through the admin API: a read of the shared settings
+    /// that began before one is older than it and is dropped, not applied over it.
+    settings_changes: std::sync::atomic::AtomicU64,
 }
 
 struct SharedSettings {
@@ -262,6 +271,7 @@ impl Live {
             shared: shared.map(|(store, fleet)| SharedSettings { store, fleet }),
             metrics,
             file_seen: Mutex::new(None),
+            settings_changes: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -296,9 +306,20 @@ impl Live {
         load: impl FnOnce() -> Result<Config, ConfigError> + Send + 'static,
         cause: &str,
     ) -> Result<Reloaded, Vec<String>> {
+        self.reload_counted(load, cause, true).await
+    }
+
+    /// `reload`, counting and logging a reload that changed nothing only if `count_unchanged`.
+    async fn reload_counted(
+        &self,
+        load: impl FnOnce() -> Result<Config, ConfigError> + Send + 'static,
+        cause: &str,
+        count_unchanged: bool,
+    ) -> Result<Reloaded, Vec<String>> {
         let _changing = self.changing.lock().await;
         let outcome = self.reload_locked(load).await;
         match &outcome {
+            Ok(Reloaded::Unchanged) if !count_unchanged => {}
             Ok(Reloaded::Applied { changed }) => {
                 self.metrics.config_reload(ReloadResult::Applied);
                 let policy = self.current();
@@ -355,7 +376,13 @@ impl Live {
             }
         })
         .await
-        .unwrap_or_else(|panicked| std::panic::resume_unwind(panicked.into_panic()))?;
+        // A panic while loading (a file no parser expected) is a refusal, not the end of
+        // reloading: the tasks that call this must live on.
+        .unwrap_or_else(|failed| {
+            Err(vec![format!(
+                "the configuration could not be loaded: {failed}"
+            )])
+        })?;
         let Some((policy, changed)) = checked else {
             return Ok(Reloaded::Unchanged);
         };
@@ -368,7 +395,7 @@ impl Live {
         })?;
         state.file = Arc::new(policy);
         drop(state);
-        self.publish(effective);
+        self.publish(Arc::new(effective));
         Ok(Reloaded::Applied { changed })
     }
 
@@ -396,6 +423,16 @@ impl Live {
         if let Ok(content) = tokio::fs::read(&path).await {
             self.note_file_read(content);
         }
+        // The file may have changed since start-up read it: apply that now, and say nothing if
+        // it did not.
+        let first = load.clone();
+        let _ = self
+            .reload_counted(
+                move || first(),
+                "the configuration file changed during start-up",
+                false,
+            )
+            .await;
         let mut ticks = tokio::time::interval(period);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -424,14 +461,20 @@ impl Live {
         &self,
         setting: Setting,
         value: Option<SettingValue>,
-    ) -> Result<Settings, SettingError> {
+    ) -> Result<Arc<Policy>, SettingError> {
         let _changing = self.changing.lock().await;
         let mut next = self.settings();
         match (setting, value) {
             (Setting::Engine, Some(SettingValue::Engine(v))) => next.engine = Some(v),
             (Setting::Control, Some(SettingValue::Control(v))) => next.control = Some(v),
-            (Setting::Engine, _) => next.engine = None,
-            (Setting::Control, _) => next.control = None,
+            (Setting::Engine, None) => next.engine = None,
+            (Setting::Control, None) => next.control = None,
+            (setting, Some(value)) => {
+                return Err(SettingError::Invalid(vec![format!(
+                    "{}: {value:?} is not a value of this setting",
+                    setting.key()
+                )]));
+            }
         }
         let file = self.state().file.clone();
         let effective = next.apply(&file).map_err(SettingError::Invalid)?;
@@ -441,28 +484,31 @@ impl Live {
                 Some(SettingValue::Control(v)) => serde_json::to_string(&v).ok(),
                 None => None,
             };
+            // Before the write: a read of the shared settings racing it must not be applied
+            // after it (nor one that read the old value while this write was under way).
+            self.settings_changes
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             shared
                 .store
                 .fleet_set_setting(&shared.fleet, setting.key(), encoded.as_deref())
                 .await
                 .map_err(|e| SettingError::Store(e.to_string()))?;
         }
-        self.install(next, effective);
+        let effective = Arc::new(effective);
+        self.state().settings = next;
+        self.publish(effective.clone());
+        // And after it: a read that began while the write was under way may have missed it.
+        self.settings_changes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         tracing::info!(
             setting = setting.key(),
             ?value,
             "run-time setting changed through the admin API"
         );
-        Ok(next)
+        Ok(effective)
     }
 
-    fn install(&self, settings: Settings, effective: Policy) {
-        self.state().settings = settings;
-        self.publish(effective);
-    }
-
-    fn publish(&self, effective: Policy) {
-        let policy = Arc::new(effective);
+    fn publish(&self, policy: Arc<Policy>) {
         self.rules
             .send_replace(Rules::new(policy.clone(), &self.metrics));
         self.effective.send_replace(policy);
@@ -479,11 +525,15 @@ impl Live {
         let mut ticks = tokio::time::interval(period);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut unreadable_logged = false;
+        let mut misfit_logged = false;
         loop {
             tokio::select! {
                 _ = ticks.tick() => {}
                 () = reached(&mut lifecycle, Lifecycle::Closing) => return,
             }
+            let changes_before = self
+                .settings_changes
+                .load(std::sync::atomic::Ordering::SeqCst);
             let stored = match shared.store.fleet_settings(&shared.fleet).await {
                 Ok(stored) => stored,
                 // The fleet logs an unreachable Redis; the settings in force stay.
@@ -501,23 +551,44 @@ impl Live {
             }
             unreadable_logged = !unreadable.is_empty();
             let _changing = self.changing.lock().await;
-            if settings == self.settings() {
+            let changed_here = self
+                .settings_changes
+                .load(std::sync::atomic::Ordering::SeqCst)
+                != changes_before;
+            if changed_here || settings == self.settings() {
                 continue;
             }
             let file = self.state().file.clone();
             match settings.apply(&file) {
                 Ok(effective) => {
+                    misfit_logged = false;
                     tracing::info!(?settings, "run-time settings changed by another replica");
-                    self.install(settings, effective);
+                    self.state().settings = settings;
+                    self.publish(Arc::new(effective));
                 }
-                Err(problems) => {
+                Err(problems) if !misfit_logged => {
+                    misfit_logged = true;
                     tracing::warn!(
                         ?problems,
                         "run-time settings from Redis do not fit this replica's policy; keeping those in force"
                     );
                 }
+                Err(_) => {}
             }
         }
+    }
+}
+
+impl Live {
+    /// A tenant's usage of `windows` from the shared store, on this replica's own connection
+    /// (None without Redis: the ledger's store is the embedded one).
+    pub async fn usage(
+        &self,
+        tenant: &str,
+        windows: &[crate::budget::WindowLimit],
+    ) -> Option<Result<crate::budget::Usage, crate::budget::StoreError>> {
+        let shared = self.shared.as_ref()?;
+        Some(shared.store.usage(tenant, windows).await)
     }
 }
 

@@ -104,6 +104,8 @@ fn main() -> ExitCode {
             let reload = tollgate::Reload {
                 file: file.clone(),
                 load: std::sync::Arc::new(move || layered_config(&flags, file.as_deref())),
+                #[cfg(unix)]
+                hangups: None,
             };
             serve(config, reload)
         }
@@ -182,6 +184,15 @@ fn serve(config: Config, reload: tollgate::Reload) -> ExitCode {
         }
     };
     runtime.block_on(async move {
+        // SIGHUP's default action ends the process: handle it from here on, before the slow
+        // parts of start-up (a model's tokenizer takes a second to build).
+        #[cfg(unix)]
+        let mut reload = reload;
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            reload.hangups = signal(SignalKind::hangup()).ok();
+        }
         let bind = |addr: String| async move {
             tokio::net::TcpListener::bind(&addr)
                 .await

@@ -205,6 +205,9 @@ struct Watched {
     /// Pending in the controller's window until the first token, or the request's end
     /// (`Pending` ends it on drop). None when no first token is expected.
     awaiting_first_token: Option<Pending>,
+    /// Whether its time to first token goes into the controller's window: not for a request
+    /// shadow mode let through without a slot.
+    feeds_controller: bool,
     response: Option<ResponseObserver>,
     /// The request's slot in the global budget, freed when the response ends (or, at the
     /// latest, when this drops with the request).
@@ -348,13 +351,17 @@ impl<'p> RequestLife<'p> {
                 if tier_policy.enforce {
                     return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
                 }
-                // Shadow mode: refused as enforcement would, nothing reserved (enforcement
-                // would have charged nothing either), and on it goes.
+                // Shadow mode: refused as enforcement would, so nothing reserved (enforcement
+                // would have charged nothing either) and no place taken in the queue (nor a
+                // slot) that enforcement would have given to others: upstream now.
                 shadow_refusal(&rules, &mut admission, &reply, tier);
-                Grant {
+                let grant = Grant {
                     hold: Hold::none(),
                     budgets: None,
-                }
+                };
+                return Ok(BodyDecision::Admit(
+                    self.admit(admission, grant, arrived, None),
+                ));
             }
         };
         let tenant = &admission.identity.tenant;
@@ -679,20 +686,25 @@ impl<'p> RequestLife<'p> {
         metrics.budget_tokens(tier, TokenKind::Input, TokenStage::Reserved, input);
         metrics.budget_tokens(tier, TokenKind::Output, TokenStage::Reserved, output);
         let dispatched = Instant::now();
+        // A request let through without a slot (shadow mode) is load the budget does not
+        // count: its latency must not steer the controller that sizes the budget.
+        let feeds_controller = permit.is_some();
         // Only when the protocol has said it will show the response body: otherwise there may
         // be no first token to wait for, and the request's age would read as a latency.
-        let awaiting_first_token = (self.response_body_shown == Some(true)).then(|| {
-            Pending::start(
-                &pipeline.ttft_window,
-                control_started(&rules, arrived, dispatched),
-            )
-        });
+        let awaiting_first_token = (feeds_controller && self.response_body_shown == Some(true))
+            .then(|| {
+                Pending::start(
+                    &pipeline.ttft_window,
+                    control_started(&rules, arrived, dispatched),
+                )
+            });
         self.state = State::Admitted(Box::new(Watched {
             admission,
             arrived,
             dispatched,
             awaiting_first_token,
             response: None,
+            feeds_controller,
             permit,
             hold: grant.hold,
             budget_headers,
@@ -778,7 +790,10 @@ impl Watched {
             let seconds = now.duration_since(started).as_secs_f64();
             match self.awaiting_first_token.take() {
                 Some(pending) => pending.answered(now, seconds),
-                None => window::lock(&pipeline.ttft_window).record_started(now, started, seconds),
+                None if self.feeds_controller => {
+                    window::lock(&pipeline.ttft_window).record_started(now, started, seconds)
+                }
+                None => {}
             }
         }
         if end {

@@ -38,7 +38,10 @@ fn what_only_a_restart_can_change() {
             |c| c.fleet.member_id = "me".to_owned(),
             &["fleet.member_id"],
         ),
-        (|c| c.fleet.sync_ms += 1, &[]),
+        (|c| c.fleet.sync_ms += 1, &["fleet.sync_ms"]),
+        (|c| c.fleet.member_ttl_ms += 1, &[]),
+        (|c| c.control.window_ms += 1000, &["control.window_ms"]),
+        (|c| c.shutdown.drain_deadline_ms += 1, &[]),
         (|c| c.tokens.max_body_bytes += 1, &["tokens.max_body_bytes"]),
         (
             |c| c.admin.token_file = Some("/t".to_owned()),

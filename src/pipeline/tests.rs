@@ -848,6 +848,12 @@ async fn shadow_mode_counts_what_it_would_refuse_and_lets_it_through() {
                 row.name
             );
         }
+        assert_eq!(
+            in_flight(&pipeline),
+            row.before as u32,
+            "{}: let through without a slot",
+            row.name
+        );
         life.finish().await;
         drop(kept);
     }

@@ -453,7 +453,7 @@ async fn the_admin_api_needs_its_token_and_refuses_bad_input_changing_nothing() 
         ),
         (
             r#"{"kv_cache_threshold": "high", "queue_depth_threshold": 3}"#,
-            None,
+            Some("kv_cache_threshold"),
         ),
         (
             r#"{"kv_cache_threshold": 1.5, "queue_depth_threshold": 3}"#,
@@ -465,7 +465,11 @@ async fn the_admin_api_needs_its_token_and_refuses_bad_input_changing_nothing() 
         ),
         (
             r#"{"kv_cache_threshold": 0.5, "queue_depth_threshold": -1}"#,
-            None,
+            Some("queue_depth_threshold"),
+        ),
+        (
+            r#"{"kv_cache_threshold": 0.5, "queue_depth_threshold": 2.5}"#,
+            Some("queue_depth_threshold"),
         ),
     ];
     for (body, field) in bad {
@@ -484,7 +488,14 @@ async fn the_admin_api_needs_its_token_and_refuses_bad_input_changing_nothing() 
             "ceiling",
         ),
         (r#"{"enabled": true, "floor": 1}"#, "ceiling"),
-        (r#"{"enabled": "yes", "floor": 1, "ceiling": 10}"#, ""),
+        (
+            r#"{"enabled": "yes", "floor": 1, "ceiling": 10}"#,
+            "enabled",
+        ),
+        (
+            r#"{"enabled": true, "floor": 1, "ceiling": 10, "limit": 5}"#,
+            "limit",
+        ),
     ] {
         let (status, answer) = call(&client, put.clone(), &control, Some(TOKEN), Some(body)).await;
         assert_eq!(status, 400, "{body}: {answer}");
