@@ -81,7 +81,7 @@ def main() -> int:
         for row in report["model_adversarial"]:
             key = (row["model"], row["input"])
             best = rust_adv.setdefault(key, dict(row))
-            for field in ("count_till_limit_ms", "count_ms"):
+            for field in ("count_till_limit_ms", "count_till_context_ms", "count_ms"):
                 best[field] = min(best[field], row[field])
         with open(corpus_path, encoding="utf-8") as f:
             corpus = f.read()
@@ -109,20 +109,27 @@ def main() -> int:
         print(f"| {name} | {tokens[name]} | {rust_mbps[name]:.1f} | {py_mbps[name]:.1f} | "
               f"{rust_mbps[name] / py_mbps[name]:.1f}x |")
     print()
-    print("| 1 MiB body | model | tokens | tollgate count_till_limit(16k) ms | tollgate count ms "
-          "| HF tokenizers ms |")
-    print("|---|---|---|---|---|---|")
+    print("| 1 MiB body | model | tokens | tollgate count_till_limit(16k) ms "
+          "| tollgate count_till_limit(128k) ms | tollgate count ms | HF tokenizers ms |")
+    print("|---|---|---|---|---|---|---|")
     slow = []
+    slow_in_context = []
     for (name, body_name), row in rust_adv.items():
         print(f"| `{body_name}` | {name} | {row['tokens']} | {row['count_till_limit_ms']:.1f} | "
-              f"{row['count_ms']:.1f} | {py_adv[(name, body_name)]:.1f} |")
+              f"{row['count_till_context_ms']:.1f} | {row['count_ms']:.1f} | "
+              f"{py_adv[(name, body_name)]:.1f} |")
         if row["count_till_limit_ms"] > TARGET_ADVERSARIAL_MS:
             slow.append(f"{name} on {body_name}")
+        if row["count_till_context_ms"] > TARGET_ADVERSARIAL_MS:
+            slow_in_context.append(f"{name} on {body_name}")
     print()
     below = [n for n in models if rust_mbps[n] < py_mbps[n]]
     print(f"Throughput >= HF tokenizers: {'met' if not below else 'NOT met for ' + ', '.join(below)}.")
     print(f"1 MiB bodies refused or counted in under {TARGET_ADVERSARIAL_MS:.0f} ms at the 16k "
           f"limit: {'met' if not slow else 'NOT met for ' + ', '.join(slow)}.")
+    print(f"1 MiB bodies refused or counted in under {TARGET_ADVERSARIAL_MS:.0f} ms at a 128k "
+          f"limit (the models' context): "
+          f"{'met' if not slow_in_context else 'NOT met for ' + ', '.join(slow_in_context)}.")
     for m in mismatches:
         print(f"MISMATCH: {m}", file=sys.stderr)
     return 1 if mismatches else 0

@@ -437,7 +437,7 @@ impl ModelVocabulary {
                     if piece.len() >= u32::MAX as usize {
                         return None;
                     }
-                    self.count_cut(piece)
+                    self.count_cut(piece, remaining)?
                 } else if self.whole_tokens.contains(piece) {
                     // An entry `bpe` holds merges into itself (its constructor checks).
                     1
@@ -708,6 +708,77 @@ fn unreachable_entries(entries: &[Vec<u8>]) -> Vec<usize> {
     unreachable
 }
 
+/// A pair `merge_by_sweeps` may merge: its left part, the token the merge makes, and how many
+/// merges had been made when it was found.
+#[derive(Clone, Copy)]
+struct Candidate {
+    left: u32,
+    made: u32,
+    found: u32,
+}
+
+/// `merge_by_sweeps`' candidates by place in the merges list, lowest place first.
+struct Pending {
+    slots: Vec<Vec<Candidate>>,
+    slot_of: FxHashMap<u32, usize>,
+    places: std::collections::BinaryHeap<std::cmp::Reverse<(u32, usize)>>,
+    /// Recent places and their slots, by the place's low bits: a piece's candidates come from
+    /// a handful of places in turn (`talya` repeated: five), which this finds without hashing.
+    recent: [(u32, u32); PENDING_CACHE],
+}
+
+/// Entries of `merge_by_sweeps`' cache of the list's answers (indexed by a hash's top 6 bits).
+const LOOKUP_CACHE: usize = 64;
+
+/// Entries of `Pending::recent`, a power of two.
+const PENDING_CACHE: usize = 32;
+
+impl Default for Pending {
+    fn default() -> Pending {
+        Pending {
+            slots: Vec::new(),
+            slot_of: FxHashMap::default(),
+            places: std::collections::BinaryHeap::new(),
+            recent: [(u32::MAX, 0); PENDING_CACHE],
+        }
+    }
+}
+
+impl Pending {
+    fn add(&mut self, place: u32, candidate: Candidate) {
+        let recent = place as usize & (PENDING_CACHE - 1);
+        let slot = match self.recent[recent] {
+            (cached, slot) if cached == place => slot as usize,
+            _ => {
+                let slot = match self.slot_of.get(&place) {
+                    Some(&slot) => slot,
+                    None => {
+                        let slot = self.slots.len();
+                        self.slots.push(Vec::new());
+                        self.slot_of.insert(place, slot);
+                        self.places.push(std::cmp::Reverse((place, slot)));
+                        slot
+                    }
+                };
+                self.recent[recent] = (place, slot as u32);
+                slot
+            }
+        };
+        self.slots[slot].push(candidate);
+    }
+
+    /// The lowest place with candidates, and its candidates (taken: a place is swept once).
+    fn take_lowest(&mut self) -> Option<(u32, Vec<Candidate>)> {
+        let std::cmp::Reverse((place, slot)) = self.places.pop()?;
+        self.slot_of.remove(&place);
+        let recent = place as usize & (PENDING_CACHE - 1);
+        if self.recent[recent].0 == place {
+            self.recent[recent] = (u32::MAX, 0);
+        }
+        Some((place, std::mem::take(&mut self.slots[slot])))
+    }
+}
+
 /// Pieces shorter than this are merged by the heap at once: a sweep's bookkeeping costs more
 /// than the heap's log factor on a few hundred bytes.
 const SWEEP_MIN_BYTES: usize = 1024;
@@ -719,7 +790,9 @@ impl ModelVocabulary {
     /// then each stretch by `bpe`, or by `merge_by_list` if it holds such an entry itself.
     /// Random letters cut every few dozen bytes (a few pairs of lowercase letters stand in no
     /// Llama 3 entry); text made only of joinable pairs is merged whole, O(n log n).
-    fn count_cut(&self, piece: &[u8]) -> usize {
+    /// None as soon as the stretches counted pass `limit`: a megabyte of random letters is one
+    /// piece, refused at a context's ceiling without counting the rest.
+    fn count_cut(&self, piece: &[u8], limit: usize) -> Option<usize> {
         let joinable = |a: u8, b: u8| {
             let bit = usize::from(a) << 8 | usize::from(b);
             self.joinable[bit / 64] & (1 << (bit % 64)) != 0
@@ -734,11 +807,13 @@ impl ModelVocabulary {
             start = end;
             total += if stretch.len() == 1 {
                 1
-            } else if self
-                .unreachable
-                .as_ref()
-                .is_some_and(|matcher| matcher.is_match(stretch))
+            } else if stretch.len() == piece.len()
+                || self
+                    .unreachable
+                    .as_ref()
+                    .is_some_and(|matcher| matcher.is_match(stretch))
             {
+                // Uncut, the stretch is the piece, which the caller found holds such an entry.
                 self.merge_by_list(stretch)
             } else if self.whole_tokens.contains(stretch) {
                 // Not one `bpe` cannot hold (the matcher said so): it merges into itself.
@@ -746,8 +821,11 @@ impl ModelVocabulary {
             } else {
                 self.bpe.count(stretch)
             };
+            if total > limit {
+                return None;
+            }
         }
-        total
+        Some(total)
     }
 
     /// How many tokens merging `piece` as Hugging Face `tokenizers` does leaves: from single
@@ -770,8 +848,6 @@ impl ModelVocabulary {
     /// in the piece plus the sorting of a place's candidates, which arrive sorted from one sweep
     /// and need merging only when several sweeps feed one place.
     fn merge_by_sweeps(&self, piece: &[u8]) -> Option<usize> {
-        use std::cmp::Reverse;
-        use std::collections::BinaryHeap;
         let n = piece.len();
         let mut id: Vec<u32> = piece
             .iter()
@@ -780,73 +856,94 @@ impl ModelVocabulary {
         let mut next: Vec<u32> = (1..=n as u32).collect();
         let mut prev: Vec<u32> = (0..n as u32).map(|i| i.wrapping_sub(1)).collect();
         let mut alive = vec![true; n];
-        let place_of = |left: u32, right: u32, id: &[u32]| {
-            self.merges
-                .get(&(id[left as usize], id[right as usize]))
-                .map(|&(place, _)| place)
+        // When each part's token last changed, in merges made so far. A candidate records the
+        // count when it was found: if neither of its parts changed since and they are still
+        // neighbours, it is the same pair, with the same place and result, and needs no second
+        // look-up in the list.
+        let mut changed_at = vec![0u32; n];
+        let mut merges_made = 0u32;
+        // The list's answer for recent pairs, by a hash of the pair: a long piece repeats a
+        // few pairs many times (`talya` repeated: five), which this answers without the map.
+        let mut recent = [(u64::MAX, None::<(u32, u32)>); LOOKUP_CACHE];
+        let mut lookup = |left: u32, right: u32, id: &[u32]| {
+            let pair = (id[left as usize], id[right as usize]);
+            let key = u64::from(pair.0) << 32 | u64::from(pair.1);
+            let index = (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58) as usize;
+            match recent[index] {
+                (cached, answer) if cached == key => answer,
+                _ => {
+                    let answer = self.merges.get(&pair).copied();
+                    recent[index] = (key, answer);
+                    answer
+                }
+            }
         };
-        // Place -> the left parts of its candidate pairs; the places with candidates, lowest
-        // first. Few distinct places, however long the piece.
-        let mut lefts: FxHashMap<u32, Vec<u32>> = FxHashMap::default();
-        let mut places: BinaryHeap<Reverse<u32>> = BinaryHeap::new();
-        let add = |place: u32,
-                   left: u32,
-                   lefts: &mut FxHashMap<u32, Vec<u32>>,
-                   places: &mut BinaryHeap<Reverse<u32>>| {
-            lefts
-                .entry(place)
-                .or_insert_with(|| {
-                    places.push(Reverse(place));
-                    Vec::new()
-                })
-                .push(left);
-        };
+        let mut pending = Pending::default();
         for i in 0..n.saturating_sub(1) as u32 {
-            if let Some(place) = place_of(i, i + 1, &id) {
-                add(place, i, &mut lefts, &mut places);
+            if let Some((place, made)) = lookup(i, i + 1, &id) {
+                pending.add(
+                    place,
+                    Candidate {
+                        left: i,
+                        made,
+                        found: 0,
+                    },
+                );
             }
         }
         let mut parts = n;
-        while let Some(Reverse(place)) = places.pop() {
-            let mut sweep = lefts.remove(&place).unwrap_or_default();
-            if !sweep.is_sorted() {
-                sweep.sort_unstable();
+        while let Some((place, mut sweep)) = pending.take_lowest() {
+            if !sweep.is_sorted_by_key(|c| c.left) {
+                sweep.sort_unstable_by_key(|c| c.left);
             }
-            for left in sweep {
+            for candidate in sweep {
+                let left = candidate.left;
                 let right = next[left as usize];
-                if !alive[left as usize] || right as usize >= n {
+                if !alive[left as usize]
+                    || right as usize >= n
+                    || changed_at[left as usize] > candidate.found
+                    || changed_at[right as usize] > candidate.found
+                {
                     continue;
                 }
-                let Some(&(current, made)) =
-                    self.merges.get(&(id[left as usize], id[right as usize]))
-                else {
-                    continue;
-                };
-                if current != place {
-                    continue;
-                }
-                id[left as usize] = made;
+                merges_made += 1;
+                id[left as usize] = candidate.made;
+                changed_at[left as usize] = merges_made;
                 alive[right as usize] = false;
                 let after = next[right as usize];
                 next[left as usize] = after;
                 parts -= 1;
                 if (after as usize) < n {
                     prev[after as usize] = left;
-                    if let Some(new) = place_of(left, after, &id) {
+                    if let Some((new, made)) = lookup(left, after, &id) {
                         if new <= place {
                             return None;
                         }
-                        add(new, left, &mut lefts, &mut places);
+                        pending.add(
+                            new,
+                            Candidate {
+                                left,
+                                made,
+                                found: merges_made,
+                            },
+                        );
                     }
                 }
                 let before = prev[left as usize];
                 if before != u32::MAX
-                    && let Some(new) = place_of(before, left, &id)
+                    && let Some((new, made)) = lookup(before, left, &id)
                 {
                     if new <= place {
                         return None;
                     }
-                    add(new, before, &mut lefts, &mut places);
+                    pending.add(
+                        new,
+                        Candidate {
+                            left: before,
+                            made,
+                            found: merges_made,
+                        },
+                    );
                 }
             }
         }
