@@ -19,6 +19,9 @@
 //! controller times are divided by 4, and every latency the client measures is multiplied by
 //! 4 before it is reported: a 120 s scenario takes 30 s of wall time.
 //!
+//! A run's `admin_calls` are sent to every replica's admin API at their (simulated) times, e.g.
+//! new engine thresholds mid-run, and marked on the charts.
+//!
 //! With `replicas: N` the lab starts N tollgate replicas sharing one budget through a
 //! redis-server of its own, behind the one Envoy (see `lab/stack.rs`), and reports the
 //! deployment's figures plus each replica's. `lab --compare BASE/summary.json
