@@ -708,6 +708,16 @@ fn unreachable_entries(entries: &[Vec<u8>]) -> Vec<usize> {
     unreachable
 }
 
+/// A piece's parts while merging: part i's token, the parts after and before it among those
+/// alive (`n` and `u32::MAX` at the ends), and whether it is alive (not yet merged into the part
+/// before it).
+struct Parts {
+    id: Vec<u32>,
+    next: Vec<u32>,
+    prev: Vec<u32>,
+    alive: Vec<bool>,
+}
+
 /// A pair `merge_by_sweeps` may merge: its left part, the token the merge makes, and how many
 /// merges had been made when it was found.
 #[derive(Clone, Copy)]
@@ -841,6 +851,20 @@ impl ModelVocabulary {
         self.merge_by_heap(piece)
     }
 
+    /// `piece` as single bytes, linked, before any merge.
+    fn parts(&self, piece: &[u8]) -> Parts {
+        let n = piece.len() as u32;
+        Parts {
+            id: piece
+                .iter()
+                .map(|&b| self.byte_ids[usize::from(b)])
+                .collect(),
+            next: (1..=n).collect(),
+            prev: (0..n).map(|i| i.wrapping_sub(1)).collect(),
+            alive: vec![true; n as usize],
+        }
+    }
+
     /// `merge_by_list` by sweeps: every candidate pair of one place in the list is merged in one
     /// sweep, left to right. That is the heap's order as long as no merge makes a pair that comes
     /// at or before the place being swept (a trained list never does: a merge's result pairs
@@ -849,13 +873,12 @@ impl ModelVocabulary {
     /// and need merging only when several sweeps feed one place.
     fn merge_by_sweeps(&self, piece: &[u8]) -> Option<usize> {
         let n = piece.len();
-        let mut id: Vec<u32> = piece
-            .iter()
-            .map(|&b| self.byte_ids[usize::from(b)])
-            .collect();
-        let mut next: Vec<u32> = (1..=n as u32).collect();
-        let mut prev: Vec<u32> = (0..n as u32).map(|i| i.wrapping_sub(1)).collect();
-        let mut alive = vec![true; n];
+        let Parts {
+            mut id,
+            mut next,
+            mut prev,
+            mut alive,
+        } = self.parts(piece);
         // When each part's token last changed, in merges made so far. A candidate records the
         // count when it was found: if neither of its parts changed since and they are still
         // neighbours, it is the same pair, with the same place and result, and needs no second
@@ -956,14 +979,12 @@ impl ModelVocabulary {
         use std::cmp::Reverse;
         use std::collections::BinaryHeap;
         let n = piece.len();
-        let mut id: Vec<u32> = piece
-            .iter()
-            .map(|&b| self.byte_ids[usize::from(b)])
-            .collect();
-        // Part i is alive until merged into the part before it; next/prev link the alive ones.
-        let mut next: Vec<u32> = (1..=n as u32).collect();
-        let mut prev: Vec<u32> = (0..n as u32).map(|i| i.wrapping_sub(1)).collect();
-        let mut alive = vec![true; n];
+        let Parts {
+            mut id,
+            mut next,
+            mut prev,
+            mut alive,
+        } = self.parts(piece);
         // A candidate is its place in the list and its left part, packed so the heap orders by
         // place, then leftmost; a pair's place names the pair, so a popped candidate whose left
         // part now pairs at another place is stale.

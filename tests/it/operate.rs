@@ -403,6 +403,17 @@ async fn call(
     )
 }
 
+/// Polls `GET url` (with the token) until it answers `want`, or panics with `what`.
+async fn reads_eventually(client: &reqwest::Client, url: &str, want: &Value, what: &str) {
+    eventually(what, || async {
+        call(client, reqwest::Method::GET, url, Some(TOKEN), None)
+            .await
+            .1
+            == *want
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_api_needs_its_token_and_refuses_bad_input_changing_nothing() {
     let redis = RedisServer::start().await;
@@ -546,17 +557,12 @@ async fn a_change_on_one_replica_reaches_the_other_and_racing_changes_leave_one_
     )
     .await;
     assert_eq!((status, &answer), (200, &wanted));
-    eventually("replica b applies replica a's thresholds", || {
-        let client = client.clone();
-        let url = b.url("/v1/engine/thresholds");
-        let wanted = wanted.clone();
-        async move {
-            call(&client, reqwest::Method::GET, &url, Some(TOKEN), None)
-                .await
-                .1
-                == wanted
-        }
-    })
+    reads_eventually(
+        &client,
+        &b.url("/v1/engine/thresholds"),
+        &wanted,
+        "replica b applies replica a's thresholds",
+    )
     .await;
     assert!(
         a.log()
@@ -577,17 +583,12 @@ async fn a_change_on_one_replica_reaches_the_other_and_racing_changes_leave_one_
     )
     .await;
     assert_eq!(status, 200);
-    eventually("replica a applies replica b's control switch", || {
-        let client = client.clone();
-        let url = a.url("/v1/control");
-        let switch = switch.clone();
-        async move {
-            call(&client, reqwest::Method::GET, &url, Some(TOKEN), None)
-                .await
-                .1
-                == switch
-        }
-    })
+    reads_eventually(
+        &client,
+        &a.url("/v1/control"),
+        &switch,
+        "replica a applies replica b's control switch",
+    )
     .await;
     let (_, policy) = call(
         &client,
@@ -695,17 +696,12 @@ async fn a_change_on_one_replica_reaches_the_other_and_racing_changes_leave_one_
     assert_eq!(status, 200);
     let file = json!({"kv_cache_threshold": 0.9, "queue_depth_threshold": 8});
     assert_eq!(answer.as_object().unwrap().len(), 2, "{answer}");
-    eventually("replica b drops the deleted setting", || {
-        let client = client.clone();
-        let url = b.url("/v1/engine/thresholds");
-        let answer = answer.clone();
-        async move {
-            call(&client, reqwest::Method::GET, &url, Some(TOKEN), None)
-                .await
-                .1
-                == answer
-        }
-    })
+    reads_eventually(
+        &client,
+        &b.url("/v1/engine/thresholds"),
+        &answer,
+        "replica b drops the deleted setting",
+    )
     .await;
     let _ = file;
 }
