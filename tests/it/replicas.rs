@@ -1229,7 +1229,14 @@ async fn ask_timed(
         let body = chat_body(serde_json::json!({"max_tokens": max_tokens}));
         let sent = Instant::now();
         stream.send(request_body(&body)).await;
-        let answer = next(&mut stream).await;
+        let mut answer = next(&mut stream).await;
+        // A request that waits for a slot (a fleet member holds no share for a moment after
+        // Redis restarts empty) is first told to extend Envoy's timeout, then decided. Dropping
+        // the stream on the first message would leave a request that may be admitted as it
+        // goes, and an admitted request whose client leaves is charged its prompt.
+        while answer.response.is_none() && answer.override_message_timeout.is_some() {
+            answer = next(&mut stream).await;
+        }
         (stream, answer, sent.elapsed())
     })
     .await
