@@ -19,9 +19,7 @@ use tokio::sync::watch;
 use crate::budget::ledger::Ledger;
 use crate::config::AdminConfig;
 use crate::lifecycle::Lifecycle;
-use crate::live::{
-    ControlSwitch, EngineThresholds, Live, Setting, SettingError, SettingValue, Settings,
-};
+use crate::live::{Change, Live, SettingError, Settings};
 use crate::observe::Metrics;
 use crate::scheduler::Scheduler;
 
@@ -185,14 +183,11 @@ async fn engine_get(State(state): State<AdminState>) -> Response {
 }
 
 async fn engine_put(State(state): State<AdminState>, body: Bytes) -> Response {
-    match parse::<EngineThresholds>(&body, ENGINE_FIELDS) {
-        Ok(value) => change(&state, Setting::Engine, Some(SettingValue::Engine(value))).await,
-        Err(response) => *response,
-    }
+    put(&state, &body, ENGINE_FIELDS, Change::Engine).await
 }
 
 async fn engine_delete(State(state): State<AdminState>) -> Response {
-    change(&state, Setting::Engine, None).await
+    change(&state, Change::Engine(None)).await
 }
 
 async fn control_get(State(state): State<AdminState>) -> Response {
@@ -203,14 +198,24 @@ async fn control_get(State(state): State<AdminState>) -> Response {
 }
 
 async fn control_put(State(state): State<AdminState>, body: Bytes) -> Response {
-    match parse::<ControlSwitch>(&body, CONTROL_FIELDS) {
-        Ok(value) => change(&state, Setting::Control, Some(SettingValue::Control(value))).await,
-        Err(response) => *response,
-    }
+    put(&state, &body, CONTROL_FIELDS, Change::Control).await
 }
 
 async fn control_delete(State(state): State<AdminState>) -> Response {
-    change(&state, Setting::Control, None).await
+    change(&state, Change::Control(None)).await
+}
+
+/// A `PUT` of a setting: the body parsed as the whole resource, then the change.
+async fn put<T: serde::de::DeserializeOwned>(
+    state: &AdminState,
+    body: &[u8],
+    fields: &[(&str, Kind)],
+    setting: fn(Option<T>) -> Change,
+) -> Response {
+    match parse::<T>(body, fields) {
+        Ok(value) => change(state, setting(Some(value))).await,
+        Err(response) => *response,
+    }
 }
 
 /// What a field of a resource holds, as a `PUT` body must give it.
@@ -310,15 +315,13 @@ fn parse<T: serde::de::DeserializeOwned>(
 }
 
 /// Applies a change and answers with the setting's value in force after it.
-async fn change(state: &AdminState, setting: Setting, value: Option<SettingValue>) -> Response {
-    match state.live.set(setting, value).await {
-        Ok(policy) => {
-            // The policy this change installed, not whatever is in force by now.
-            match setting {
-                Setting::Engine => json(StatusCode::OK, &Settings::engine_in(&policy)),
-                Setting::Control => json(StatusCode::OK, &Settings::control_in(&policy.control)),
-            }
-        }
+async fn change(state: &AdminState, change: Change) -> Response {
+    match state.live.set(change).await {
+        // The policy this change installed, not whatever is in force by now.
+        Ok(policy) => match change {
+            Change::Engine(_) => json(StatusCode::OK, &Settings::engine_in(&policy)),
+            Change::Control(_) => json(StatusCode::OK, &Settings::control_in(&policy.control)),
+        },
         Err(SettingError::Invalid(problems)) => {
             let message = problems.join("; ");
             // "control.engine.kv_cache_threshold: ..." names the field as the file does; the

@@ -197,7 +197,6 @@ struct Derived {
     breach_threshold: Duration,
     sync: Duration,
     control_tick: Duration,
-    scraper: Option<Scraper>,
 }
 
 impl Derived {
@@ -211,11 +210,6 @@ impl Derived {
             config,
             sync: Duration::from_millis(policy.fleet.sync_ms),
             control_tick: Duration::from_millis(control.tick_ms),
-            scraper: if control.enabled {
-                Scraper::new(&control.engine)
-            } else {
-                None
-            },
         }
     }
 }
@@ -281,6 +275,15 @@ impl Fleet {
     pub async fn run(mut self) {
         let mut policy = self.policy.borrow_and_update().clone();
         let mut derived = Derived::of(&policy);
+        let scraper_for = |policy: &Policy| {
+            let control = &policy.control;
+            if control.enabled {
+                Scraper::new(&control.engine)
+            } else {
+                None
+            }
+        };
+        let mut scraper = scraper_for(&policy);
         let mut memory = Memory {
             // Not a member yet: a first sync that fails falls back at once.
             standing: FleetStanding::Alone,
@@ -305,16 +308,11 @@ impl Fleet {
             if self.policy.has_changed().unwrap_or(false) {
                 let next = self.policy.borrow_and_update().clone();
                 // `fleet.sync_ms` is restart-only (`live::RESTART_ONLY`): the ticks stay.
-                let next_derived = Derived::of(&next);
-                if next.control.engine != policy.control.engine {
-                    derived.scraper = None;
-                }
-                derived = Derived {
-                    scraper: derived.scraper.take(),
-                    ..next_derived
-                };
-                if derived.scraper.is_none() && next.control.enabled {
-                    derived.scraper = Scraper::new(&next.control.engine);
+                derived = Derived::of(&next);
+                if (&next.control.engine, next.control.enabled)
+                    != (&policy.control.engine, policy.control.enabled)
+                {
+                    scraper = scraper_for(&next);
                 }
                 memory.rebound(&next, &derived.config, policy.control.enabled);
                 policy = next;
@@ -331,7 +329,7 @@ impl Fleet {
             // read of the fleet by one round trip, not by a scrape as well.
             let steps_controller =
                 memory.leadership.is_some() || memory.standing != FleetStanding::Member;
-            let engine_saturation = match (&mut derived.scraper, control_due && steps_controller) {
+            let engine_saturation = match (&mut scraper, control_due && steps_controller) {
                 (Some(scraper), true) => tokio::select! {
                     saturation = scraper.saturation(&self.metrics) => saturation,
                     () = reached(&mut self.lifecycle, Lifecycle::Closing) => break,

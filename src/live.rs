@@ -65,20 +65,34 @@ pub struct ControlSwitch {
     pub ceiling: u32,
 }
 
-/// One run-time setting, as the admin API and the fleet's `settings` hash name it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Setting {
-    Engine,
-    Control,
+/// A change of one run-time setting: its new value, or `None` to go back to the file's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Change {
+    Engine(Option<EngineThresholds>),
+    Control(Option<ControlSwitch>),
 }
 
-impl Setting {
-    pub const ALL: [Setting; 2] = [Setting::Engine, Setting::Control];
-
+impl Change {
+    /// The setting's name, in the admin API's log and the fleet's `settings` hash.
     pub fn key(self) -> &'static str {
         match self {
-            Setting::Engine => "engine",
-            Setting::Control => "control",
+            Change::Engine(_) => "engine",
+            Change::Control(_) => "control",
+        }
+    }
+
+    /// The value as the fleet's `settings` hash stores it (None: deleted).
+    fn encoded(self) -> Option<String> {
+        match self {
+            Change::Engine(value) => value.and_then(|v| serde_json::to_string(&v).ok()),
+            Change::Control(value) => value.and_then(|v| serde_json::to_string(&v).ok()),
+        }
+    }
+
+    fn apply_to(self, settings: &mut Settings) {
+        match self {
+            Change::Engine(value) => settings.engine = value,
+            Change::Control(value) => settings.control = value,
         }
     }
 }
@@ -457,40 +471,20 @@ impl Live {
     /// Replaces one run-time setting (`None`: back to the file's value), here and, through
     /// Redis, on every replica sharing the store. Nothing changes if it is invalid or cannot be
     /// shared.
-    pub async fn set(
-        &self,
-        setting: Setting,
-        value: Option<SettingValue>,
-    ) -> Result<Arc<Policy>, SettingError> {
+    pub async fn set(&self, change: Change) -> Result<Arc<Policy>, SettingError> {
         let _changing = self.changing.lock().await;
         let mut next = self.settings();
-        match (setting, value) {
-            (Setting::Engine, Some(SettingValue::Engine(v))) => next.engine = Some(v),
-            (Setting::Control, Some(SettingValue::Control(v))) => next.control = Some(v),
-            (Setting::Engine, None) => next.engine = None,
-            (Setting::Control, None) => next.control = None,
-            (setting, Some(value)) => {
-                return Err(SettingError::Invalid(vec![format!(
-                    "{}: {value:?} is not a value of this setting",
-                    setting.key()
-                )]));
-            }
-        }
+        change.apply_to(&mut next);
         let file = self.state().file.clone();
         let effective = next.apply(&file).map_err(SettingError::Invalid)?;
         if let Some(shared) = &self.shared {
-            let encoded = match value {
-                Some(SettingValue::Engine(v)) => serde_json::to_string(&v).ok(),
-                Some(SettingValue::Control(v)) => serde_json::to_string(&v).ok(),
-                None => None,
-            };
             // Before the write: a read of the shared settings racing it must not be applied
             // after it (nor one that read the old value while this write was under way).
             self.settings_changes
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             shared
                 .store
-                .fleet_set_setting(&shared.fleet, setting.key(), encoded.as_deref())
+                .fleet_set_setting(&shared.fleet, change.key(), change.encoded().as_deref())
                 .await
                 .map_err(|e| SettingError::Store(e.to_string()))?;
         }
@@ -500,17 +494,30 @@ impl Live {
         // And after it: a read that began while the write was under way may have missed it.
         self.settings_changes
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        tracing::info!(
-            setting = setting.key(),
-            ?value,
-            "run-time setting changed through the admin API"
-        );
+        tracing::info!(?change, "run-time setting changed through the admin API");
         Ok(effective)
     }
 
     fn publish(&self, policy: Arc<Policy>) {
-        self.rules
-            .send_replace(Rules::new(policy.clone(), &self.metrics));
+        // A run-time setting, or a reload that keeps the tiers, keeps their metric series: only
+        // new tiers need registering.
+        let in_force = self.rules.borrow().clone();
+        let same_tiers = in_force.policy.tiers.len() == policy.tiers.len()
+            && in_force
+                .policy
+                .tiers
+                .iter()
+                .zip(&policy.tiers)
+                .all(|(a, b)| a.name == b.name);
+        let rules = if same_tiers {
+            Arc::new(Rules {
+                policy: policy.clone(),
+                metrics: in_force.metrics.clone(),
+            })
+        } else {
+            Rules::new(policy.clone(), &self.metrics)
+        };
+        self.rules.send_replace(rules);
         self.effective.send_replace(policy);
     }
 
@@ -590,13 +597,6 @@ impl Live {
         let shared = self.shared.as_ref()?;
         Some(shared.store.usage(tenant, windows).await)
     }
-}
-
-/// A new value for one setting.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum SettingValue {
-    Engine(EngineThresholds),
-    Control(ControlSwitch),
 }
 
 impl Settings {

@@ -268,7 +268,7 @@ impl<'p> RequestLife<'p> {
         if !matches!(self.state, State::Start) {
             return Err(self.out_of_order());
         }
-        let rules = self.rules.clone();
+        let rules = &self.rules;
         Ok(
             match request::classify_head(&rules.policy, headers, end_of_stream) {
                 HeadVerdict::Inference(mut head) => {
@@ -308,7 +308,7 @@ impl<'p> RequestLife<'p> {
             }
         };
         let pipeline = self.pipeline;
-        let rules = self.rules.clone();
+        let rules = &self.rules;
         let tier = head.identity.tier;
         if !complete {
             let reply = LocalReply::new(
@@ -325,7 +325,7 @@ impl<'p> RequestLife<'p> {
         let received = body.len();
         // The decoded body is freed once decided: what waits in the queue, or goes upstream, is
         // the `Admission`, with its rewritten body if there is one.
-        let admission = match decide_body(&rules, &head, body).await {
+        let admission = match decide_body(rules, &head, body).await {
             BodyVerdict::Admit(admission) => admission,
             BodyVerdict::Reject(reply) => {
                 return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
@@ -354,7 +354,7 @@ impl<'p> RequestLife<'p> {
                 // Shadow mode: refused as enforcement would, so nothing reserved (enforcement
                 // would have charged nothing either) and no place taken in the queue (nor a
                 // slot) that enforcement would have given to others: upstream now.
-                shadow_refusal(&rules, &mut admission, &reply, tier);
+                shadow_refusal(rules, &mut admission, &reply, tier);
                 let grant = Grant {
                     hold: Hold::none(),
                     budgets: None,
@@ -388,9 +388,13 @@ impl<'p> RequestLife<'p> {
         match pipeline.scheduler.submit(tenant, class, cost, held_bytes) {
             Admit::Now(permit) => {
                 metrics.scheduler_outcome(tier, SchedulerOutcome::AdmittedNow);
-                let forward = self.admit(admission, grant, arrived, Some(permit));
                 metrics.decision_duration(Instant::now().duration_since(now).as_secs_f64());
-                Ok(BodyDecision::Admit(forward))
+                Ok(BodyDecision::Admit(self.admit(
+                    admission,
+                    grant,
+                    arrived,
+                    Some(permit),
+                )))
             }
             refused @ (Admit::Full | Admit::BytesFull) => {
                 let (outcome, reason, message) = if matches!(refused, Admit::Full) {
@@ -416,7 +420,7 @@ impl<'p> RequestLife<'p> {
                 let reply = LocalReply::new(reason, message);
                 if !tier_policy.enforce {
                     // Shadow mode: upstream without a slot (see `shadow_refusal`).
-                    shadow_refusal(&rules, &mut admission, &reply, tier);
+                    shadow_refusal(rules, &mut admission, &reply, tier);
                     let forward = self.admit(admission, grant, arrived, None);
                     return Ok(BodyDecision::Admit(forward));
                 }
@@ -482,7 +486,7 @@ impl<'p> RequestLife<'p> {
         } = *queued;
         drop(ticket);
         let pipeline = self.pipeline;
-        let rules = self.rules.clone();
+        let rules = &self.rules;
         let metrics = &rules.metrics;
         let tier = admission.identity.tier;
         let left = match outcome {
@@ -508,7 +512,7 @@ impl<'p> RequestLife<'p> {
                 // Shadow mode: the deadline passed; upstream now, without a slot.
                 metrics.scheduler_outcome(tier, SchedulerOutcome::QueueTimeout);
                 let reply = LocalReply::new(Reason::QueueTimeout, "the queue deadline passed");
-                shadow_refusal(&rules, &mut admission, &reply, tier);
+                shadow_refusal(rules, &mut admission, &reply, tier);
                 return Ok(Waited::Admit(self.admit(admission, grant, arrived, None)));
             }
         }
@@ -665,7 +669,7 @@ impl<'p> RequestLife<'p> {
         permit: Option<Permit>,
     ) -> Forward<'_> {
         let pipeline = self.pipeline;
-        let rules = self.rules.clone();
+        let rules = &self.rules;
         let budget_headers = grant
             .budgets
             .as_ref()
@@ -695,7 +699,7 @@ impl<'p> RequestLife<'p> {
             .then(|| {
                 Pending::start(
                     &pipeline.ttft_window,
-                    control_started(&rules, arrived, dispatched),
+                    control_started(rules, arrived, dispatched),
                 )
             });
         self.state = State::Admitted(Box::new(Watched {
@@ -738,7 +742,7 @@ impl<'p> RequestLife<'p> {
     pub async fn finish(self) {
         let output_observed = self.response_body_shown != Some(false);
         let pipeline = self.pipeline;
-        let rules = self.rules.clone();
+        let rules = &self.rules;
         match self.state {
             State::AwaitingBody { .. } => rules.metrics.request(RequestOutcome::Abandoned),
             // Only if `wait` was never called: the request leaves the queue now, unanswered.
@@ -757,7 +761,7 @@ impl<'p> RequestLife<'p> {
                 rules.metrics.request(RequestOutcome::Abandoned);
                 pipeline.ledger.settle(grant.hold, 0, true).await;
             }
-            State::Admitted(watched) => watched.finish(pipeline, &rules, output_observed).await,
+            State::Admitted(watched) => watched.finish(pipeline, rules, output_observed).await,
             State::Start | State::PassedThrough | State::Refused => {}
         }
     }

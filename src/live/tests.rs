@@ -250,18 +250,16 @@ async fn settings_survive_a_reload_and_fall_back_to_the_file_when_deleted() {
         floor: 3,
         ceiling: 30,
     };
-    live.set(Setting::Control, Some(SettingValue::Control(switch)))
-        .await
-        .unwrap();
+    live.set(Change::Control(Some(switch))).await.unwrap();
     assert_eq!(Settings::control_in(&live.current().control), switch);
 
     // Invalid: refused whole, nothing changes.
-    let wrong = SettingValue::Control(ControlSwitch {
+    let wrong = Change::Control(Some(ControlSwitch {
         floor: 31,
         ..switch
-    });
+    }));
     assert!(matches!(
-        live.set(Setting::Control, Some(wrong)).await,
+        live.set(wrong).await,
         Err(SettingError::Invalid(_))
     ));
     assert_eq!(Settings::control_in(&live.current().control), switch);
@@ -279,7 +277,7 @@ async fn settings_survive_a_reload_and_fall_back_to_the_file_when_deleted() {
     );
 
     // Deleted: the file's values apply again.
-    live.set(Setting::Control, None).await.unwrap();
+    live.set(Change::Control(None)).await.unwrap();
     assert_eq!(live.current().control.ceiling, 50);
     assert_eq!(live.settings(), Settings::default());
 }

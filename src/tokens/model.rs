@@ -716,6 +716,38 @@ struct Parts {
     next: Vec<u32>,
     prev: Vec<u32>,
     alive: Vec<bool>,
+    /// Parts still alive: the piece's count of tokens once merging ends.
+    count: usize,
+}
+
+impl Parts {
+    /// Bytes the piece had: parts are numbered by their first byte.
+    fn len(&self) -> usize {
+        self.id.len()
+    }
+
+    /// The part after `left`, if `left` is alive and not the last.
+    fn right_of(&self, left: u32) -> Option<u32> {
+        let right = self.next[left as usize];
+        (self.alive[left as usize] && (right as usize) < self.len()).then_some(right)
+    }
+
+    /// Merges `left` with the part after it into the token `made`; the parts the merged one
+    /// now stands beside: after it, and before it, where there are such.
+    fn join(&mut self, left: u32, made: u32) -> (Option<u32>, Option<u32>) {
+        let right = self.next[left as usize];
+        self.id[left as usize] = made;
+        self.alive[right as usize] = false;
+        self.count -= 1;
+        let after = self.next[right as usize];
+        self.next[left as usize] = after;
+        let after = ((after as usize) < self.len()).then(|| {
+            self.prev[after as usize] = left;
+            after
+        });
+        let before = self.prev[left as usize];
+        (after, (before != u32::MAX).then_some(before))
+    }
 }
 
 /// A pair `merge_by_sweeps` may merge: its left part, the token the merge makes, and how many
@@ -862,6 +894,7 @@ impl ModelVocabulary {
             next: (1..=n).collect(),
             prev: (0..n).map(|i| i.wrapping_sub(1)).collect(),
             alive: vec![true; n as usize],
+            count: n as usize,
         }
     }
 
@@ -872,23 +905,17 @@ impl ModelVocabulary {
     /// in the piece plus the sorting of a place's candidates, which arrive sorted from one sweep
     /// and need merging only when several sweeps feed one place.
     fn merge_by_sweeps(&self, piece: &[u8]) -> Option<usize> {
-        let n = piece.len();
-        let Parts {
-            mut id,
-            mut next,
-            mut prev,
-            mut alive,
-        } = self.parts(piece);
+        let mut parts = self.parts(piece);
         // When each part's token last changed, in merges made so far. A candidate records the
         // count when it was found: if neither of its parts changed since and they are still
         // neighbours, it is the same pair, with the same place and result, and needs no second
         // look-up in the list.
-        let mut changed_at = vec![0u32; n];
+        let mut changed_at = vec![0u32; parts.len()];
         let mut merges_made = 0u32;
         // The list's answer for recent pairs, by a hash of the pair: a long piece repeats a
         // few pairs many times (`talya` repeated: five), which this answers without the map.
         let mut recent = [(u64::MAX, None::<(u32, u32)>); LOOKUP_CACHE];
-        let mut lookup = |left: u32, right: u32, id: &[u32]| {
+        let mut merge_of = |left: u32, right: u32, id: &[u32]| {
             let pair = (id[left as usize], id[right as usize]);
             let key = u64::from(pair.0) << 32 | u64::from(pair.1);
             let index = (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58) as usize;
@@ -902,75 +929,58 @@ impl ModelVocabulary {
             }
         };
         let mut pending = Pending::default();
-        for i in 0..n.saturating_sub(1) as u32 {
-            if let Some((place, made)) = lookup(i, i + 1, &id) {
+        for i in 0..parts.len().saturating_sub(1) as u32 {
+            if let Some((place, made)) = merge_of(i, i + 1, &parts.id) {
+                let found = 0;
                 pending.add(
                     place,
                     Candidate {
                         left: i,
                         made,
-                        found: 0,
+                        found,
                     },
                 );
             }
         }
-        let mut parts = n;
         while let Some((place, mut sweep)) = pending.take_lowest() {
             if !sweep.is_sorted_by_key(|c| c.left) {
                 sweep.sort_unstable_by_key(|c| c.left);
             }
             for candidate in sweep {
                 let left = candidate.left;
-                let right = next[left as usize];
-                if !alive[left as usize]
-                    || right as usize >= n
-                    || changed_at[left as usize] > candidate.found
+                let Some(right) = parts.right_of(left) else {
+                    continue;
+                };
+                if changed_at[left as usize] > candidate.found
                     || changed_at[right as usize] > candidate.found
                 {
                     continue;
                 }
                 merges_made += 1;
-                id[left as usize] = candidate.made;
                 changed_at[left as usize] = merges_made;
-                alive[right as usize] = false;
-                let after = next[right as usize];
-                next[left as usize] = after;
-                parts -= 1;
-                if (after as usize) < n {
-                    prev[after as usize] = left;
-                    if let Some((new, made)) = lookup(left, after, &id) {
+                let (after, before) = parts.join(left, candidate.made);
+                for (l, r) in [after.map(|a| (left, a)), before.map(|b| (b, left))]
+                    .into_iter()
+                    .flatten()
+                {
+                    if let Some((new, made)) = merge_of(l, r, &parts.id) {
                         if new <= place {
                             return None;
                         }
+                        let found = merges_made;
                         pending.add(
                             new,
                             Candidate {
-                                left,
+                                left: l,
                                 made,
-                                found: merges_made,
+                                found,
                             },
                         );
                     }
                 }
-                let before = prev[left as usize];
-                if before != u32::MAX
-                    && let Some((new, made)) = lookup(before, left, &id)
-                {
-                    if new <= place {
-                        return None;
-                    }
-                    pending.add(
-                        new,
-                        Candidate {
-                            left: before,
-                            made,
-                            found: merges_made,
-                        },
-                    );
-                }
             }
         }
-        Some(parts)
+        Some(parts.count)
     }
 
     /// `merge_by_list` by a heap of candidate pairs over a linked list of parts: exact for any
@@ -978,58 +988,41 @@ impl ModelVocabulary {
     fn merge_by_heap(&self, piece: &[u8]) -> usize {
         use std::cmp::Reverse;
         use std::collections::BinaryHeap;
-        let n = piece.len();
-        let Parts {
-            mut id,
-            mut next,
-            mut prev,
-            mut alive,
-        } = self.parts(piece);
+        let mut parts = self.parts(piece);
         // A candidate is its place in the list and its left part, packed so the heap orders by
         // place, then leftmost; a pair's place names the pair, so a popped candidate whose left
         // part now pairs at another place is stale.
         let pack = |place: u32, left: u32| (u64::from(place) << 32) | u64::from(left);
-        let place_of = |left: u32, right: u32, id: &[u32]| {
+        let merge_of = |left: u32, right: u32, id: &[u32]| {
             self.merges
                 .get(&(id[left as usize], id[right as usize]))
-                .map(|&(place, _)| place)
+                .copied()
         };
-        let mut heap: BinaryHeap<Reverse<u64>> = (0..n.saturating_sub(1) as u32)
-            .filter_map(|i| place_of(i, i + 1, &id).map(|place| Reverse(pack(place, i))))
+        let mut heap: BinaryHeap<Reverse<u64>> = (0..parts.len().saturating_sub(1) as u32)
+            .filter_map(|i| merge_of(i, i + 1, &parts.id).map(|(place, _)| Reverse(pack(place, i))))
             .collect();
-        let mut parts = n;
         while let Some(Reverse(packed)) = heap.pop() {
             let (place, left) = ((packed >> 32) as u32, packed as u32);
-            let right = next[left as usize];
-            if !alive[left as usize] || right as usize >= n {
+            let Some(right) = parts.right_of(left) else {
                 continue;
-            }
-            let Some(&(current, made)) = self.merges.get(&(id[left as usize], id[right as usize]))
-            else {
+            };
+            let Some((current, made)) = merge_of(left, right, &parts.id) else {
                 continue;
             };
             if current != place {
                 continue;
             }
-            id[left as usize] = made;
-            alive[right as usize] = false;
-            let after = next[right as usize];
-            next[left as usize] = after;
-            parts -= 1;
-            if (after as usize) < n {
-                prev[after as usize] = left;
-                if let Some(place) = place_of(left, after, &id) {
-                    heap.push(Reverse(pack(place, left)));
+            let (after, before) = parts.join(left, made);
+            for (l, r) in [after.map(|a| (left, a)), before.map(|b| (b, left))]
+                .into_iter()
+                .flatten()
+            {
+                if let Some((place, _)) = merge_of(l, r, &parts.id) {
+                    heap.push(Reverse(pack(place, l)));
                 }
             }
-            let before = prev[left as usize];
-            if before != u32::MAX
-                && let Some(place) = place_of(before, left, &id)
-            {
-                heap.push(Reverse(pack(place, before)));
-            }
         }
-        parts
+        parts.count
     }
 }
 
