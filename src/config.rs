@@ -290,6 +290,12 @@ pub struct FleetConfig {
     pub fallback: FleetFallback,
     /// The replicas to assume before any has been seen (Redis down at start-up).
     pub fallback_replicas: u32,
+    /// Standby slots (`fleet::share`): each replica keeps a few slots free for the tenants the
+    /// deployment gives all they ask, so that their next request need not wait for that
+    /// replica's next release, as it would not behind one queue. This is the chance that such
+    /// a request finds them all taken; the leader keeps as few as reach it. In (0, 1]; 1 keeps
+    /// none.
+    pub standby_miss: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -581,6 +587,7 @@ impl Default for FleetConfig {
             leader_ttl_ms: 2_000,
             fallback: FleetFallback::LastShare,
             fallback_replicas: 1,
+            standby_miss: 0.05,
         }
     }
 }

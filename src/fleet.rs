@@ -46,7 +46,7 @@
 
 pub mod share;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -83,38 +83,47 @@ pub struct Report {
     pub flows: Vec<FlowDemand>,
 }
 
-/// A member's overrides as published: `[tenant, weight, reserved_slots]` triples.
-fn encode_overrides(overrides: &HashMap<TenantKey, Share>) -> String {
-    let triples: Vec<[u64; 3]> = overrides
+/// What the leader publishes for one member beside its grant: its standby slots and its
+/// tenants' overrides, as `[tenant, weight, reserved_slots, standby (0 or 1)]`.
+#[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+struct MemberPart {
+    standby: u32,
+    tenants: Vec<[u64; 4]>,
+}
+
+fn encode_overrides(overrides: &HashMap<TenantKey, Share>, standby: u32) -> String {
+    let tenants = overrides
         .iter()
         .map(|(tenant, share)| {
             [
                 tenant.0,
                 u64::from(share.weight),
                 u64::from(share.reserved_slots),
+                u64::from(share.standby),
             ]
         })
         .collect();
-    serde_json::to_string(&triples).unwrap_or_default()
+    serde_json::to_string(&MemberPart { standby, tenants }).unwrap_or_default()
 }
 
-fn decode_overrides(text: &str) -> HashMap<TenantKey, Share> {
-    if text.is_empty() {
-        return HashMap::new();
-    }
-    let triples: Vec<[u64; 3]> = serde_json::from_str(text).unwrap_or_default();
-    triples
+/// A member's overrides and standby slots; none for a value that does not decode.
+fn decode_overrides(text: &str) -> (HashMap<TenantKey, Share>, u32) {
+    let published: MemberPart = serde_json::from_str(text).unwrap_or_default();
+    let overrides = published
+        .tenants
         .into_iter()
-        .map(|[tenant, weight, reserved]| {
+        .map(|[tenant, weight, reserved, standby]| {
             (
                 TenantKey(tenant),
                 Share {
                     weight: u32::try_from(weight).unwrap_or(u32::MAX),
                     reserved_slots: u32::try_from(reserved).unwrap_or(u32::MAX),
+                    standby: standby != 0,
                 },
             )
         })
-        .collect()
+        .collect();
+    (overrides, published.standby)
 }
 
 /// The budget a replica runs alone (see "When Redis cannot be reached"): `last_share` if it
@@ -165,6 +174,8 @@ struct Leadership {
     /// restarted empty, or evicted the fleet's keys) until each has synced once, within a
     /// member TTL. A brand-new fleet waits the same: it cannot tell the two apart.
     quiet_until: Option<Instant>,
+    /// The standby slots recent divisions asked (`share::StandbyHold`).
+    standby: share::StandbyHold,
 }
 
 /// The local budget's controller while alone.
@@ -528,14 +539,12 @@ impl Fleet {
             if view.decision.is_some() {
                 let grant = view.grant.unwrap_or(0);
                 memory.last_share = Some(grant);
-                self.scheduler.set_share(
-                    grant,
-                    memory.global_limit,
-                    Some(decode_overrides(&view.overrides)),
-                );
+                let (overrides, standby) = decode_overrides(&view.overrides);
+                self.scheduler
+                    .set_share(grant, memory.global_limit, Some(overrides), standby);
             } else {
                 // No decision yet: nobody has been granted anything; wait for the leader.
-                self.scheduler.set_share(0, memory.global_limit, None);
+                self.scheduler.set_share(0, memory.global_limit, None, 0);
             }
             return;
         };
@@ -562,6 +571,7 @@ impl Fleet {
                     quiet_until: view.decision.is_none().then(|| {
                         Instant::now() + Duration::from_millis(policy.fleet.member_ttl_ms)
                     }),
+                    standby: share::StandbyHold::default(),
                 }
             }
         };
@@ -600,7 +610,27 @@ impl Fleet {
                 flows: &report.flows,
             })
             .collect();
-        let mut shares = share::divide(limit, &loads);
+        let now = Instant::now();
+        let present: HashSet<u64> = loads
+            .iter()
+            .flat_map(|load| load.flows)
+            .filter(|flow| flow.in_flight > 0 || flow.queued > 0)
+            .map(|flow| flow.tenant)
+            .collect();
+        let standby = share::Standby {
+            miss: policy.fleet.standby_miss,
+            at_least: leadership
+                .standby
+                .at(now, |tenant| present.contains(&tenant)),
+        };
+        let division = share::divide(limit, &loads, standby);
+        leadership.standby.note(
+            division.standby_asked,
+            &division.standby_for,
+            now,
+            Duration::from_millis(policy.control.window_ms),
+        );
+        let mut shares = division.shares;
         if leadership
             .quiet_until
             .is_some_and(|until| Instant::now() < until)
@@ -609,7 +639,13 @@ impl Fleet {
         }
         let grants: Vec<(String, u32, String)> = shares
             .iter()
-            .map(|s| (s.member.clone(), s.grant, encode_overrides(&s.overrides)))
+            .map(|s| {
+                (
+                    s.member.clone(),
+                    s.grant,
+                    encode_overrides(&s.overrides, s.standby),
+                )
+            })
             .collect();
         let publish = Publish {
             fleet: &policy.fleet.name,
@@ -629,8 +665,12 @@ impl Fleet {
                 memory.window_epoch = Some(leadership.window_epoch);
                 if let Some(own) = shares.iter().find(|s| s.member == self.member_id) {
                     memory.last_share = Some(own.grant);
-                    self.scheduler
-                        .set_share(own.grant, limit, Some(own.overrides.clone()));
+                    self.scheduler.set_share(
+                        own.grant,
+                        limit,
+                        Some(own.overrides.clone()),
+                        own.standby,
+                    );
                 }
                 memory.leadership = Some(leadership);
             }
@@ -749,7 +789,8 @@ impl Fleet {
                 replicas,
             )
         };
-        self.scheduler.set_share(limit, limit, Some(HashMap::new()));
+        self.scheduler
+            .set_share(limit, limit, Some(HashMap::new()), 0);
     }
 }
 

@@ -240,7 +240,7 @@ where
     let admin_token = admin::read_token(&policy.source.admin).await?;
     let (budget_ready_tx, budget_ready) = watch::channel(fleet.is_none());
     if fleet.is_some() {
-        scheduler.set_share(0, policy.scheduling.initial_limit, None);
+        scheduler.set_share(0, policy.scheduling.initial_limit, None, 0);
     } else {
         metrics.fleet(
             observe::FleetStanding::Alone,

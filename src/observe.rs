@@ -42,6 +42,7 @@ pub const QUEUED: &str = "tollgate_queued_requests";
 pub const QUEUED_BODY_BYTES: &str = "tollgate_queued_body_bytes";
 pub const HEADROOM_HELD: &str = "tollgate_scheduler_headroom_held_slots";
 pub const LENT: &str = "tollgate_scheduler_lent_slots";
+pub const STANDBY: &str = "tollgate_scheduler_standby_slots";
 pub const QUEUE_WAIT: &str = "tollgate_queue_wait_seconds";
 pub const SCHEDULER_SUBMITTED: &str = "tollgate_scheduler_submitted_total";
 pub const SCHEDULER_OUTCOMES: &str = "tollgate_scheduler_outcomes_total";
@@ -151,6 +152,8 @@ pub struct SchedulerGauges {
     pub held: u32,
     /// Slots in flight granted beyond their tenant's fair share.
     pub lent: u32,
+    /// Slots kept free for tenants the fleet gives all they ask.
+    pub standby: u32,
 }
 
 /// Where a replica stands with the fleet that shares its store's budget: the `standing` label
@@ -419,6 +422,7 @@ struct Inner {
     queued_body_bytes: Gauge,
     headroom_held: Gauge,
     lent: Gauge,
+    standby: Gauge,
     controller_actions: Vec<Counter>,
     /// The `action` of each of `controller_actions`.
     actions: Vec<&'static str>,
@@ -594,6 +598,12 @@ impl Metrics {
              more than its own (scheduler.headroom), now.",
         );
         r.describe_gauge(
+            STANDBY,
+            Unit::Count,
+            "Slots this fleet member keeps free for tenants the deployment gives all they ask, \
+             against the others (fleet.standby_miss); 0 on a lone replica.",
+        );
+        r.describe_gauge(
             LENT,
             Unit::Count,
             "Slots in flight that were granted beyond their tenant's fair share of the budget, \
@@ -764,6 +774,7 @@ impl Metrics {
             queued_body_bytes: r.gauge(QUEUED_BODY_BYTES, &[]),
             headroom_held: r.gauge(HEADROOM_HELD, &[]),
             lent: r.gauge(LENT, &[]),
+            standby: r.gauge(STANDBY, &[]),
             controller_actions: actions
                 .iter()
                 .map(|action| r.counter(CONTROLLER_ACTIONS, &[("action", action)]))
@@ -934,6 +945,7 @@ impl Metrics {
             .set(load.queued_body_bytes as f64);
         self.inner.headroom_held.set(f64::from(load.held));
         self.inner.lent.set(f64::from(load.lent));
+        self.inner.standby.set(f64::from(load.standby));
     }
 
     pub fn scheduler_submitted(&self, tier: usize) {

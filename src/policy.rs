@@ -720,6 +720,12 @@ fn fleet_problems(fleet: &FleetConfig, control: &ControlConfig) -> Vec<String> {
             fleet.leader_ttl_ms, fleet.sync_ms
         ));
     }
+    if !(fleet.standby_miss > 0.0 && fleet.standby_miss <= 1.0) {
+        problems.push(format!(
+            "fleet.standby_miss: {} must be above 0 and at most 1 (1 keeps no standby slots)",
+            fleet.standby_miss
+        ));
+    }
     if fleet.fallback_replicas == 0 {
         problems.push("fleet.fallback_replicas: must be at least 1".to_owned());
     }
@@ -727,7 +733,7 @@ fn fleet_problems(fleet: &FleetConfig, control: &ControlConfig) -> Vec<String> {
 }
 
 /// Changes whenever the fleet's reports or overrides change shape (`crate::fleet::Report`).
-const FLEET_PROTOCOL: &str = "tollgate fleet protocol 2\n";
+const FLEET_PROTOCOL: &str = "tollgate fleet protocol 3\n";
 
 /// The hash a fleet member publishes so that replicas running different policies do not share
 /// a budget: SHA-256 (first 16 bytes, hex) of the configuration as JSON, without what is each

@@ -93,15 +93,18 @@ pub struct Load {
     pub held: u32,
     /// Slots in flight granted beyond their tenant's fair share.
     pub lent: u32,
+    /// Slots kept free for tenants the fleet gives all they ask (`fair`, "Standby slots").
+    pub standby: u32,
 }
 
 impl Load {
-    /// Requests waiting for want of a slot: all of them while every slot is taken, none while
-    /// some are free. Requests that wait beside free slots are held back by the headroom (they
-    /// would take more than their tenant's fair share); they are not the controller's demand,
-    /// since growing the budget for them would hand a burst what the steady tenants need.
+    /// Requests waiting for want of a slot: all of them while every slot is taken (the standby
+    /// slots counted as taken: they are kept from those who wait), none while more are free.
+    /// Requests that wait beside other free slots are held back by the headroom (they would
+    /// take more than their tenant's fair share); they are not the controller's demand, since
+    /// growing the budget for them would hand a burst what the steady tenants need.
     pub fn waiting_for_slot(&self) -> u32 {
-        if self.in_flight >= self.limit {
+        if self.in_flight.saturating_add(self.standby) >= self.limit {
             self.queued
         } else {
             0
@@ -117,6 +120,7 @@ impl From<Load> for SchedulerGauges {
             queued_body_bytes: load.queued_body_bytes,
             held: load.held,
             lent: load.lent,
+            standby: load.standby,
         }
     }
 }
@@ -199,13 +203,15 @@ impl Scheduler {
     }
 
     /// This replica's share of a fleet's budget: `limit` slots here out of `global_limit` in
-    /// the whole deployment, and the fleet's per-tenant overrides (see `fair::Share`). Never
-    /// preempts, like `set_limit`.
+    /// the whole deployment, the fleet's per-tenant overrides (see `fair::Share`), and the
+    /// `standby` slots kept for the tenants it gives all they ask. Never preempts, like
+    /// `set_limit`.
     pub fn set_share(
         self: &Arc<Self>,
         limit: u32,
         global_limit: u32,
         shares: Option<HashMap<TenantKey, Share>>,
+        standby: u32,
     ) {
         let mut state = self.lock_at_now();
         state.fair.set_limit(limit);
@@ -213,6 +219,7 @@ impl Scheduler {
         if let Some(shares) = shares {
             state.fair.set_shares(shares);
         }
+        state.fair.set_standby(standby);
         self.dispatch(state);
     }
 
@@ -237,6 +244,7 @@ impl Scheduler {
             queued_body_bytes: state.queued_bodies.held,
             held: state.fair.held(),
             lent: state.fair.lent(),
+            standby: state.fair.standby(),
         }
     }
 

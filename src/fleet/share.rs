@@ -28,6 +28,21 @@
 //!    flight never exceeds the limit, however the syncs interleave. The cost is latency: a
 //!    share moves in two syncs (the shrinking replica confirms, then the growing one learns).
 //!
+//! Standby slots: with one queue a tenant below the water level (given all it asks) takes the
+//! first slot that frees anywhere; split over replicas it waits for its own replica's next
+//! release, which comes a third as often with three. So each replica keeps a few of its slots
+//! free from the tenants at the level (`scheduler::fair`, "Standby slots"), and the next
+//! release refills what a tenant below it took. How many (`standby_slots`): protected arrivals
+//! per release are about `ρ`, the part of the limit those tenants hold, so the standby slots
+//! of one replica are an M/M/1/k queue (arrivals ρ, one refill per release), and `k` is the
+//! smallest whose chance of being found all taken, `ρ^k (1 - ρ) / (1 - ρ^(k+1))`, is at most
+//! `fleet.standby_miss`. None when one replica runs alone, when every tenant or none is below
+//! the level (nothing to hold back, or nobody to hold it for), and never more than a quarter
+//! of a replica's target. A tenant below the level between two requests has no demand at the
+//! instant the leader divides, so the slots outlive the demand that asked for them while such
+//! a tenant is away (`StandbyHold`, for up to `control.window_ms`): they would otherwise go to
+//! the others just before its next request.
+//!
 //! Token cost (`scheduler.cost: tokens`): each replica reports the mean cost of each tenant's
 //! requests, and a tenant's weight in the division is its tier's weight over that cost, so a
 //! tenant sending prompts ten times larger gets a tenth of the slots: the same tokens per unit
@@ -36,6 +51,9 @@
 //! result is rounded once, by largest remainder, to whole slots.
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::scheduler::{SHARE_SCALE, Share, TenantKey};
 
@@ -97,17 +115,52 @@ pub struct MemberShare {
     /// Its tenants' local weights and reservations; empty when it is the only replica (its fair
     /// queue then divides the whole limit by itself, token cost included).
     pub overrides: HashMap<TenantKey, Share>,
+    /// Slots it keeps free for tenants below the water level (see "Standby slots").
+    pub standby: u32,
 }
 
-/// Divides `limit` among `members` (see the module documentation). The answer is in the
-/// order of `members`.
-pub fn divide(limit: u32, members: &[MemberLoad<'_>]) -> Vec<MemberShare> {
+/// How many standby slots to keep (see "Standby slots").
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Standby {
+    /// The chance of finding them all taken to reach (`fleet.standby_miss`; 1: keep none).
+    pub miss: f64,
+    /// At least this many, while there are several replicas: what a recent division asked
+    /// (`StandbyHold`).
+    pub at_least: u32,
+}
+
+/// What `divide` decided.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Division {
+    /// In the order of the members.
+    pub shares: Vec<MemberShare>,
+    /// The standby slots this division's demand asks of each replica, before `at_least` and
+    /// each replica's cap: what `StandbyHold` remembers.
+    pub standby_asked: u32,
+    /// The tenants they are asked for: those below the water level (when any is at it).
+    pub standby_for: Vec<u64>,
+}
+
+/// Divides `limit` among `members` (see the module documentation).
+pub fn divide(limit: u32, members: &[MemberLoad<'_>], standby: Standby) -> Division {
     if members.is_empty() {
-        return Vec::new();
+        return Division {
+            shares: Vec::new(),
+            standby_asked: 0,
+            standby_for: Vec::new(),
+        };
     }
-    let (targets, slices) = targets(limit, members);
+    let (targets, slices, below_level) = targets(limit, members);
     let grants = grants(limit, members, &targets);
-    members
+    let asked = below_level
+        .as_ref()
+        .map_or(0, |(part, _)| standby_slots(*part, standby.miss));
+    let kept = if members.len() > 1 {
+        asked.max(standby.at_least)
+    } else {
+        0
+    };
+    let shares = members
         .iter()
         .zip(targets)
         .zip(grants)
@@ -121,8 +174,66 @@ pub fn divide(limit: u32, members: &[MemberLoad<'_>]) -> Vec<MemberShare> {
             } else {
                 slices
             },
+            standby: kept.min(target / 4),
         })
-        .collect()
+        .collect();
+    Division {
+        shares,
+        standby_asked: asked,
+        standby_for: below_level.map(|(_, tenants)| tenants).unwrap_or_default(),
+    }
+}
+
+/// The standby slots the last division that asked for some asked, kept for `hold` after it
+/// while a tenant they were asked for is away (no demand anywhere: between two requests). A
+/// tenant back at the water level, or one the next division counts again, needs no hold: a
+/// division asks for it, or it has no right to them. Pure: the leader passes the time.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StandbyHold {
+    slots: u32,
+    until: Option<Instant>,
+    /// The tenants they were asked for.
+    tenants: Vec<u64>,
+}
+
+impl StandbyHold {
+    /// What to keep at least at `now`, when `present` says which tenants have demand.
+    pub fn at(&self, now: Instant, present: impl Fn(u64) -> bool) -> u32 {
+        match self.until {
+            Some(until) if now < until && self.tenants.iter().any(|&t| !present(t)) => self.slots,
+            _ => 0,
+        }
+    }
+
+    /// A division at `now` asked `asked` slots for `tenants`: any starts a new hold.
+    pub fn note(&mut self, asked: u32, tenants: &[u64], now: Instant, hold: Duration) {
+        if asked > 0 {
+            self.slots = asked;
+            self.until = Some(now + hold);
+            self.tenants.clear();
+            self.tenants.extend_from_slice(tenants);
+        }
+    }
+}
+
+/// The fewest standby slots found all taken with a chance of at most `miss`, for tenants below
+/// the level holding `part` of the limit (see "Standby slots"). 0 when `miss` is 1 or more.
+pub fn standby_slots(part: f64, miss: f64) -> u32 {
+    // Beyond 0.95 those tenants hold nearly everything: holding more back gains them nothing.
+    let rho = if part.is_finite() {
+        part.clamp(0.0, 0.95)
+    } else {
+        0.0
+    };
+    let mut full = 1.0;
+    let mut k = 0;
+    let mut power = 1.0; // rho^k
+    while full > miss && k < 64 {
+        k += 1;
+        power *= rho;
+        full = power * (1.0 - rho) / (1.0 - power * rho);
+    }
+    k
 }
 
 /// `shares` with no grant above its replica's commitment: nobody grows. What a leader publishes
@@ -151,8 +262,17 @@ struct Tenant {
     allotted: f64,
 }
 
-/// Every replica's target (summing to `limit`) and its tenants' overrides.
-fn targets(limit: u32, members: &[MemberLoad<'_>]) -> (Vec<u32>, Vec<HashMap<TenantKey, Share>>) {
+/// What `targets` finds: per replica its target (summing to the limit) and its tenants'
+/// overrides; and, when some tenants are below the water level and some at it, the part of the
+/// limit the ones below hold, and who they are.
+type Targets = (
+    Vec<u32>,
+    Vec<HashMap<TenantKey, Share>>,
+    Option<(f64, Vec<u64>)>,
+);
+
+/// Every replica's target and its tenants' overrides (see `Targets`).
+fn targets(limit: u32, members: &[MemberLoad<'_>]) -> Targets {
     let mut tenants: BTreeMap<u64, Tenant> = BTreeMap::new();
     for flow in members.iter().flat_map(|member| member.flows) {
         let tenant = tenants.entry(flow.tenant).or_insert(Tenant {
@@ -174,6 +294,20 @@ fn targets(limit: u32, members: &[MemberLoad<'_>]) -> (Vec<u32>, Vec<HashMap<Ten
     }
     let capacity = f64::from(limit);
     allot(capacity, &mut tenants);
+    let below_level = |t: &Tenant| t.allotted >= t.demand - 1e-9;
+    let demanding = || tenants.iter().filter(|(_, t)| t.demand > 0.0);
+    let below: f64 = demanding()
+        .filter(|(_, t)| below_level(t))
+        .map(|(_, t)| t.allotted)
+        .sum();
+    let some_at_level = demanding().any(|(_, t)| !below_level(t));
+    let below_part = (below > 0.0 && some_at_level && capacity > 0.0).then(|| {
+        let who = demanding()
+            .filter(|(_, t)| below_level(t))
+            .map(|(&key, _)| key)
+            .collect();
+        (below / capacity, who)
+    });
 
     let spare = (capacity - tenants.values().map(|t| t.allotted).sum::<f64>()).max(0.0);
     let spare_each = spare / members.len() as f64;
@@ -196,13 +330,14 @@ fn targets(limit: u32, members: &[MemberLoad<'_>]) -> (Vec<u32>, Vec<HashMap<Ten
                     weight: ((tenant.tier_weight * part * f64::from(SHARE_SCALE)).round() as u32)
                         .max(1),
                     reserved_slots: reserved.round() as u32,
+                    standby: below_level(tenant),
                 },
             );
         }
         wanted.push(here);
         slices.push(overrides);
     }
-    (largest_remainder(limit, &wanted), slices)
+    (largest_remainder(limit, &wanted), slices, below_part)
 }
 
 /// Sets every tenant's `allotted`: reservations, then bands in order, weighted water-filling

@@ -29,6 +29,7 @@ fn overrides_survive_their_encoding() {
             Share {
                 weight: 600,
                 reserved_slots: 2,
+                standby: true,
             },
         ),
         (
@@ -36,14 +37,19 @@ fn overrides_survive_their_encoding() {
             Share {
                 weight: 1,
                 reserved_slots: 0,
+                standby: false,
             },
         ),
     ]
     .into();
-    assert_eq!(decode_overrides(&encode_overrides(&overrides)), overrides);
-    assert!(decode_overrides("").is_empty());
-    assert!(
-        decode_overrides("not json").is_empty(),
+    assert_eq!(
+        decode_overrides(&encode_overrides(&overrides, 3)),
+        (overrides, 3)
+    );
+    assert_eq!(decode_overrides(""), (HashMap::new(), 0));
+    assert_eq!(
+        decode_overrides("not json"),
+        (HashMap::new(), 0),
         "a foreign value is no overrides"
     );
 }

@@ -547,6 +547,7 @@ fn scheduler_events_move_their_series() {
         queued_body_bytes: 83 + 1_048_576,
         held: 5,
         lent: 7,
+        standby: 2,
     });
     metrics.scheduler_submitted(premium);
     metrics.scheduler_outcome(premium, SchedulerOutcome::QueueTimeout);
@@ -557,6 +558,7 @@ fn scheduler_events_move_their_series() {
     assert_eq!(value(&scraped, INFLIGHT, &[]), 10.0);
     assert_eq!(value(&scraped, HEADROOM_HELD, &[]), 5.0);
     assert_eq!(value(&scraped, LENT, &[]), 7.0);
+    assert_eq!(value(&scraped, STANDBY, &[]), 2.0);
     assert_eq!(value(&scraped, QUEUED_BODY_BYTES, &[]), 83.0 + 1_048_576.0);
     assert_eq!(
         value(&scraped, SCHEDULER_SUBMITTED, &[("tier", "premium")]),

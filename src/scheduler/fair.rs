@@ -84,6 +84,21 @@
 //! - **Dispatch.** If the fair order's next flow is held back, the backlogged flow holding the
 //!   fewest slots per weight runs instead when it may; otherwise the slot stays free.
 //!
+//! # Standby slots: one queue's next free slot, on a fleet member
+//!
+//! With one replica a waiting request takes the first slot that frees anywhere; a fleet member
+//! frees only its share's slots, a third as often with three replicas, so a tenant that the
+//! deployment gives all it asks (its demand is below the water level: `Share::standby`) would
+//! wait three times as long for its next slot as behind one queue. `set_standby(k)` keeps `k`
+//! of this replica's slots free from every other flow: a flow without the standby right may
+//! take a slot only while more than `k` stay free (but never while nothing is in flight, and
+//! never below its reservation), and the backlogged flows with the right are kept in their own
+//! fair order, so the first of them runs when the fair order's first is held back. A standby
+//! slot taken is refilled by the replica's next release, which the others do not get. The
+//! fleet's leader sizes `k` (`fleet::share`); it is 0 on a lone replica, where nothing changes.
+//! Flows the fleet has not yet seen have the right, like its newest tenants' first requests.
+//! At most a quarter of the limit is kept this way, so the others always get slots.
+//!
 //! A lowered limit preempts nothing, headroom or not: what is in flight finishes, and a flow
 //! within its fair share waits for that like any other. (Letting protected flows keep the old
 //! limit until the lent slots finish was tried: it kept the engine saturated after the
@@ -135,7 +150,8 @@
 //! SHA-256 of its name: the key the fleet knows it by). The headroom adds O(1) per change of a
 //! flow (its terms leave and rejoin its band's sums), O(bands in use) per check (the sums of
 //! its band and those above), and a second `BTreeSet`, of backlogged flows by slots per weight,
-//! updated with the first. Nothing on a request's path scans queues
+//! updated with the first; standby slots a third, of the backlogged flows with the standby
+//! right, also updated with the first. Nothing on a request's path scans queues
 //! or tenants; `flows` and `set_shares`, the fleet's, are O(F) a few times a second. Memory is O(peak queued + peak
 //! flows): slab slots are reused, not returned.
 //!
@@ -286,6 +302,11 @@ pub struct FairQueue<T> {
     /// One key per backlogged flow: its slots per weight, fewest first. Where the fair order's
     /// next flow is held back, the first of these runs instead.
     by_usage: BTreeSet<UsageKey>,
+    /// Slots kept free for the flows with the standby right (`set_standby`); 0: none.
+    standby: u32,
+    /// While `standby > 0`: the backlogged flows with the standby right, by their place in the
+    /// fair order (the same keys as `order`).
+    standby_order: BTreeSet<OrderKey>,
 }
 
 /// A backlogged flow by how many slots it would hold per weight with one more.
@@ -325,6 +346,9 @@ pub const SHARE_SCALE: u32 = 1024;
 pub struct Share {
     pub weight: u32,
     pub reserved_slots: u32,
+    /// The fleet gives this tenant all it asks (its demand is below the deployment's water
+    /// level), so it may take this replica's standby slots (see "Standby slots").
+    pub standby: bool,
 }
 
 /// One flow's load, as `FairQueue::flows` reports it.
@@ -390,6 +414,9 @@ struct Flow {
     order: Option<OrderKey>,
     /// This flow's key in `FairQueue::by_usage`, present iff `queued > 0`.
     usage: Option<UsageKey>,
+    /// Its key in `FairQueue::standby_order`: its `order` key, present iff that is and the
+    /// flow may take standby slots while some are kept.
+    standby_key: Option<OrderKey>,
     /// The weight counted in `FairQueue::live_weight` for this flow.
     counted_weight: u32,
     /// Mean slots in flight as of `mean_at` (headroom only).
@@ -444,6 +471,11 @@ impl Flow {
             .map_or(self.class.reserved_slots, |share| share.reserved_slots)
     }
 
+    /// May take the standby slots: the fleet gives its tenant all it asks, or has not seen it.
+    fn has_standby_right(&self) -> bool {
+        self.share.is_none_or(|share| share.standby)
+    }
+
     fn lane(&self) -> Lane {
         if self.in_flight < self.reserved_slots() {
             Lane::Reserved
@@ -492,6 +524,8 @@ impl<T> FairQueue<T> {
             live_weight: 0,
             lent: 0,
             by_usage: BTreeSet::new(),
+            standby: 0,
+            standby_order: BTreeSet::new(),
         }
     }
 
@@ -590,6 +624,30 @@ impl<T> FairQueue<T> {
         self.limit
     }
 
+    /// Keeps `slots` free for the flows with the standby right (see "Standby slots"); 0 keeps
+    /// none. O(F log F) when it turns on or off, never on a request's path. A smaller value lets
+    /// the caller dispatch at once.
+    pub fn set_standby(&mut self, slots: u32) {
+        let was_on = self.standby > 0;
+        self.standby = slots;
+        if was_on != (slots > 0) {
+            for index in 0..self.flows.len() as u32 {
+                if self.flows[index as usize]
+                    .flow
+                    .as_ref()
+                    .is_some_and(|flow| flow.queued > 0)
+                {
+                    self.rekey(index);
+                }
+            }
+        }
+    }
+
+    /// The standby slots in force: at most a quarter of the limit.
+    pub fn standby(&self) -> u32 {
+        self.standby.min(self.limit / 4)
+    }
+
     /// Changes the budget. A larger limit lets the caller dispatch more at once; a smaller one
     /// preempts nothing: `dispatch_next` waits until `in_flight` drops below it. 0 admits
     /// nothing (a fleet member the leader has not granted a share yet).
@@ -631,10 +689,11 @@ impl<T> FairQueue<T> {
             self.apply_class(index, class);
         }
 
-        // With headroom, requests may wait while slots are free (held back); a newcomer may
-        // take one if none of them may.
+        // With headroom or standby slots, requests may wait while slots are free (held back); a
+        // newcomer may take one if none of them may.
+        let holds_back = self.headroom.is_some() || self.standby > 0;
         let nothing_eligible_waits =
-            self.queued == 0 || (self.headroom.is_some() && self.next_eligible().is_none());
+            self.queued == 0 || (holds_back && self.next_eligible().is_none());
         if self.in_flight < self.limit && nothing_eligible_waits {
             let index = existing.unwrap_or_else(|| self.insert_flow(tenant, class));
             // Never ahead of the flow's own queued requests.
@@ -689,7 +748,8 @@ impl<T> FairQueue<T> {
     }
 
     /// The backlogged flow the next free slot goes to: the fair order's first, unless it is
-    /// held back; then the one holding the fewest slots per weight, if it may take one. O(log F).
+    /// held back; then the first in fair order of those with the standby right; then the one
+    /// holding the fewest slots per weight, if it may take one. O(log F).
     /// If both are held back every flow would lend (the fewest does) and is held back too, but
     /// for flows of lower bands whose test counts fewer protected flows: those wait for the next
     /// event, a slot never dispatched out of band order.
@@ -698,25 +758,37 @@ impl<T> FairQueue<T> {
         if !self.held_back(first) {
             return Some(first);
         }
+        if let Some(standby) = self.standby_order.first()
+            && !self.held_back(standby.flow)
+        {
+            return Some(standby.flow);
+        }
         let fewest = self.by_usage.first()?.flow;
         (!self.held_back(fewest)).then_some(fewest)
     }
 
-    /// Whether one more slot for this flow would be lent beyond its fair share into the slots
-    /// held for the protected flows (see "Headroom").
+    /// Whether one more slot for this flow would take a standby slot it has no right to (see
+    /// "Standby slots"), or be lent beyond its fair share into the slots held for the protected
+    /// flows (see "Headroom").
     fn held_back(&self, index: u32) -> bool {
+        let flow = self.flow(index);
+        // Nothing in flight: no release will come to dispatch what waits, so hold nothing.
+        if self.in_flight == 0 || flow.lane() == Lane::Reserved {
+            return false;
+        }
+        let free = self.limit.saturating_sub(self.in_flight);
+        if !flow.has_standby_right() && free <= self.standby() {
+            return true;
+        }
         let Some(headroom) = self.headroom else {
             return false;
         };
-        let flow = self.flow(index);
-        // Nothing in flight: no release will come to dispatch what waits, so hold nothing.
-        if self.in_flight == 0 || flow.lane() == Lane::Reserved || !self.would_lend(flow) {
+        if !self.would_lend(flow) {
             return false;
         }
         // One test for every flow of a band (a protected flow about to lend is held back by its
         // own demand too), so that if the fair order's first flow and the one with the fewest
         // slots per weight are both held back, every flow of that band is (`next_eligible`).
-        let free = self.limit.saturating_sub(self.in_flight);
         let (mean, present) = self.protected_upto(flow.class.band, headroom);
         free <= expected_need(mean, present, headroom)
     }
@@ -907,6 +979,7 @@ impl<T> FairQueue<T> {
             head_start: 0,
             order: None,
             usage: None,
+            standby_key: None,
             counted_weight: 0,
             mean: 0.0,
             mean_at: self.now,
@@ -1151,11 +1224,19 @@ impl<T> FairQueue<T> {
             flow: index,
         });
         let old_usage = flow.usage;
+        let standby = new.filter(|_| self.standby > 0 && flow.has_standby_right());
+        let old_standby = flow.standby_key;
         if let Some(old) = old {
             self.order.remove(&old);
         }
         if let Some(new) = new {
             self.order.insert(new);
+        }
+        if let Some(old) = old_standby {
+            self.standby_order.remove(&old);
+        }
+        if let Some(standby) = standby {
+            self.standby_order.insert(standby);
         }
         if let Some(old) = old_usage {
             self.by_usage.remove(&old);
@@ -1166,6 +1247,7 @@ impl<T> FairQueue<T> {
         let flow = self.flow_mut(index);
         flow.order = new;
         flow.usage = usage;
+        flow.standby_key = standby;
     }
 }
 

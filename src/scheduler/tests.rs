@@ -41,6 +41,7 @@ fn load(in_flight: u32, queued: u32, limit: u32) -> Load {
         queued_body_bytes: 0,
         held: 0,
         lent: 0,
+        standby: 0,
     }
 }
 
@@ -285,4 +286,52 @@ async fn a_burst_cannot_take_the_slots_a_steady_tenant_is_about_to_need() {
     };
     assert_eq!(scheduler.load().queued, 0);
     drop(burst_permits);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fleet_members_standby_slots_go_to_the_tenant_given_all_it_asks() {
+    let scheduler = Scheduler::new(8, UNCAPPED, None);
+    let fleet_share = |standby| Share {
+        weight: SHARE_SCALE,
+        reserved_slots: 0,
+        standby,
+    };
+    let shares = [
+        (TenantKey::of("paying"), fleet_share(true)),
+        (TenantKey::of("flood"), fleet_share(false)),
+    ];
+    scheduler.set_share(8, 24, Some(shares.into()), 2);
+    let mut flood: Vec<Permit> = (0..6)
+        .map(|_| now(scheduler.submit("flood", class(8), 1, 0)))
+        .collect();
+    let mut waiting = queued(scheduler.submit("flood", class(8), 1, 0));
+    let load = scheduler.load();
+    assert_eq!((load.in_flight, load.standby, load.queued), (6, 2, 1));
+    assert_eq!(
+        load.waiting_for_slot(),
+        1,
+        "kept from it, the standby slots are as good as taken: the controller's demand"
+    );
+    // The paying tenant runs at once beside the flood's waiting request.
+    let paying = now(scheduler.submit("paying", class(8), 1, 0));
+    // A release of the flood's refills the standby slot the paying tenant took ...
+    drop(flood.remove(0));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(1), waiting.granted())
+            .await
+            .is_err(),
+        "the flood waits while only the standby slots are free"
+    );
+    // ... and with more free than the standby slots the flood takes one.
+    drop(paying);
+    let _granted = tokio::time::timeout(Duration::from_millis(1), waiting.granted())
+        .await
+        .expect("three free, two kept: the flood's request runs");
+    // None kept any more: the flood takes the last two at once.
+    scheduler.set_share(8, 24, None, 0);
+    let _more = [
+        now(scheduler.submit("flood", class(8), 1, 0)),
+        now(scheduler.submit("flood", class(8), 1, 0)),
+    ];
+    assert_eq!(scheduler.load().standby, 0);
 }

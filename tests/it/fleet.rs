@@ -6,6 +6,8 @@
 //!   upstream, and use all of it.
 //! - One Envoy per replica, uneven traffic (tenant A through replica 1 only, B through all
 //!   three): completions split by the tiers' weights across the deployment.
+//! - Standby slots: a tenant the deployment gives all it asks runs at once beside a flood on
+//!   every replica, and waits for the flood's releases without them.
 //! - Membership: a SIGKILLed replica drops out within the member TTL and its share moves; a
 //!   SIGKILLed leader is replaced; scaling up and down moves the shares; a replica running
 //!   another policy is kept out.
@@ -365,6 +367,97 @@ async fn weights_hold_across_the_deployment_when_traffic_is_uneven() {
     assert!(
         (share - 0.75).abs() <= 0.75 * 0.05,
         "A completed {a} and B {b}: A's share {share:.3} is not within 5% of 0.75"
+    );
+}
+
+/// Tenant B floods all three replicas (12 closed-loop clients on each, for a share of 8);
+/// tenant A sends one request at a time through each replica, so the deployment gives it all it
+/// asks. With standby slots (the default miss of 5 %: ρ = 3/24 asks 2 per replica) A's requests
+/// find one free and run at once; with `standby_miss: 1` (none kept) the same requests wait for
+/// a release of B's, as they would on any replica whose share B fills.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_given_all_it_asks_runs_at_once_beside_a_flood_on_every_replica() {
+    const LIMIT: u32 = 24;
+    const A_REQUESTS: usize = 8;
+    let mut runs = Vec::new();
+    for miss in ["0.05", "1"] {
+        let redis = RedisServer::start().await;
+        let upstream = Upstream::start(&[]);
+        let yaml = config(&redis, LIMIT, 3)
+            .replace("fleet: {", &format!("fleet: {{standby_miss: {miss}, "));
+        let gates = fleet_of(&yaml, 3, LIMIT).await;
+        let mut envoys = Vec::new();
+        for (i, gate) in gates.iter().enumerate() {
+            envoys.push(envoy_for(gate, &upstream, &format!("envoy-{i}")).await);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut flood = Vec::new();
+        for envoy in &envoys {
+            flood.extend(keep_busy(envoy.clone(), "tenant-b", 12, 600, stop.clone()));
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let client = client();
+        let tenant_a = envoys.iter().map(|envoy| {
+            let (client, envoy) = (client.clone(), envoy.clone());
+            async move {
+                let mut statuses = Vec::new();
+                for _ in 0..A_REQUESTS {
+                    statuses.push(chat(&client, &envoy, "tenant-a", "heavy", 300).await);
+                }
+                statuses
+            }
+        });
+        let statuses: Vec<u16> = futures_util::future::join_all(tenant_a).await.concat();
+        let mut scrapes = Vec::new();
+        for gate in &gates {
+            scrapes.push(gate.metrics().await);
+        }
+        stop.store(true, Ordering::SeqCst);
+        for worker in flood {
+            worker.await.expect("flood worker");
+        }
+        assert!(
+            statuses.iter().all(|&s| s == 200),
+            "A is admitted (miss {miss}): {statuses:?}"
+        );
+        let a_outcome = |outcome: &str| -> f64 {
+            let outcome = format!("outcome=\"{outcome}\"");
+            scrapes
+                .iter()
+                .map(|m| {
+                    m.value(
+                        "tollgate_scheduler_outcomes_total",
+                        &["tier=\"heavy\"", &outcome],
+                    )
+                })
+                .sum()
+        };
+        let standby = gauges(&scrapes, "tollgate_scheduler_standby_slots");
+        let (now, waited) = (a_outcome("admitted_now"), a_outcome("admitted_after_wait"));
+        eprintln!(
+            "standby_miss {miss}: standby slots {standby:?}, A admitted at once {now}, after a wait {waited}"
+        );
+        runs.push((standby, now, waited));
+    }
+    let total = (3 * A_REQUESTS) as f64;
+    let (standby, now, waited) = &runs[0];
+    assert!(
+        standby.iter().all(|&k| k == 2.0),
+        "every replica keeps 2 standby slots (ρ = 3/24 at a 5 % miss): {standby:?}"
+    );
+    assert_eq!(now + waited, total);
+    // The first request on each replica may wait: the leader keeps no standby slots before it
+    // has seen A.
+    assert!(
+        *now >= total - 3.0 - 2.0,
+        "with standby slots A's requests run at once: {now} of {total} (after a wait: {waited})"
+    );
+    let (standby, now, waited) = &runs[1];
+    assert!(standby.iter().all(|&k| k == 0.0), "none kept: {standby:?}");
+    assert_eq!(now + waited, total);
+    assert!(
+        *now <= total / 4.0,
+        "without them A waits for a release of B's: at once {now} of {total}"
     );
 }
 

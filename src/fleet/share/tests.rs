@@ -1,7 +1,23 @@
 use proptest::prelude::*;
 
 use super::*;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
 use crate::scheduler::SHARE_SCALE;
+
+/// Keeps no standby slots.
+const NO_STANDBY: Standby = Standby {
+    miss: 1.0,
+    at_least: 0,
+};
+
+/// Keeps as many as reach a 5 % miss.
+const STANDBY: Standby = Standby {
+    miss: 0.05,
+    at_least: 0,
+};
 
 /// A backlogged flow: `demand` requests waiting, none in flight.
 fn flow(tenant: u64, weight: u32, demand: u32) -> FlowDemand {
@@ -42,7 +58,7 @@ fn weight(share: &MemberShare, tenant: u64) -> u32 {
 fn a_lone_replica_gets_the_whole_limit_and_no_overrides() {
     let flows = [flow(1, 1, 50)];
     for (flows, what) in [(&[][..], "idle"), (&flows[..], "busy")] {
-        let shares = divide(6, &[member("a", flows)]);
+        let shares = divide(6, &[member("a", flows)], NO_STANDBY).shares;
         assert_eq!(targets_of(&shares), [6], "{what}");
         assert_eq!(grants_of(&shares), [6], "{what}");
         assert!(shares[0].overrides.is_empty(), "{what}");
@@ -88,7 +104,7 @@ fn targets_divide_by_tenant_not_by_replica() {
             .zip(names)
             .map(|(fs, name)| member(name, fs))
             .collect();
-        let shares = divide(limit, &members);
+        let shares = divide(limit, &members, NO_STANDBY).shares;
         assert_eq!(targets_of(&shares), expected, "{limit} over {flows:?}");
         assert_eq!(
             grants_of(&shares),
@@ -109,7 +125,9 @@ fn local_weights_make_the_local_queue_split_the_target_as_the_fleet_did() {
     let shares = divide(
         12,
         &[member("r1", &r1), member("r2", &r2), member("r3", &r3)],
-    );
+        NO_STANDBY,
+    )
+    .shares;
     assert_eq!(weight(&shares[0], 1), 1024);
     assert_eq!(weight(&shares[0], 2), 341);
     assert_eq!(weight(&shares[1], 2), 341);
@@ -125,7 +143,12 @@ fn bands_are_strict_and_reservations_come_first() {
         band: 1,
         ..flow(2, 100, 50)
     };
-    let shares = divide(10, &[member("r1", &[high]), member("r2", &[low])]);
+    let shares = divide(
+        10,
+        &[member("r1", &[high]), member("r2", &[low])],
+        NO_STANDBY,
+    )
+    .shares;
     assert_eq!(
         targets_of(&shares),
         [4, 6],
@@ -142,7 +165,12 @@ fn bands_are_strict_and_reservations_come_first() {
         reserved: 3,
         ..flow(2, 1, 100)
     };
-    let shares = divide(10, &[member("r1", &[flood]), member("r2", &[reserved])]);
+    let shares = divide(
+        10,
+        &[member("r1", &[flood]), member("r2", &[reserved])],
+        NO_STANDBY,
+    )
+    .shares;
     assert_eq!(targets_of(&shares), [7, 3]);
     assert_eq!(shares[1].overrides[&TenantKey(2)].reserved_slots, 3);
 
@@ -153,7 +181,12 @@ fn bands_are_strict_and_reservations_come_first() {
         reserved: 4,
         ..flow(2, 1, 100)
     };
-    let shares = divide(10, &[member("r1", &[heavy]), member("r2", &[floor])]);
+    let shares = divide(
+        10,
+        &[member("r1", &[heavy]), member("r2", &[floor])],
+        NO_STANDBY,
+    )
+    .shares;
     assert_eq!(targets_of(&shares), [6, 4]);
 }
 
@@ -188,7 +221,7 @@ fn a_share_moves_only_once_the_replica_giving_it_up_confirmed() {
                 ..member("r2", &busy)
             },
         ];
-        let shares = divide(6, &members);
+        let shares = divide(6, &members, NO_STANDBY).shares;
         assert_eq!(targets_of(&shares), [3, 3], "step {step}");
         assert_eq!((shares[0].grant, shares[1].grant), expected, "step {step}");
     }
@@ -210,7 +243,7 @@ fn growers_split_what_is_free_by_what_they_lack() {
         member("r2", &other),
         member("r3", &third),
     ];
-    let shares = divide(12, &members);
+    let shares = divide(12, &members, NO_STANDBY).shares;
     assert_eq!(targets_of(&shares), [4, 4, 4]);
     assert_eq!(grants_of(&shares), [4, 2, 1]);
 }
@@ -227,14 +260,14 @@ fn token_cost_divides_slots_so_that_tokens_follow_the_weights() {
         cost: 500,
         ..flow(2, 1, 50)
     }];
-    let shares = divide(11, &[member("r1", &a), member("r2", &b)]);
+    let shares = divide(11, &[member("r1", &a), member("r2", &b)], NO_STANDBY).shares;
     assert_eq!(targets_of(&shares), [1, 10]);
     // Weight 10 against 1 with that cost ratio: even.
     let a = [FlowDemand {
         cost: 5_000,
         ..flow(1, 10, 50)
     }];
-    let shares = divide(10, &[member("r1", &a), member("r2", &b)]);
+    let shares = divide(10, &[member("r1", &a), member("r2", &b)], NO_STANDBY).shares;
     assert_eq!(targets_of(&shares), [5, 5]);
     // The local weights stay the tiers' (the local queue charges tokens itself).
     assert_eq!(shares[0].overrides[&TenantKey(1)].weight, 10 * SHARE_SCALE);
@@ -252,7 +285,7 @@ fn while_the_fleet_reforms_nobody_grows() {
             ..member("r2", &busy)
         },
     ];
-    let shares = divide(12, &members);
+    let shares = divide(12, &members, NO_STANDBY).shares;
     assert_eq!(grants_of(&shares), [6, 6], "what dividing would give");
     assert_eq!(
         grants_of(&hold(shares, &members)),
@@ -261,8 +294,152 @@ fn while_the_fleet_reforms_nobody_grows() {
     );
     // Before r2 has re-registered, the leader sees only itself: it would take everything.
     let alone = [member("r1", &busy)];
-    assert_eq!(grants_of(&divide(12, &alone)), [12]);
-    assert_eq!(grants_of(&hold(divide(12, &alone), &alone)), [0]);
+    assert_eq!(grants_of(&divide(12, &alone, NO_STANDBY).shares), [12]);
+    assert_eq!(
+        grants_of(&hold(divide(12, &alone, NO_STANDBY).shares, &alone)),
+        [0]
+    );
+}
+
+#[test]
+fn standby_slots_reach_the_miss_chance_with_as_few_as_can() {
+    // (part of the limit held by the tenants below the level, miss chance) → standby slots
+    let rows = [
+        (0.0, 0.05, 1),
+        (0.1, 0.05, 2),
+        (0.25, 0.05, 2),
+        (0.33, 0.05, 3),
+        (0.5, 0.05, 4),
+        (0.5, 0.2, 2),
+        (0.9, 0.05, 11),
+        (0.99, 0.05, 14),
+        (f64::NAN, 0.05, 1),
+        (0.33, 1.0, 0),
+    ];
+    for (part, miss, expected) in rows {
+        assert_eq!(standby_slots(part, miss), expected, "{part} {miss}");
+        let rho: f64 = if part.is_finite() {
+            part.clamp(0.0, 0.95)
+        } else {
+            0.0
+        };
+        // The M/M/1/k chance of finding them all taken, for k and one fewer.
+        let full = |k: i32| rho.powi(k) * (1.0 - rho) / (1.0 - rho.powi(k + 1));
+        if expected > 0 {
+            assert!(full(expected as i32) <= miss, "{part}: {expected} reach it");
+            assert!(
+                expected == 1 || full(expected as i32 - 1) > miss,
+                "{part}: one fewer would not"
+            );
+        }
+    }
+}
+
+#[test]
+fn standby_slots_are_kept_only_for_tenants_below_the_level_against_others() {
+    // A (tenant 1, weight 2) asks 9 of 30, below its level; B (tenant 2) floods everywhere.
+    let a = FlowDemand {
+        in_flight: 3,
+        queued: 0,
+        ..flow(1, 2, 0)
+    };
+    let r = [a, flow(2, 1, 100)];
+    let members = [member("r1", &r), member("r2", &r), member("r3", &r)];
+    let shares = divide(30, &members, STANDBY).shares;
+    for share in &shares {
+        assert!(
+            share.overrides[&TenantKey(1)].standby,
+            "A is given all it asks"
+        );
+        assert!(!share.overrides[&TenantKey(2)].standby, "B is at the level");
+        // A holds 9 of 30: ρ = 0.3 asks three slots to miss at most 5 %; a quarter of 10 caps it.
+        assert_eq!(share.standby, 2, "{share:?}");
+    }
+    let shares = divide(120, &members, STANDBY).shares;
+    assert!(
+        shares.iter().all(|s| s.standby == 2),
+        "ρ = 0.075: {shares:?}"
+    );
+    assert!(
+        divide(30, &members, NO_STANDBY)
+            .shares
+            .iter()
+            .all(|s| s.standby == 0)
+    );
+
+    // Nobody to hold back (everyone is given all it asks), nobody to hold for (everyone at
+    // the level), or one replica alone: none.
+    let light = [a];
+    let both = [member("r1", &light), member("r2", &light)];
+    assert!(
+        divide(30, &both, STANDBY)
+            .shares
+            .iter()
+            .all(|s| s.standby == 0)
+    );
+    let flood = [flow(1, 2, 100), flow(2, 1, 100)];
+    let both = [member("r1", &flood), member("r2", &flood)];
+    assert!(
+        divide(30, &both, STANDBY)
+            .shares
+            .iter()
+            .all(|s| s.standby == 0)
+    );
+    assert_eq!(
+        divide(30, &[member("r1", &r)], STANDBY).shares[0].standby,
+        0
+    );
+
+    // What a recent division asked is kept when nobody below the level has demand right now
+    // (between two requests), within each replica's cap, and never on a lone replica.
+    let held = Standby {
+        at_least: 3,
+        ..STANDBY
+    };
+    let division = divide(40, &both, held);
+    assert_eq!(division.standby_asked, 0, "this demand asks none");
+    assert!(division.shares.iter().all(|s| s.standby == 3));
+    assert!(divide(8, &both, held).shares.iter().all(|s| s.standby == 1));
+    assert_eq!(
+        divide(40, &[member("r1", &flood)], held).shares[0].standby,
+        0
+    );
+    assert_eq!(divide(30, &members, held).standby_asked, 3);
+}
+
+#[test]
+fn standby_slots_outlive_the_demand_that_asked_for_them_while_its_tenant_is_away() {
+    let start = Instant::now();
+    let at = |ms: u64| start + Duration::from_millis(ms);
+    let hold = Duration::from_secs(10);
+    let mut kept = StandbyHold::default();
+    assert_eq!(kept.at(at(0), |_| false), 0, "nothing asked yet");
+    // (time, slots asked for tenant 1, is tenant 1 present) → what the hold keeps at that time
+    // (while tenant 1 is present a division counts it, and asks itself)
+    let steps = [
+        (0, 3, true, 0),
+        // Between two of its requests tenant 1 is away and nothing is asked: the 3 stay.
+        (5_000, 0, false, 3),
+        (9_999, 0, false, 3),
+        // Back at the water level (present, asked for by nobody): nothing to keep.
+        (9_999, 0, true, 0),
+        // Away past the hold: gone.
+        (10_000, 0, false, 0),
+        // A new ask starts a new hold, whether more or fewer.
+        (11_000, 4, true, 0),
+        (11_500, 0, false, 4),
+        (12_000, 1, false, 1),
+        (21_999, 0, false, 1),
+        (22_000, 0, false, 0),
+    ];
+    for (ms, asked, present, expected) in steps {
+        kept.note(asked, &[1], at(ms), hold);
+        assert_eq!(
+            kept.at(at(ms), |tenant| present && tenant == 1),
+            expected,
+            "at {ms} ms, {asked} asked, present {present}"
+        );
+    }
 }
 
 fn arbitrary_member() -> impl Strategy<Value = (u32, u32, Option<u32>, Vec<FlowDemand>)> {
@@ -305,7 +482,7 @@ proptest! {
                 flows,
             })
             .collect();
-        let shares = divide(limit, &members);
+        let shares = divide(limit, &members, NO_STANDBY).shares;
         prop_assert_eq!(shares.iter().map(|s| u64::from(s.target)).sum::<u64>(), u64::from(limit));
         let committed: u64 = members.iter().map(|m| u64::from(m.commitment())).sum();
         let bound: u64 = members

@@ -884,6 +884,21 @@ fn check_structure<T>(q: &FairQueue<T>) {
     }
     assert_eq!(q.by_name.len(), live);
     assert_eq!(q.order.len(), keyed);
+    // The standby order holds exactly the backlogged flows with the right, under their keys.
+    let standby_keys: BTreeSet<OrderKey> = q
+        .flows
+        .iter()
+        .filter_map(|slot| slot.flow.as_ref())
+        .filter(|f| q.standby > 0 && f.has_standby_right())
+        .filter_map(|f| f.order)
+        .collect();
+    assert_eq!(q.standby_order, standby_keys);
+    for flow in q.flows.iter().filter_map(|slot| slot.flow.as_ref()) {
+        let expected = flow
+            .order
+            .filter(|_| q.standby > 0 && flow.has_standby_right());
+        assert_eq!(flow.standby_key, expected);
+    }
     let usage_keyed = if q.headroom.is_some() { keyed } else { 0 };
     assert_eq!(q.by_usage.len(), usage_keyed);
     let live_flows = || q.flows.iter().filter_map(|slot| slot.flow.as_ref());
@@ -1264,6 +1279,7 @@ fn the_fleets_shares_override_weights_and_reservations_of_present_and_future_flo
             Share {
                 weight,
                 reserved_slots: 0,
+                standby: false,
             },
         );
     }
@@ -1320,6 +1336,7 @@ fn the_fleets_shares_override_weights_and_reservations_of_present_and_future_flo
             Share {
                 weight: 1,
                 reserved_slots: 1,
+                standby: false,
             },
         )]
         .into(),
@@ -1579,6 +1596,77 @@ fn with_headroom_backlogged_shares_still_follow_weights() {
     assert_eq!(q.held(), 0, "backlogged flows leave nothing free");
 }
 
+/// Random submits, releases and cancels against a queue, with the bookkeeping to check that
+/// every payload comes back exactly once.
+#[derive(Default)]
+struct Driver {
+    held: Vec<FlowKey>,
+    waiting: Vec<(EntryKey, u64)>,
+    returned: BTreeSet<u64>,
+    submitted: usize,
+}
+
+impl Driver {
+    /// For `roll` below 88: a submit (45 in 100), a release (35) or a cancel (8), if there is
+    /// one to make; whether it made one.
+    fn step(&mut self, q: &mut FairQueue<u64>, rng: &mut Lcg, id: u64, roll: u64) -> bool {
+        if roll < 45 {
+            let tenant = TENANTS[rng.below(TENANTS.len() as u64) as usize];
+            let class = random_class(rng);
+            self.submitted += 1;
+            match q.submit(tenant, class, 1 + rng.below(3), id) {
+                Submit::Granted(key) => {
+                    self.returned.insert(id);
+                    self.held.push(key);
+                }
+                Submit::Queued(entry) => self.waiting.push((entry, id)),
+                Submit::Full(payload) => assert!(self.returned.insert(payload)),
+            }
+        } else if roll < 80 && !self.held.is_empty() {
+            let key = self
+                .held
+                .swap_remove(rng.below(self.held.len() as u64) as usize);
+            q.release(key);
+        } else if roll < 88 && !self.waiting.is_empty() {
+            let (entry, id) = self
+                .waiting
+                .swap_remove(rng.below(self.waiting.len() as u64) as usize);
+            if let Some(payload) = q.cancel(entry) {
+                assert_eq!(payload, id);
+                assert!(self.returned.insert(payload));
+            }
+        } else {
+            return false;
+        }
+        true
+    }
+
+    /// Dispatches all that may run now: never past the limit, nor past what was in flight
+    /// `before` (a lowered limit preempts nothing).
+    fn dispatch(&mut self, q: &mut FairQueue<u64>, before: u32, seed: u64) {
+        while let Some((key, payload)) = q.dispatch_next() {
+            assert!(
+                self.returned.insert(payload),
+                "payload {payload} handed back twice"
+            );
+            self.waiting.retain(|&(_, id)| id != payload);
+            self.held.push(key);
+        }
+        assert!(
+            q.in_flight() <= before.max(q.limit()),
+            "seed {seed}: {} in flight, limit {}",
+            q.in_flight(),
+            q.limit()
+        );
+    }
+
+    /// Every submitted payload came back once or still waits, and the queue agrees.
+    fn finish(&self, q: &FairQueue<u64>) {
+        assert_eq!(self.returned.len() + self.waiting.len(), self.submitted);
+        assert_eq!(q.queued() as usize, self.waiting.len());
+    }
+}
+
 /// Random operations with headroom on and time passing: the structure stays consistent (sums,
 /// keys, lent slots), nothing is granted at or above the limit, every payload comes back
 /// exactly once, and when the queue settles with slots free, what waits is held back.
@@ -1590,54 +1678,19 @@ fn random_operations_with_headroom_keep_the_invariants() {
         let mut clock = start;
         let mut q: FairQueue<u64> = FairQueue::with_headroom(1 + rng.below(40) as u32, HEADROOM);
         q.advance(clock);
-        let mut held: Vec<FlowKey> = Vec::new();
-        let mut waiting: Vec<(EntryKey, u64)> = Vec::new();
-        let mut returned = BTreeSet::new();
-        let mut submitted = 0;
+        let mut driver = Driver::default();
         for id in 0..3_000u64 {
             let roll = rng.below(100);
             let before = q.in_flight().max(q.limit());
-            if roll < 45 {
-                let tenant = TENANTS[rng.below(TENANTS.len() as u64) as usize];
-                let class = random_class(&mut rng);
-                submitted += 1;
-                match q.submit(tenant, class, 1 + rng.below(3), id) {
-                    Submit::Granted(key) => {
-                        returned.insert(id);
-                        held.push(key);
-                    }
-                    Submit::Queued(entry) => waiting.push((entry, id)),
-                    Submit::Full(payload) => assert!(returned.insert(payload)),
-                }
-            } else if roll < 80 && !held.is_empty() {
-                let key = held.swap_remove(rng.below(held.len() as u64) as usize);
-                q.release(key);
-            } else if roll < 88 && !waiting.is_empty() {
-                let (entry, id) = waiting.swap_remove(rng.below(waiting.len() as u64) as usize);
-                if let Some(payload) = q.cancel(entry) {
-                    assert_eq!(payload, id);
-                    assert!(returned.insert(payload));
-                }
+            if driver.step(&mut q, &mut rng, id, roll) {
+                // A submit, a release or a cancel.
             } else if roll < 94 {
                 clock += Duration::from_millis(rng.below(4_000));
                 q.advance(clock);
             } else {
                 q.set_limit(rng.below(40) as u32);
             }
-            while let Some((key, payload)) = q.dispatch_next() {
-                assert!(
-                    returned.insert(payload),
-                    "payload {payload} handed back twice"
-                );
-                waiting.retain(|&(_, id)| id != payload);
-                held.push(key);
-            }
-            assert!(
-                q.in_flight() <= before.max(q.limit()),
-                "seed {seed}: {} in flight, limit {}",
-                q.in_flight(),
-                q.limit()
-            );
+            driver.dispatch(&mut q, before, seed);
             if q.in_flight() < q.limit && q.queued() > 0 {
                 let first = q.order.first().expect("something waits").flow;
                 assert!(
@@ -1647,9 +1700,7 @@ fn random_operations_with_headroom_keep_the_invariants() {
             }
             check_structure(&q);
         }
-        // Every submitted payload came back once or still waits, and the queue agrees.
-        assert_eq!(returned.len() + waiting.len(), submitted);
-        assert_eq!(q.queued() as usize, waiting.len());
+        driver.finish(&q);
     }
 }
 
@@ -1680,4 +1731,138 @@ fn with_more_tenants_than_slots_the_budget_never_idles_while_requests_wait() {
     q.release(t0);
     assert_eq!(q.dispatch_next().map(|(_, id)| id), Some(7));
     check_structure(&q);
+}
+
+fn fleet_share(weight: u32, standby: bool) -> Share {
+    Share {
+        weight: weight * SHARE_SCALE,
+        reserved_slots: 0,
+        standby,
+    }
+}
+
+#[test]
+fn standby_slots_are_kept_for_the_tenants_the_fleet_gives_all_they_ask() {
+    // A replica's share of 12, 3 of them standby: the fleet gives "a" all it asks, "b" is at
+    // the water level; "c" is new to the fleet.
+    let mut q: FairQueue<u32> = FairQueue::new(12);
+    q.set_shares(
+        [
+            (TenantKey::of("a"), fleet_share(2, true)),
+            (TenantKey::of("b"), fleet_share(1, false)),
+        ]
+        .into(),
+    );
+    q.set_standby(3);
+    assert_eq!(q.standby(), 3);
+    // b floods: it takes all but the standby slots and waits beside them.
+    assert_eq!(grants(&mut q, "b", class(1), 20), 9);
+    assert_eq!((q.in_flight(), q.queued()), (9, 11));
+    assert_eq!(q.dispatch_next(), None, "b never takes a standby slot");
+    // a's requests run at once on the standby slots, and so does a tenant the fleet has not
+    // seen yet.
+    assert_eq!(grants(&mut q, "a", class(2), 2), 2);
+    assert_eq!(grants(&mut q, "c", class(1), 1), 1);
+    assert_eq!(q.in_flight(), 12);
+    check_structure(&q);
+
+    // A release refills the standby slots before b gets any: b runs only once more than 3 are
+    // free.
+    let b = q.by_name["b"];
+    let b_key = q.flow_key(b);
+    for freed in 1..=3 {
+        q.release(b_key);
+        assert_eq!(q.dispatch_next(), None, "{freed} free: standby");
+    }
+    q.release(b_key);
+    assert!(q.dispatch_next().is_some(), "4 free: b takes one");
+    assert_eq!(q.dispatch_next(), None);
+
+    // While b waits beside the standby slots, a's queued request jumps it: the standby order.
+    let mut q: FairQueue<u32> = FairQueue::new(8);
+    q.set_shares(
+        [
+            (TenantKey::of("a"), fleet_share(1, true)),
+            (TenantKey::of("b"), fleet_share(1, false)),
+        ]
+        .into(),
+    );
+    // b took every slot before the standby slots were kept (it has not yet given any back).
+    let holders: Vec<FlowKey> = (0..8)
+        .map(|_| granted(q.submit("b", class(1), 1, 0)))
+        .collect();
+    q.set_standby(2);
+    queued(q.submit("b", class(1), 1, 1));
+    queued(q.submit("a", class(1), 1, 2));
+    q.release(holders[0]);
+    assert_eq!(q.dispatch_next().map(|(_, p)| p), Some(2), "a first");
+    check_structure(&q);
+
+    // Turned off, b takes what is free at once.
+    q.release(holders[1]);
+    assert_eq!(q.dispatch_next(), None);
+    q.set_standby(0);
+    assert_eq!(q.dispatch_next().map(|(_, p)| p), Some(1));
+    check_structure(&q);
+
+    // Never more than a quarter of the limit, and nothing held with nothing in flight.
+    let mut q: FairQueue<u32> = FairQueue::new(4);
+    q.set_shares([(TenantKey::of("b"), fleet_share(1, false))].into());
+    q.set_standby(10);
+    assert_eq!(q.standby(), 1);
+    assert_eq!(grants(&mut q, "b", class(1), 4), 3);
+    let mut q: FairQueue<u32> = FairQueue::new(2);
+    q.set_shares([(TenantKey::of("b"), fleet_share(1, false))].into());
+    q.set_standby(2);
+    assert_eq!(q.standby(), 0);
+    assert_eq!(grants(&mut q, "b", class(1), 2), 2);
+}
+
+#[test]
+fn random_operations_with_standby_slots_keep_the_invariants() {
+    for seed in 0..20u64 {
+        let mut rng = Lcg(seed);
+        let mut q: FairQueue<u64> = FairQueue::new(1 + rng.below(40) as u32);
+        let mut driver = Driver::default();
+        for id in 0..3_000u64 {
+            let roll = rng.below(100);
+            let before = q.in_flight().max(q.limit());
+            if driver.step(&mut q, &mut rng, id, roll) {
+                // A submit, a release or a cancel.
+            } else if roll < 92 {
+                // The fleet's verdicts change: some tenants at the level, some below, some unseen.
+                let mut shares = HashMap::new();
+                for tenant in TENANTS {
+                    if rng.chance(70) {
+                        let weight = 1 + rng.below(3) as u32;
+                        let standby = rng.chance(50);
+                        shares.insert(TenantKey::of(tenant), fleet_share(weight, standby));
+                    }
+                }
+                q.set_shares(shares);
+            } else if roll < 96 {
+                q.set_standby(rng.below(6) as u32);
+            } else {
+                q.set_limit(rng.below(40) as u32);
+            }
+            driver.dispatch(&mut q, before, seed);
+            let free = q.limit().saturating_sub(q.in_flight());
+            if free > 0 && q.queued() > 0 {
+                // Slots stay free beside waiting requests only for want of a standby right.
+                assert!(
+                    free <= q.standby(),
+                    "seed {seed}: {free} free beside a waiting request, standby {}",
+                    q.standby()
+                );
+                let first = q.order.first().expect("something waits").flow;
+                assert!(q.held_back(first), "seed {seed}: a runnable head left");
+                assert!(
+                    q.standby_order.iter().all(|key| q.held_back(key.flow)),
+                    "seed {seed}: a flow with the standby right left waiting"
+                );
+            }
+            check_structure(&q);
+        }
+        driver.finish(&q);
+    }
 }
