@@ -184,34 +184,36 @@ pub fn divide(limit: u32, members: &[MemberLoad<'_>], standby: Standby) -> Divis
     }
 }
 
-/// The standby slots the last division that asked for some asked, kept for `hold` after it
-/// while a tenant they were asked for is away (no demand anywhere: between two requests). A
+/// The standby slots the last division that asked for some asked, kept while a tenant they
+/// were asked for within the last `hold` is away (no demand anywhere: between two requests). A
 /// tenant back at the water level, or one the next division counts again, needs no hold: a
 /// division asks for it, or it has no right to them. Pure: the leader passes the time.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StandbyHold {
     slots: u32,
-    until: Option<Instant>,
-    /// The tenants they were asked for.
-    tenants: Vec<u64>,
+    /// Each tenant they were asked for, until when its ask holds.
+    tenants: HashMap<u64, Instant>,
 }
 
 impl StandbyHold {
     /// What to keep at least at `now`, when `present` says which tenants have demand.
     pub fn at(&self, now: Instant, present: impl Fn(u64) -> bool) -> u32 {
-        match self.until {
-            Some(until) if now < until && self.tenants.iter().any(|&t| !present(t)) => self.slots,
-            _ => 0,
-        }
+        let away = self
+            .tenants
+            .iter()
+            .any(|(&tenant, &until)| now < until && !present(tenant));
+        if away { self.slots } else { 0 }
     }
 
-    /// A division at `now` asked `asked` slots for `tenants`: any starts a new hold.
+    /// A division at `now` asked `asked` slots for `tenants`: their asks hold until `now +
+    /// hold`, beside the earlier ones still running (which lapse in their time).
     pub fn note(&mut self, asked: u32, tenants: &[u64], now: Instant, hold: Duration) {
+        self.tenants.retain(|_, until| now < *until);
         if asked > 0 {
             self.slots = asked;
-            self.until = Some(now + hold);
-            self.tenants.clear();
-            self.tenants.extend_from_slice(tenants);
+            for &tenant in tenants {
+                self.tenants.insert(tenant, now + hold);
+            }
         }
     }
 }

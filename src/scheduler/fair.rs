@@ -93,7 +93,8 @@
 //! of this replica's slots free from every other flow: a flow without the standby right may
 //! take a slot only while more than `k` stay free (but never while nothing is in flight, and
 //! never below its reservation), and the backlogged flows with the right are kept in their own
-//! fair order, so the first of them runs when the fair order's first is held back. A standby
+//! fair order, so the first of them runs when the fair order's first is held back (if it is of
+//! that flow's band or a higher one: never out of band order). A standby
 //! slot taken is refilled by the replica's next release, which the others do not get. The
 //! fleet's leader sizes `k` (`fleet::share`); it is 0 on a lone replica, where nothing changes.
 //! Flows the fleet has not yet seen have the right, like its newest tenants' first requests.
@@ -748,17 +749,21 @@ impl<T> FairQueue<T> {
     }
 
     /// The backlogged flow the next free slot goes to: the fair order's first, unless it is
-    /// held back; then the first in fair order of those with the standby right; then the one
-    /// holding the fewest slots per weight, if it may take one. O(log F).
+    /// held back; then the first in fair order of those with the standby right, if it is of the
+    /// same band or a higher one; then the one holding the fewest slots per weight, if it may
+    /// take one. O(log F).
     /// If both are held back every flow would lend (the fewest does) and is held back too, but
     /// for flows of lower bands whose test counts fewer protected flows: those wait for the next
-    /// event, a slot never dispatched out of band order.
+    /// event, a slot never dispatched out of band order. (With the headroom and standby slots
+    /// both on, a flow with the right may also wait for the next event behind one with the right
+    /// that the headroom holds back.)
     fn next_eligible(&self) -> Option<u32> {
-        let first = self.order.first()?.flow;
-        if !self.held_back(first) {
-            return Some(first);
+        let first = self.order.first()?;
+        if !self.held_back(first.flow) {
+            return Some(first.flow);
         }
         if let Some(standby) = self.standby_order.first()
+            && standby.band <= first.band
             && !self.held_back(standby.flow)
         {
             return Some(standby.flow);

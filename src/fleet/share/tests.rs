@@ -440,6 +440,20 @@ fn standby_slots_outlive_the_demand_that_asked_for_them_while_its_tenant_is_away
             "at {ms} ms, {asked} asked, present {present}"
         );
     }
+
+    // Two tenants below the level: 1 goes away while 2 stays; the next asks, for 2 alone, do
+    // not cut 1's hold short.
+    let mut kept = StandbyHold::default();
+    kept.note(3, &[1, 2], at(0), hold);
+    kept.note(2, &[2], at(1_000), hold);
+    assert_eq!(kept.at(at(9_999), |tenant| tenant == 2), 2, "1 is away");
+    assert_eq!(
+        kept.at(at(10_000), |tenant| tenant == 2),
+        0,
+        "1's ask lapsed"
+    );
+    assert_eq!(kept.at(at(10_999), |_| false), 2, "2's runs until 11 s");
+    assert_eq!(kept.at(at(11_000), |_| false), 0);
 }
 
 fn arbitrary_member() -> impl Strategy<Value = (u32, u32, Option<u32>, Vec<FlowDemand>)> {
