@@ -614,7 +614,7 @@ impl Fleet {
         let present: HashSet<u64> = loads
             .iter()
             .flat_map(|load| load.flows)
-            .filter(|flow| flow.in_flight > 0 || flow.queued > 0)
+            .filter(|flow| flow.has_demand())
             .map(|flow| flow.tenant)
             .collect();
         let standby = share::Standby {

@@ -80,6 +80,12 @@ impl FlowDemand {
     fn demand(&self) -> f64 {
         f64::from(self.in_flight) + f64::from(self.queued)
     }
+
+    /// Requests in flight or waiting: the tenant counts in the division (and its standby
+    /// slots' hold sees it present).
+    pub fn has_demand(&self) -> bool {
+        self.in_flight > 0 || self.queued > 0
+    }
 }
 
 /// One live replica, as the leader reads it.

@@ -50,6 +50,15 @@ fn grants_of(shares: &[MemberShare]) -> Vec<u32> {
     shares.iter().map(|s| s.grant).collect()
 }
 
+/// Each member's standby slots.
+fn standbys(limit: u32, members: &[MemberLoad<'_>], standby: Standby) -> Vec<u32> {
+    divide(limit, members, standby)
+        .shares
+        .iter()
+        .map(|s| s.standby)
+        .collect()
+}
+
 fn weight(share: &MemberShare, tenant: u64) -> u32 {
     share.overrides[&TenantKey(tenant)].weight
 }
@@ -355,40 +364,18 @@ fn standby_slots_are_kept_only_for_tenants_below_the_level_against_others() {
         // A holds 9 of 30: ρ = 0.3 asks three slots to miss at most 5 %; a quarter of 10 caps it.
         assert_eq!(share.standby, 2, "{share:?}");
     }
-    let shares = divide(120, &members, STANDBY).shares;
-    assert!(
-        shares.iter().all(|s| s.standby == 2),
-        "ρ = 0.075: {shares:?}"
-    );
-    assert!(
-        divide(30, &members, NO_STANDBY)
-            .shares
-            .iter()
-            .all(|s| s.standby == 0)
-    );
+    assert_eq!(standbys(120, &members, STANDBY), [2, 2, 2], "ρ = 0.075");
+    assert_eq!(standbys(30, &members, NO_STANDBY), [0, 0, 0]);
 
     // Nobody to hold back (everyone is given all it asks), nobody to hold for (everyone at
     // the level), or one replica alone: none.
     let light = [a];
     let both = [member("r1", &light), member("r2", &light)];
-    assert!(
-        divide(30, &both, STANDBY)
-            .shares
-            .iter()
-            .all(|s| s.standby == 0)
-    );
+    assert_eq!(standbys(30, &both, STANDBY), [0, 0]);
     let flood = [flow(1, 2, 100), flow(2, 1, 100)];
     let both = [member("r1", &flood), member("r2", &flood)];
-    assert!(
-        divide(30, &both, STANDBY)
-            .shares
-            .iter()
-            .all(|s| s.standby == 0)
-    );
-    assert_eq!(
-        divide(30, &[member("r1", &r)], STANDBY).shares[0].standby,
-        0
-    );
+    assert_eq!(standbys(30, &both, STANDBY), [0, 0]);
+    assert_eq!(standbys(30, &[member("r1", &r)], STANDBY), [0]);
 
     // What a recent division asked is kept when nobody below the level has demand right now
     // (between two requests), within each replica's cap, and never on a lone replica.
@@ -396,14 +383,14 @@ fn standby_slots_are_kept_only_for_tenants_below_the_level_against_others() {
         at_least: 3,
         ..STANDBY
     };
-    let division = divide(40, &both, held);
-    assert_eq!(division.standby_asked, 0, "this demand asks none");
-    assert!(division.shares.iter().all(|s| s.standby == 3));
-    assert!(divide(8, &both, held).shares.iter().all(|s| s.standby == 1));
     assert_eq!(
-        divide(40, &[member("r1", &flood)], held).shares[0].standby,
-        0
+        divide(40, &both, held).standby_asked,
+        0,
+        "this demand asks none"
     );
+    assert_eq!(standbys(40, &both, held), [3, 3]);
+    assert_eq!(standbys(8, &both, held), [1, 1]);
+    assert_eq!(standbys(40, &[member("r1", &flood)], held), [0]);
     assert_eq!(divide(30, &members, held).standby_asked, 3);
 }
 
