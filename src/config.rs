@@ -386,7 +386,7 @@ pub struct HeadroomConfig {
 impl Default for HeadroomConfig {
     fn default() -> Self {
         HeadroomConfig {
-            enabled: false,
+            enabled: true,
             window_ms: 10_000,
             margin_sigmas: 3.0,
         }

@@ -45,9 +45,14 @@
 //!    about latency (a p99 of three samples is their maximum).
 //! 5. **Comfortably under** (p99 below `target × (1 − band)`): add `increase_step` (double,
 //!    while **slow start** lasts: until the first decrease with at least half the budget in
-//!    flight), but only with **demand**, and
+//!    flight, or a whole window in which traffic flowed and the budget covered it), but only
+//!    with **demand**, and
 //!    never above the ceiling. Slow start is TCP's answer to a start far below the operating
-//!    point: +1 per tick from 16 to the knee at ~140 takes two minutes at a 1 s tick. Demand counts in-flight requests, not
+//!    point: +1 per tick from 16 to the knee at ~140 takes two minutes at a 1 s tick. It is for
+//!    a cold start only: a budget that has covered its traffic for a window has found *an*
+//!    operating point, and a burst that then doubled it would get the engine's spare room at
+//!    once, at the steady tenants' expense (TCP's congestion window validation, RFC 7661, stops
+//!    an application-limited sender's window from growing for the same reason). Demand counts in-flight requests, not
 //!    only queued ones: with a tight queue the healthy steady state has an empty queue, and a
 //!    gate on "queue non-empty" stalled seed 001's controller below its operating point. And
 //!    in-flight must be *near the limit* (Netflix's `inflight * 2 >= limit` guard): a low p99
@@ -133,6 +138,9 @@ pub struct Observation {
     /// The engines' saturation (`engine::saturation`, 1 or more is saturated); None when their
     /// metrics are not scraped, or no engine answered this tick.
     pub engine_saturation: Option<f64>,
+    /// Free slots the scheduler's headroom holds for tenants within their fair share, at the
+    /// tick (`scheduler::Load::held`): spoken for, though not yet in flight.
+    pub held: u32,
 }
 
 /// What a tick did.
@@ -217,6 +225,9 @@ pub struct Aimd {
     cooldown_left: u32,
     /// No decrease yet: increases double (if the config has slow start on).
     slow_start: bool,
+    /// Consecutive ticks in which traffic flowed and no request waited for want of a slot: a
+    /// window of them ends slow start.
+    covered_ticks: u32,
 }
 
 impl Aimd {
@@ -230,6 +241,7 @@ impl Aimd {
                 .min(config.control.ceiling),
             cooldown_left: 0,
             slow_start: config.control.slow_start,
+            covered_ticks: 0,
         }
     }
 
@@ -251,6 +263,7 @@ impl Aimd {
 
     /// One tick: observation in, new limit and what was done out.
     pub fn step(&mut self, config: &AimdConfig, observation: Observation) -> Action {
+        self.end_slow_start_once_covered(config, observation);
         if self.cooldown_left > 0 {
             self.cooldown_left -= 1;
             return Action::Hold(Hold::Cooldown);
@@ -265,7 +278,7 @@ impl Aimd {
             return self.decrease(config, observation.peak_in_flight);
         }
         if observation.engine_saturation.is_some_and(|s| s >= 1.0) {
-            return self.clamp(config, observation.peak_in_flight);
+            return self.clamp(config, observation.peak_in_flight, observation.held);
         }
         let Some(p99) = p99 else {
             return Action::Hold(Hold::NoSamples);
@@ -317,12 +330,17 @@ impl Aimd {
         Action::Decrease
     }
 
-    /// The engines are full: whatever the latency says yet, no headroom is left above what is
-    /// in flight, and if this budget was in real use it has found the knee (slow start ends,
-    /// as for a breach).
-    fn clamp(&mut self, config: &AimdConfig, peak_in_flight: u32) -> Action {
+    /// The engines are full: whatever the latency says yet, no room is left above what is in
+    /// flight, and if this budget was in real use it has found the knee (slow start ends, as
+    /// for a breach). The slots the scheduler's headroom holds stay: they are the steady
+    /// tenants' next requests, already counted in the engines' load they usually carry, and
+    /// clamping them away would shrink every other tenant's part by as much at each clamp
+    /// (seed 001's sweep lost 6 % of its goodput to it, docs/lab.md).
+    fn clamp(&mut self, config: &AimdConfig, peak_in_flight: u32, held: u32) -> Action {
         self.end_slow_start_if_in_use(peak_in_flight);
-        let in_use = peak_in_flight.max(config.control.floor);
+        let in_use = peak_in_flight
+            .saturating_add(held)
+            .max(config.control.floor);
         if self.limit > in_use {
             self.limit = in_use;
             Action::Clamp
@@ -337,6 +355,33 @@ impl Aimd {
     /// load, or engines filled by other traffic) says little about where the knee is.
     fn end_slow_start_if_in_use(&mut self, peak_in_flight: u32) {
         if peak_in_flight.saturating_mul(2) >= self.limit {
+            self.slow_start = false;
+        }
+    }
+
+    /// Slow start finds the operating point from a cold start. Once traffic has flowed for a
+    /// whole window (`window_ms`) with the budget covering it (no request waited for want of a
+    /// slot, however near the limit the peak came), the budget has been shown
+    /// enough for the tenants it serves, and later demand is a change of load, not a cold
+    /// start: it is probed for by steps. Doubling then hands a sudden burst the engine's
+    /// spare room at once, and the steady tenants' first tokens slow down for as long as the
+    /// burst's streams last (seed 000, docs/lab.md "Isolation without caps"). A tick with
+    /// nothing in flight says nothing (a replica up before its traffic).
+    fn end_slow_start_once_covered(&mut self, config: &AimdConfig, observation: Observation) {
+        if !self.slow_start {
+            return;
+        }
+        if observation.peak_in_flight == 0 || observation.queued > 0 {
+            self.covered_ticks = 0;
+            return;
+        }
+        self.covered_ticks += 1;
+        let window_ticks = config
+            .control
+            .window_ms
+            .div_ceil(config.control.tick_ms.max(1))
+            .max(1);
+        if u64::from(self.covered_ticks) >= window_ticks {
             self.slow_start = false;
         }
     }

@@ -78,6 +78,8 @@ pub struct Report {
     pub peak_in_flight: u32,
     /// Requests waiting for want of a slot (`Load::waiting_for_slot`): the controller's demand.
     pub queued: u32,
+    /// Free slots its headroom holds (`Load::held`), which an engine clamp leaves in place.
+    pub held: u32,
     /// Its TTFT window (overdue requests counted), as `(bucket, count)` pairs.
     pub ttft: Vec<(u16, u64)>,
     pub flows: Vec<FlowDemand>,
@@ -494,6 +496,7 @@ impl Fleet {
             applied: load.limit,
             peak_in_flight: self.scheduler.take_peak_in_flight(),
             queued: load.waiting_for_slot(),
+            held: load.held,
             ttft,
             flows: self
                 .scheduler
@@ -713,6 +716,7 @@ impl Fleet {
             queued: reports.iter().map(|r| r.queued).sum(),
             samples,
             engine_saturation,
+            held: reports.iter().map(|r| r.held).sum(),
         };
         let action = leadership.aimd.step(config, observation);
         if action == Action::Decrease && policy.control.signal == ControlSignal::Upstream {
@@ -775,6 +779,7 @@ impl Fleet {
                 queued: load.waiting_for_slot(),
                 samples,
                 engine_saturation,
+                held: load.held,
             };
             let action = alone.aimd.step(&alone.config, observation);
             self.metrics.controller_tick(action, p99);

@@ -63,6 +63,7 @@ fn seen(p99: f64, peak_in_flight: u32, queued: u32) -> Observation {
         queued,
         samples: 100,
         engine_saturation: None,
+        held: 0,
     }
 }
 
@@ -80,6 +81,7 @@ const NO_SAMPLES: Observation = Observation {
     queued: 0,
     samples: 0,
     engine_saturation: None,
+    held: 0,
 };
 
 /// p99 comfortably under, on the SLO, and in breach of the default 2 s ± 20% target.
@@ -283,6 +285,80 @@ fn slow_start_doubles_until_the_first_breach_then_adds_steps() {
             (seen(FAST, 57, 3), INCREASE, 114),
             (seen(SLOW, 114, 0), DECREASE, 102),
             (seen(FAST, 102, 3), INCREASE, 103),
+        ],
+    );
+}
+
+#[test]
+fn a_window_of_traffic_the_budget_covers_ends_slow_start() {
+    // A 6 s window at 1 s ticks: 6 ticks make a window.
+    let config = with(|c| {
+        c.slow_start = true;
+        c.cooldown_ticks = 0;
+        c.window_ms = 6_000;
+    });
+    let covered = (seen(FAST, 20, 0), NO_DEMAND, 64);
+    let idle = (seen(FAST, 0, 0), NO_DEMAND, 64);
+    let burst = seen(FAST, 64, 2);
+    // Six covered ticks: the burst after them is probed for by steps, not doubled into.
+    let mut steps = vec![covered; 6];
+    steps.extend([(burst, INCREASE, 65), (seen(FAST, 65, 2), INCREASE, 66)]);
+    trace(&config, 64, &steps);
+    // Five are not a window: the burst doubles.
+    let mut steps = vec![covered; 5];
+    steps.push((burst, INCREASE, 128));
+    trace(&config, 64, &steps);
+    // A tick at the limit with nothing waiting for a slot is covered too (the budget was
+    // enough), though the demand gate grows the limit by a step.
+    let mut steps = vec![covered; 5];
+    steps.push((seen(FAST, 64, 0), INCREASE, 65));
+    trace(&config, 64, &steps);
+    // A request waiting for a slot in between starts the count again.
+    let mut steps = vec![covered; 5];
+    steps.push((seen(FAST, 64, 1), INCREASE, 128));
+    steps.extend(vec![(seen(FAST, 20, 0), NO_DEMAND, 128); 5]);
+    steps.push((seen(FAST, 128, 3), INCREASE, 256));
+    trace(&config, 64, &steps);
+    // Ticks with nothing in flight say nothing (a replica up before its traffic), whatever
+    // the latency rule does with them.
+    let mut steps = vec![idle; 10];
+    steps.extend([
+        (NO_SAMPLES, Action::Hold(Hold::NoSamples), 64),
+        (burst, INCREASE, 128),
+    ]);
+    trace(&config, 64, &steps);
+    // Covered ticks count whatever the latency: a window in the deadband ends it too.
+    let mut steps = vec![(seen(ON_TARGET, 20, 0), IN_BAND, 64); 6];
+    steps.push((burst, INCREASE, 65));
+    trace(&config, 64, &steps);
+}
+
+#[test]
+fn an_engine_clamp_leaves_the_slots_the_headroom_holds() {
+    let config = with(|c| c.cooldown_ticks = 0);
+    let held = |held, observation| Observation {
+        held,
+        ..observation
+    };
+    trace(
+        &config,
+        160,
+        &[
+            // 118 in flight, 16 held free for the steady tenants: the limit comes down to 134,
+            // not to 118 (from where the held slots would come out of everyone else's part).
+            (
+                held(16, engine(1.1, seen(FAST, 118, 0))),
+                Action::Clamp,
+                134,
+            ),
+            // Nothing above that to take: hold.
+            (
+                held(16, engine(1.1, seen(FAST, 118, 0))),
+                Action::Hold(Hold::EngineSaturated),
+                134,
+            ),
+            // Without held slots, down to what is in flight.
+            (held(0, engine(1.1, seen(FAST, 120, 0))), Action::Clamp, 120),
         ],
     );
 }
@@ -604,6 +680,7 @@ fn never_leaves_floor_and_ceiling_whatever_it_sees() {
                     0 => None,
                     _ => Some(f64::from(lcg.below(300)) / 100.0),
                 },
+                held: if lcg.below(3) == 0 { lcg.below(40) } else { 0 },
             };
             let before = aimd.limit();
             let action = aimd.step(&config, observation);
@@ -736,6 +813,7 @@ impl Plant {
             queued,
             samples: self.window.iter().map(|tick| tick.len() as u64).sum(),
             engine_saturation: None,
+            held: 0,
         }
     }
 

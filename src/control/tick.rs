@@ -109,12 +109,14 @@ pub async fn run(
         // before the requests stuck in its queue come out.
         let (p99, samples) =
             window::lock(&ttft_window).quantile_counting_overdue(now, 0.99, breach_threshold);
+        let load = scheduler.load();
         let observation = Observation {
             p99_ttft_seconds: p99,
             peak_in_flight: scheduler.take_peak_in_flight(),
-            queued: scheduler.load().waiting_for_slot(),
+            queued: load.waiting_for_slot(),
             samples,
             engine_saturation,
+            held: load.held,
         };
         let action = aimd.step(&config, observation);
         if action == Action::Decrease && control.signal == ControlSignal::Upstream {

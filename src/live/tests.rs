@@ -49,7 +49,7 @@ fn what_only_a_restart_can_change() {
         ),
         (|c| c.reload.watch_ms = 0, &["reload.watch_ms"]),
         (
-            |c| c.scheduler.headroom.enabled = true,
+            |c| c.scheduler.headroom.enabled = false,
             &["scheduler.headroom"],
         ),
         (

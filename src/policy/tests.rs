@@ -1015,7 +1015,17 @@ fn headroom_settings_are_checked_and_off_means_none() {
     }
     assert_eq!(
         check_valid(|_| {}).scheduling.headroom,
+        Some(Headroom {
+            window: Duration::from_secs(10),
+            sigmas: 3.0,
+        }),
+        "on by default"
+    );
+    assert_eq!(
+        check_valid(|c| c.scheduler.headroom.enabled = false)
+            .scheduling
+            .headroom,
         None,
-        "off by default"
+        "off means none"
     );
 }

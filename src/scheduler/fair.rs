@@ -66,9 +66,14 @@
 //! flows together are expected to use up to `M + sigmas × √M` slots, `M` the sum of their means
 //! (a Poisson-like count's spread). What they hold or have queued is subtracted; the rest is
 //! held free. A
-//! flow is protected when, as of its last event, it is within its fair share and not itself
-//! bursting (not above its own mean's `M + sigmas × √M`): a burst's slots, even within its fair
-//! share, must not offset what the steady flows are about to need.
+//! flow is protected when, as of its last event, it is not itself bursting (not above its own
+//! mean's `M + sigmas × √M`) and is within its fair share or has nothing queued: a burst's
+//! slots, even within its fair share, must not offset what the steady flows are about to need.
+//! A **steady** flow (nothing queued, its next slot within its own usual load, and not held
+//! back by the headroom within the last `window`) is never lent to, even beyond its weight's
+//! share: a tenant whose everyday load is more than that share is still a steady tenant, and
+//! holding it back with the burst is what a cap would do. Once it queues, it competes by
+//! weight like the others; once the headroom holds it back, it is a burst for a window.
 //!
 //! - **Work-conserving otherwise.** A lone tenant, or tenants all above their fair share, or
 //!   protected tenants holding their usual load, leave nothing held but the spread, and a flow
@@ -427,6 +432,8 @@ struct Flow {
     protected: bool,
     /// Of its slots in flight, how many were lent beyond its fair share.
     lent: u32,
+    /// When the headroom last kept one of its requests from a free slot (headroom only).
+    held_back_at: Option<Instant>,
 }
 
 /// Which dispatch rule applies to a backlogged flow. Declaration order is dispatch order.
@@ -706,7 +713,9 @@ impl<T> FairQueue<T> {
                 return Submit::Granted(self.flow_key(index));
             }
             // Beyond its fair share into the headroom: it waits (or is refused) as if no slot
-            // were free.
+            // were free. (Or behind its own queued requests, held back the same way.)
+            let now = self.now;
+            self.flow_mut(index).held_back_at = now;
             if self.flow(index).queued >= class.queue_max {
                 self.remove_flow_if_idle(index);
                 return Submit::Full(payload);
@@ -798,13 +807,54 @@ impl<T> FairQueue<T> {
         free <= expected_need(mean, present, headroom)
     }
 
-    /// Whether one more slot would put the flow beyond its fair share: its weight's share of the
-    /// limit among the flows present. A flow's first slot never is, so that with more tenants
-    /// than slots each still gets one.
+    /// Whether one more slot would be lent: beyond the flow's fair share (its weight's share of
+    /// the limit among the flows present) to a flow that is not steady. A flow's first slot
+    /// never is, so that with more tenants than slots each still gets one.
+    ///
+    /// Steady: nothing queued, and one more slot keeps it within its own usual load (its mean
+    /// plus the margin, `bursting` below). A tenant whose steady load is more than its weight's
+    /// share of the limit (seed 000's `heavy-steady`: A at 36 slots against a share of 26) is
+    /// served as it usually is, like one within its share, rather than held back with the
+    /// burst; the steady load of every tenant is what the headroom is for. Once it queues it
+    /// competes by weight like any other, so among backlogged flows the rule is the weighted
+    /// share alone (what `next_eligible`'s two candidates rely on).
     fn would_lend(&self, flow: &Flow) -> bool {
-        flow.in_flight > 0
+        let beyond_share = flow.in_flight > 0
             && u128::from(flow.in_flight + 1) * u128::from(self.live_weight)
-                > u128::from(self.limit) * u128::from(flow.counted_weight)
+                > u128::from(self.limit) * u128::from(flow.counted_weight);
+        beyond_share && !self.steady(flow, flow.in_flight + 1)
+    }
+
+    /// Whether the flow, holding `in_flight`, is taking its usual load: nothing queued, not
+    /// bursting, and not held back by the headroom within the last window. The last is what
+    /// keeps a long burst a burst: after a window its mean has caught up with what it holds, so
+    /// only having been held back tells it from a tenant whose everyday load this is.
+    fn steady(&self, flow: &Flow, in_flight: u32) -> bool {
+        let Some(headroom) = self.headroom else {
+            return false;
+        };
+        let recently_held_back = match (flow.held_back_at, self.now) {
+            (Some(at), Some(now)) => now.saturating_duration_since(at) < headroom.window,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        flow.queued == 0 && !recently_held_back && !self.bursting(flow, in_flight)
+    }
+
+    /// Whether `in_flight` slots would be far above the flow's own recent mean (beyond it by
+    /// more than the headroom's margin, and more than one): a surge, not its usual load.
+    fn bursting(&self, flow: &Flow, in_flight: u32) -> bool {
+        let Some(headroom) = self.headroom else {
+            return false;
+        };
+        let mean = decayed(
+            flow.mean,
+            flow.in_flight,
+            flow.mean_at,
+            self.now,
+            headroom.window,
+        );
+        expected_need(mean, 0, headroom).max(1) < in_flight
     }
 
     /// Whether the flow holds no more than its fair share.
@@ -869,8 +919,10 @@ impl<T> FairQueue<T> {
         // A flow far above its own recent mean is bursting, not steady: counted, its surge
         // would offset what the steady ones are expected to need.
         // At least one slot: a tenant back after a pause starts its record at a mean of 0.
-        let bursting = expected_need(flow.mean, 0, headroom).max(1) < flow.in_flight;
-        if bursting || !self.within_share(flow) {
+        // (`leave_protected` brought its mean to now.) A steady flow beyond its fair share
+        // with nothing queued is protected too (see `would_lend`).
+        let bursting = self.bursting(flow, flow.in_flight);
+        if bursting || !(self.within_share(flow) || self.steady(flow, flow.in_flight)) {
             return;
         }
         let now = self.now;
@@ -990,6 +1042,7 @@ impl<T> FairQueue<T> {
             mean_at: self.now,
             protected: false,
             lent: 0,
+            held_back_at: None,
         };
         let index = match self.free_flows.pop() {
             Some(index) => {

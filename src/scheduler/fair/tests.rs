@@ -1459,13 +1459,28 @@ fn a_burst_takes_its_fair_share_and_what_the_steady_flows_will_not_need() {
             lent: 0,
         },
         Case {
-            // A steady flow beyond its own fair share is not protected: nothing is held for it.
-            what: "steady beyond its share",
+            // A burst's fair share is its own, even beside a steady flow beyond its share: b
+            // takes the 8 free slots, all within its 16.
+            what: "steady beyond its share, burst within its own",
             limit: 32,
             steady: vec![("a", class(1), 24)],
             burst: class(1),
             granted: 8,
             held: 0,
+            lent: 0,
+        },
+        Case {
+            // Seed 000's heavy-steady variant: A holds 36 (its weight's share is 64 × 2 / 5 =
+            // 25.6) and C 9, steadily. Both are protected: ceil(45 + 3 √45) = 66 is expected,
+            // 21 more than they hold. B gets its own fair share (12 slots), nothing lent, and
+            // the 7 left stay free for A and C (whose next requests, A's beyond its share
+            // included, go at once).
+            what: "heavy steady",
+            limit: 64,
+            steady: vec![("a", class(2), 36), ("c", class(2), 9)],
+            burst: class(1),
+            granted: 12,
+            held: 7,
             lent: 0,
         },
         Case {
@@ -1517,6 +1532,58 @@ fn a_burst_takes_its_fair_share_and_what_the_steady_flows_will_not_need() {
         }
         check_structure(&q);
     }
+}
+
+#[test]
+fn a_burst_stays_a_burst_after_its_mean_catches_up() {
+    // Seed 000: A (2) and C (2) steady at 18 and 9 of 64, B (1) bursts and fills all it may
+    // (21: its share and what A and C will not need), with two more queued.
+    let (mut q, start) = steady(64, &[("a", class(2), 18), ("c", class(2), 9)]);
+    assert_eq!(grants(&mut q, "b", class(1), 21), 21);
+    let waiting = [
+        queued(q.submit("b", class(1), 1, 1)),
+        queued(q.submit("b", class(1), 1, 2)),
+    ];
+    let held = q.held();
+    assert_eq!(held, 16);
+    for entry in waiting {
+        assert!(q.cancel(entry).is_some());
+    }
+    // Three windows on, with B held back every second (a request queued, then gone at its
+    // deadline), its mean has caught up with its 21 slots: by its mean alone it is no longer
+    // bursting. Its next request, with its queue empty, still finds the held slots kept.
+    for second in 1..=30 {
+        q.advance(start + Duration::from_secs(second));
+        let entry = queued(q.submit("b", class(1), 1, 3));
+        assert!(q.cancel(entry).is_some());
+    }
+    let b = q.by_name["b"];
+    assert!(!q.bursting(q.flow(b), 22), "B's mean has caught up");
+    let last = queued(q.submit("b", class(1), 1, 4));
+    assert_eq!((q.in_flight(), q.held()), (48, held));
+    check_structure(&q);
+    // Had it not been held back for a window, it would be steady like any other tenant.
+    assert!(q.cancel(last).is_some());
+    q.advance(start + Duration::from_secs(30) + HEADROOM.window);
+    granted(q.submit("b", class(1), 1, 5));
+
+    // A tenant with that same load that was never held back is steady: A at 36 of 64 beside C,
+    // above its weight's share (25.6 once B is present), takes a held slot.
+    let (mut q, _) = steady(
+        64,
+        &[("a", class(2), 36), ("c", class(2), 9), ("b", class(1), 1)],
+    );
+    assert!(q.held() > 0);
+    granted(q.submit("a", class(2), 1, 0));
+    // Once the headroom holds it back it competes by weight: queued beside held slots, it
+    // is held back for a window even with its queue empty again.
+    let (mut q, now) = steady(64, &[("a", class(2), 18), ("c", class(2), 9)]);
+    assert_eq!(grants(&mut q, "b", class(1), 21), 21);
+    let entry = queued(q.submit("b", class(1), 1, 1));
+    q.cancel(entry);
+    q.advance(now + HEADROOM.window / 2);
+    queued(q.submit("b", class(1), 1, 2));
+    check_structure(&q);
 }
 
 #[test]
