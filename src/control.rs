@@ -138,8 +138,8 @@ pub struct Observation {
     /// The engines' saturation (`engine::saturation`, 1 or more is saturated); None when their
     /// metrics are not scraped, or no engine answered this tick.
     pub engine_saturation: Option<f64>,
-    /// Free slots the scheduler's headroom holds for tenants within their fair share, at the
-    /// tick (`scheduler::Load::held`): spoken for, though not yet in flight.
+    /// Free slots the scheduler's headroom holds for the steady tenants, at the tick
+    /// (`scheduler::Load::held`): spoken for, though not yet in flight.
     pub held: u32,
 }
 

@@ -148,7 +148,7 @@ pub struct SchedulerGauges {
     pub limit: u32,
     pub in_flight: u32,
     pub queued_body_bytes: usize,
-    /// Slots kept free for tenants within their fair share (scheduler headroom).
+    /// Slots kept free for the steady tenants (scheduler headroom).
     pub held: u32,
     /// Slots in flight granted beyond their tenant's fair share.
     pub lent: u32,
@@ -594,8 +594,8 @@ impl Metrics {
         r.describe_gauge(
             HEADROOM_HELD,
             Unit::Count,
-            "Free slots held for tenants within their fair share against a tenant that would take \
-             more than its own (scheduler.headroom), now.",
+            "Free slots held for the steady tenants against a tenant that would take more than \
+             its own (scheduler.headroom), now.",
         );
         r.describe_gauge(
             STANDBY,

@@ -89,7 +89,7 @@ pub struct Load {
     pub queued: u32,
     /// Body bytes the queued requests hold, against `max_queued_body_bytes`.
     pub queued_body_bytes: usize,
-    /// Free slots held for tenants within their fair share (`fair::Headroom`).
+    /// Free slots held for the steady tenants (`fair::Headroom`).
     pub held: u32,
     /// Slots in flight granted beyond their tenant's fair share.
     pub lent: u32,
@@ -127,7 +127,7 @@ impl From<Load> for SchedulerGauges {
 
 impl Scheduler {
     /// `limit` slots; queued requests may hold at most `max_queued_body_bytes` of bodies;
-    /// `headroom` holds slots for tenants within their fair share (`None`: never).
+    /// `headroom` holds slots for the steady tenants (`None`: never).
     pub fn new(
         limit: u32,
         max_queued_body_bytes: usize,

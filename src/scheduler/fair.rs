@@ -67,8 +67,9 @@
 //! (a Poisson-like count's spread). What they hold or have queued is subtracted; the rest is
 //! held free. A
 //! flow is protected when, as of its last event, it is not itself bursting (not above its own
-//! mean's `M + sigmas × √M`) and is within its fair share or has nothing queued: a burst's
-//! slots, even within its fair share, must not offset what the steady flows are about to need.
+//! mean's `M + sigmas × √M`), was not held back within the last `window`, and is within its
+//! fair share or steady (below): a burst's slots, even within its fair share, must not offset
+//! what the steady flows are about to need, nor its mean linger in the sum once it ends.
 //! A **steady** flow (nothing queued, its next slot within its own usual load, and not held
 //! back by the headroom within the last `window`) is never lent to, even beyond its weight's
 //! share: a tenant whose everyday load is more than that share is still a steady tenant, and
@@ -432,7 +433,8 @@ struct Flow {
     protected: bool,
     /// Of its slots in flight, how many were lent beyond its fair share.
     lent: u32,
-    /// When the headroom last kept one of its requests from a free slot (headroom only).
+    /// When one of its requests was last kept from a free slot (by the headroom or the standby
+    /// slots): such a flow is not `steady` for a window.
     held_back_at: Option<Instant>,
 }
 
@@ -712,8 +714,9 @@ impl<T> FairQueue<T> {
                 self.take_slot(index, start, cost);
                 return Submit::Granted(self.flow_key(index));
             }
-            // Beyond its fair share into the headroom: it waits (or is refused) as if no slot
-            // were free. (Or behind its own queued requests, held back the same way.)
+            // Beyond its fair share into the headroom (or the standby slots): it waits (or is
+            // refused) as if no slot were free. (Or behind its own queued requests, held back
+            // the same way.) Either way it is no steady tenant for a window.
             let now = self.now;
             self.flow_mut(index).held_back_at = now;
             if self.flow(index).queued >= class.queue_max {
@@ -830,15 +833,22 @@ impl<T> FairQueue<T> {
     /// keeps a long burst a burst: after a window its mean has caught up with what it holds, so
     /// only having been held back tells it from a tenant whose everyday load this is.
     fn steady(&self, flow: &Flow, in_flight: u32) -> bool {
+        self.headroom.is_some()
+            && flow.queued == 0
+            && !self.recently_held_back(flow)
+            && !self.bursting(flow, in_flight)
+    }
+
+    /// Whether one of the flow's requests was kept from a free slot within the last window.
+    fn recently_held_back(&self, flow: &Flow) -> bool {
         let Some(headroom) = self.headroom else {
             return false;
         };
-        let recently_held_back = match (flow.held_back_at, self.now) {
+        match (flow.held_back_at, self.now) {
             (Some(at), Some(now)) => now.saturating_duration_since(at) < headroom.window,
             (Some(_), None) => true,
             (None, _) => false,
-        };
-        flow.queued == 0 && !recently_held_back && !self.bursting(flow, in_flight)
+        }
     }
 
     /// Whether `in_flight` slots would be far above the flow's own recent mean (beyond it by
@@ -921,7 +931,9 @@ impl<T> FairQueue<T> {
         // At least one slot: a tenant back after a pause starts its record at a mean of 0.
         // (`leave_protected` brought its mean to now.) A steady flow beyond its fair share
         // with nothing queued is protected too (see `would_lend`).
-        let bursting = self.bursting(flow, flow.in_flight);
+        // Nor is one held back within the window: a burst that is ending (its last slots
+        // within its share) must not leave its mean in the sum as recent demand to protect.
+        let bursting = self.bursting(flow, flow.in_flight) || self.recently_held_back(flow);
         if bursting || !(self.within_share(flow) || self.steady(flow, flow.in_flight)) {
             return;
         }
