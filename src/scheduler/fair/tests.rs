@@ -1570,7 +1570,7 @@ fn a_burst_stays_a_burst_after_its_mean_catches_up() {
     for _ in 0..21 {
         q.release(b_key);
     }
-    assert!(q.by_name.get("b").is_none());
+    assert!(!q.by_name.contains_key("b"));
     assert_eq!((q.in_flight(), q.held()), (27, held));
     check_structure(&q);
 
