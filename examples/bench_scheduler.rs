@@ -12,7 +12,7 @@
 //! - `cancel` of random queued requests (mostly from the middle of their tenant's queue), on a
 //!   fresh queue, down to half its length.
 //!
-//! Every scenario runs twice: without and with the headroom (`scheduler.headroom`, off by default
+//! Every scenario runs twice: without and with the headroom (`scheduler.headroom`, on by default
 //! in tollgate; the clock moves 1 ms per cycle so the means decay as in service).
 //!
 //! Each figure is taken over many short chunks (100 of 10,000 cycles; 10 chunks of cancels per

@@ -31,8 +31,8 @@
 //!    controller at its floor with p99 at 17 s. The floor is the edge of the regime where
 //!    cutting helps.
 //! 3. **Engine saturated** (`engine_saturation` ≥ 1, when the engines' metrics are scraped,
-//!    see `engine`): no increase, and a limit above the peak in flight comes down to it (not
-//!    below the floor). Slow start ends if at least half the limit was in flight: with most of
+//!    see `engine`): no increase, and a limit above the peak in flight (plus the free slots the
+//!    scheduler's headroom holds for steady tenants) comes down to it (not below the floor). Slow start ends if at least half the limit was in flight: with most of
 //!    it idle, the engines are full of other traffic (other replicas, a restart into a busy
 //!    fleet), which says nothing about where this budget's knee is, and the budget should
 //!    climb back fast once they have room. TTFT lags the KV-cache knee by seconds: sequences
@@ -148,7 +148,8 @@ pub struct Observation {
 pub enum Action {
     Increase,
     Decrease,
-    /// The engines are saturated: the limit came down to the peak in flight.
+    /// The engines are saturated: the limit came down to the peak in flight (plus the held
+    /// slots).
     Clamp,
     Hold(Hold),
 }
@@ -168,7 +169,8 @@ pub enum Hold {
     AtCeiling,
     /// Would decrease, but the limit is at the floor.
     AtFloor,
-    /// The engines are saturated, and the limit is already no higher than the peak in flight.
+    /// The engines are saturated, and the limit is already no higher than the peak in flight
+    /// (plus the held slots).
     EngineSaturated,
 }
 
@@ -335,7 +337,10 @@ impl Aimd {
     /// for a breach). The slots the scheduler's headroom holds stay: they are the steady
     /// tenants' next requests, already counted in the engines' load they usually carry, and
     /// clamping them away would shrink every other tenant's part by as much at each clamp
-    /// (seed 001's sweep lost 6 % of its goodput to it, docs/lab.md).
+    /// (seed 001's sweep lost up to 6 % of its goodput with the first headroom, most likely to
+    /// that, docs/lab.md). The price: while the steady tenants' expected need covers every
+    /// free slot, the clamp holds rather than lowers, and the engines' overload is bounded by
+    /// those tenants' own spread (`margin_sigmas × √M`) instead of by what is in flight.
     fn clamp(&mut self, config: &AimdConfig, peak_in_flight: u32, held: u32) -> Action {
         self.end_slow_start_if_in_use(peak_in_flight);
         let in_use = peak_in_flight
@@ -366,13 +371,17 @@ impl Aimd {
     /// start: it is probed for by steps. Doubling then hands a sudden burst the engine's
     /// spare room at once, and the steady tenants' first tokens slow down for as long as the
     /// burst's streams last (seed 000, docs/lab.md "Isolation without caps"). A tick with
-    /// nothing in flight says nothing (a replica up before its traffic).
+    /// nothing in flight says nothing (a replica up before its traffic): it neither counts nor
+    /// starts the count again.
     fn end_slow_start_once_covered(&mut self, config: &AimdConfig, observation: Observation) {
         if !self.slow_start {
             return;
         }
-        if observation.peak_in_flight == 0 || observation.queued > 0 {
+        if observation.queued > 0 {
             self.covered_ticks = 0;
+            return;
+        }
+        if observation.peak_in_flight == 0 {
             return;
         }
         self.covered_ticks += 1;

@@ -150,7 +150,7 @@ pub struct SchedulerGauges {
     pub queued_body_bytes: usize,
     /// Slots kept free for the steady tenants (scheduler headroom).
     pub held: u32,
-    /// Slots in flight granted beyond their tenant's fair share.
+    /// Slots in flight lent: granted beyond their tenant's fair share while it was not steady.
     pub lent: u32,
     /// Slots kept free for tenants the fleet gives all they ask.
     pub standby: u32,
@@ -606,8 +606,8 @@ impl Metrics {
         r.describe_gauge(
             LENT,
             Unit::Count,
-            "Slots in flight that were granted beyond their tenant's fair share of the budget, \
-             now.",
+            "Slots in flight that were lent: granted beyond their tenant's fair share of the \
+             budget while it was not steady (scheduler.headroom), now.",
         );
         r.describe_histogram(
             QUEUE_WAIT,

@@ -91,7 +91,7 @@ pub struct Load {
     pub queued_body_bytes: usize,
     /// Free slots held for the steady tenants (`fair::Headroom`).
     pub held: u32,
-    /// Slots in flight granted beyond their tenant's fair share.
+    /// Slots in flight lent: granted beyond their tenant's fair share while it was not steady.
     pub lent: u32,
     /// Slots kept free for tenants the fleet gives all they ask (`fair`, "Standby slots").
     pub standby: u32,

@@ -327,6 +327,12 @@ fn a_window_of_traffic_the_budget_covers_ends_slow_start() {
         (burst, INCREASE, 128),
     ]);
     trace(&config, 64, &steps);
+    // Nor do they start the count again: covered, idle, covered makes a window.
+    let mut steps = vec![covered; 3];
+    steps.extend([idle; 4]);
+    steps.extend([covered; 3]);
+    steps.push((burst, INCREASE, 65));
+    trace(&config, 64, &steps);
     // Covered ticks count whatever the latency: a window in the deadband ends it too.
     let mut steps = vec![(seen(ON_TARGET, 20, 0), IN_BAND, 64); 6];
     steps.push((burst, INCREASE, 65));
@@ -360,6 +366,17 @@ fn an_engine_clamp_leaves_the_slots_the_headroom_holds() {
             // Without held slots, down to what is in flight.
             (held(0, engine(1.1, seen(FAST, 120, 0))), Action::Clamp, 120),
         ],
+    );
+    // Held slots that cover every free one (the steady tenants' expected need is more than
+    // what is free): the clamp holds rather than lowers.
+    trace(
+        &config,
+        140,
+        &[(
+            held(20, engine(1.1, seen(FAST, 120, 0))),
+            Action::Hold(Hold::EngineSaturated),
+            140,
+        )],
     );
 }
 

@@ -85,8 +85,8 @@
 //! - **Reservations.** A flow below its reservation is never held back.
 //! - **It decays.** A tenant that goes quiet stops being protected as its mean decays (its
 //!   contribution stays in the band's sum after its flow record is gone, decaying the same way).
-//! - **Lent slots.** A slot granted beyond the flow's fair share counts as *lent* until it is
-//!   released (`lent`); `held` is what is kept free for the protected flows at this instant.
+//! - **Lent slots.** A slot granted beyond the flow's fair share to a flow that is not steady
+//!   counts as *lent* until it is released (`lent`); `held` is what is kept free for the protected flows at this instant.
 //! - **Dispatch.** If the fair order's next flow is held back, the backlogged flow holding the
 //!   fewest slots per weight runs instead when it may; otherwise the slot stays free.
 //!
@@ -189,8 +189,8 @@ pub struct FlowClass {
     pub reserved_slots: u32,
 }
 
-/// Isolation without caps: how much of the budget is held free for tenants within their fair
-/// share while another takes more than its own (see "Headroom" above).
+/// Isolation without caps: how much of the budget is held free for the steady tenants while
+/// another takes more than its own (see "Headroom" above).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Headroom {
     /// Time constant of each flow's mean slots in flight: how long recent demand is remembered.
@@ -304,7 +304,7 @@ pub struct FairQueue<T> {
     protected: Box<[Protected; BANDS]>,
     /// Sum of `Flow::counted_weight` over the flows present: fair shares are of this.
     live_weight: u64,
-    /// Slots granted beyond their flow's fair share, not yet released.
+    /// Slots lent (see `lends`), not yet released.
     lent: u32,
     /// One key per backlogged flow: its slots per weight, fewest first. Where the fair order's
     /// next flow is held back, the first of these runs instead.
@@ -429,12 +429,13 @@ struct Flow {
     /// Mean slots in flight as of `mean_at` (headroom only).
     mean: f64,
     mean_at: Option<Instant>,
-    /// Counted in its band's `Protected` (within its fair share as of its last event).
+    /// Counted in its band's `Protected` (not bursting, not held back within the window, and
+    /// within its fair share or steady, as of its last event).
     protected: bool,
     /// Of its slots in flight, how many were lent beyond its fair share.
     lent: u32,
-    /// When one of its requests was last kept from a free slot (by the headroom or the standby
-    /// slots): such a flow is not `steady` for a window.
+    /// When the headroom last kept one of its requests from a free slot: such a flow is not
+    /// `steady` for a window.
     held_back_at: Option<Instant>,
 }
 
@@ -539,7 +540,7 @@ impl<T> FairQueue<T> {
         }
     }
 
-    /// A scheduler that holds headroom for tenants within their fair share (see "Headroom").
+    /// A scheduler that holds headroom for the steady tenants (see "Headroom").
     pub fn with_headroom(limit: u32, headroom: Headroom) -> Self {
         FairQueue {
             headroom: Some(headroom),
@@ -554,7 +555,8 @@ impl<T> FairQueue<T> {
         }
     }
 
-    /// Slots granted beyond their flow's fair share and not yet released.
+    /// Slots lent (granted beyond their flow's fair share while it was not steady) and not yet
+    /// released.
     pub fn lent(&self) -> u32 {
         self.lent
     }
@@ -711,14 +713,18 @@ impl<T> FairQueue<T> {
                 self.flow_mut(index).note_submitted(cost);
                 let flow = self.flow(index);
                 let start = self.virtual_time[usize::from(flow.class.band)].max(flow.finish);
-                self.take_slot(index, start, cost);
+                let lends = self.lends(index);
+                self.take_slot(index, start, cost, lends);
                 return Submit::Granted(self.flow_key(index));
             }
             // Beyond its fair share into the headroom (or the standby slots): it waits (or is
             // refused) as if no slot were free. (Or behind its own queued requests, held back
-            // the same way.) Either way it is no steady tenant for a window.
-            let now = self.now;
-            self.flow_mut(index).held_back_at = now;
+            // the same way.) If the headroom is what holds it back, it is no steady tenant for
+            // a window; standby slots kept for others say nothing about its own load.
+            if self.headroom_holds_back(self.flow(index)) {
+                let now = self.now;
+                self.flow_mut(index).held_back_at = now;
+            }
             if self.flow(index).queued >= class.queue_max {
                 self.remove_flow_if_idle(index);
                 return Submit::Full(payload);
@@ -746,8 +752,11 @@ impl<T> FairQueue<T> {
             let flow = self.flow(index);
             (flow.head_start, flow.head)
         };
+        // Lent or not is decided as the dispatch was, with the request still queued (so the
+        // flow is not `steady`): taking its last queued request must not make it look steady.
+        let lends = self.lends(index);
         let entry = self.unlink(head);
-        self.take_slot(index, start, entry.cost);
+        self.take_slot(index, start, entry.cost, lends);
 
         let band = usize::from(self.flow(index).class.band);
         let now = self.virtual_time[band];
@@ -797,15 +806,22 @@ impl<T> FairQueue<T> {
         if !flow.has_standby_right() && free <= self.standby() {
             return true;
         }
+        self.headroom_holds_back(flow)
+    }
+
+    /// Whether one more slot for this flow would be lent into the slots held for the protected
+    /// flows (see "Headroom").
+    fn headroom_holds_back(&self, flow: &Flow) -> bool {
         let Some(headroom) = self.headroom else {
             return false;
         };
-        if !self.would_lend(flow) {
+        if self.in_flight == 0 || flow.lane() == Lane::Reserved || !self.would_lend(flow) {
             return false;
         }
         // One test for every flow of a band (a protected flow about to lend is held back by its
         // own demand too), so that if the fair order's first flow and the one with the fewest
         // slots per weight are both held back, every flow of that band is (`next_eligible`).
+        let free = self.limit.saturating_sub(self.in_flight);
         let (mean, present) = self.protected_upto(flow.class.band, headroom);
         free <= expected_need(mean, present, headroom)
     }
@@ -1136,13 +1152,19 @@ impl<T> FairQueue<T> {
         }
     }
 
+    /// Whether the flow's next slot counts as lent (see `lent`).
+    fn lends(&self, index: u32) -> bool {
+        let flow = self.flow(index);
+        flow.lane() == Lane::Fair && self.headroom.is_some() && self.would_lend(flow)
+    }
+
     /// Gives `index` one slot for a request whose start tag is `start`, charging the fair order
-    /// unless the slot fills a reservation.
-    fn take_slot(&mut self, index: u32, start: u128, cost: u64) {
+    /// unless the slot fills a reservation; `lends` as `lends` said before the request left its
+    /// queue.
+    fn take_slot(&mut self, index: u32, start: u128, cost: u64, lends: bool) {
         let flow = self.flow(index);
         let band = usize::from(flow.class.band);
         let lane = flow.lane();
-        let lends = lane == Lane::Fair && self.headroom.is_some() && self.would_lend(flow);
         self.leave_protected(index);
         if lane == Lane::Fair {
             let time = &mut self.virtual_time[band];
