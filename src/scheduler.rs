@@ -215,6 +215,7 @@ impl Scheduler {
     ) {
         let mut state = self.lock_at_now();
         state.fair.set_limit(limit);
+        state.fair.set_global_limit(global_limit);
         state.global_limit = global_limit;
         if let Some(shares) = shares {
             state.fair.set_shares(shares);

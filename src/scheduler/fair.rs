@@ -298,6 +298,8 @@ pub struct FairQueue<T> {
     keyed: bool,
     /// Isolation without caps; `None` holds nothing back.
     headroom: Option<Headroom>,
+    /// The deployment's limit on a fleet member (`set_global_limit`); 0 alone.
+    global_limit: u32,
     /// The clock the means decay with (`advance`); `None` until first advanced.
     now: Option<Instant>,
     /// Per band: the protected flows' sums.
@@ -530,6 +532,7 @@ impl<T> FairQueue<T> {
             shares: HashMap::new(),
             keyed: false,
             headroom: None,
+            global_limit: 0,
             now: None,
             protected: Box::new([Protected::default(); BANDS]),
             live_weight: 0,
@@ -569,7 +572,7 @@ impl<T> FairQueue<T> {
         };
         let free = self.limit.saturating_sub(self.in_flight);
         let (mean, in_flight) = self.protected_upto(u8::MAX, headroom);
-        expected_need(mean, in_flight, headroom).min(free)
+        expected_need(mean, in_flight, self.margin_headroom(headroom)).min(free)
     }
 
     /// Every flow (tenant with requests waiting or in flight) and its load: O(F), for the
@@ -665,6 +668,29 @@ impl<T> FairQueue<T> {
     /// nothing (a fleet member the leader has not granted a share yet).
     pub fn set_limit(&mut self, limit: u32) {
         self.limit = limit;
+    }
+
+    /// The deployment's limit, of which this replica's is a part (a fleet member; 0 or the
+    /// limit itself: alone). The headroom's margin is the deployment's spread: see
+    /// `margin_headroom`.
+    pub fn set_global_limit(&mut self, global_limit: u32) {
+        self.global_limit = global_limit;
+    }
+
+    /// The headroom with its margin for this replica: `sigmas × √(limit / global)`. Each of n
+    /// replicas sees about 1/n of a steady tenant's mean `M`, and a margin of `sigmas` standard
+    /// deviations on each would hold `sigmas × √n × √M` over the deployment, √n times what one
+    /// replica holds for the same tenants; seed001-aimd-3x lost 8 % of its goodput to that. The
+    /// deployment's spread is what it holds instead; a tenant the fleet gives all it asks also
+    /// has the standby slots on each replica (sized per replica, `fleet::share`).
+    fn margin_headroom(&self, headroom: Headroom) -> Headroom {
+        if self.global_limit <= self.limit || self.limit == 0 {
+            return headroom;
+        }
+        Headroom {
+            sigmas: headroom.sigmas * (f64::from(self.limit) / f64::from(self.global_limit)).sqrt(),
+            ..headroom
+        }
     }
 
     /// Slots granted and not yet released. May exceed `limit` after the limit was lowered.
@@ -823,7 +849,7 @@ impl<T> FairQueue<T> {
         // slots per weight are both held back, every flow of that band is (`next_eligible`).
         let free = self.limit.saturating_sub(self.in_flight);
         let (mean, present) = self.protected_upto(flow.class.band, headroom);
-        free <= expected_need(mean, present, headroom)
+        free <= expected_need(mean, present, self.margin_headroom(headroom))
     }
 
     /// Whether one more slot would be lent: beyond the flow's fair share (its weight's share of

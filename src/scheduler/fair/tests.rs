@@ -1588,6 +1588,22 @@ fn a_burst_stays_a_burst_after_its_mean_catches_up() {
 }
 
 #[test]
+fn a_fleet_member_holds_the_deployments_spread() {
+    // Seed 000's A (18) and C (9) on a replica of 64: ceil(27 + 3 √27) - 27 = 16 held alone.
+    // As one of three replicas of 192, the margin is 3 / √3 standard deviations:
+    // ceil(27 + 1.73 √27) - 27 = 9. (The deployment holds about 3 × 9 for three such
+    // replicas, what one replica with all of their demand would hold, 3 √81 = 27.)
+    let (mut q, _) = steady(64, &[("a", class(2), 18), ("c", class(2), 9)]);
+    assert_eq!(q.held(), 16);
+    q.set_global_limit(64);
+    assert_eq!(q.held(), 16, "its own limit: alone");
+    q.set_global_limit(192);
+    assert_eq!(q.held(), 9);
+    assert_eq!(grants(&mut q, "b", class(1), 200), 64 - 27 - 9);
+    check_structure(&q);
+}
+
+#[test]
 fn without_headroom_a_burst_takes_every_free_slot() {
     let mut q = FairQueue::new(64);
     for _ in 0..27 {
