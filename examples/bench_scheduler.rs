@@ -78,6 +78,7 @@ impl Scenario {
                 Headroom {
                     window: Duration::from_secs(10),
                     sigmas: 3.0,
+                    pace: true,
                 },
             )
         } else {

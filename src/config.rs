@@ -382,6 +382,10 @@ pub struct HeadroomConfig {
     /// Held slots beyond the protected tenants' mean, in standard deviations of a Poisson
     /// count (√mean). 0 holds only what they recently used and do not hold now.
     pub margin_sigmas: f64,
+    /// Pace a bursting tenant's admissions while steady tenants have demand: one start per
+    /// `hold time / fair share`, the rate of a steady tenant at its share, so a burst's prompts
+    /// do not all reach the engine's prefill at once (`scheduler::fair`, "Pacing a burst").
+    pub pace_bursts: bool,
 }
 
 impl Default for HeadroomConfig {
@@ -390,6 +394,7 @@ impl Default for HeadroomConfig {
             enabled: true,
             window_ms: 10_000,
             margin_sigmas: 3.0,
+            pace_bursts: true,
         }
     }
 }

@@ -42,6 +42,7 @@ pub const QUEUED: &str = "tollgate_queued_requests";
 pub const QUEUED_BODY_BYTES: &str = "tollgate_queued_body_bytes";
 pub const HEADROOM_HELD: &str = "tollgate_scheduler_headroom_held_slots";
 pub const LENT: &str = "tollgate_scheduler_lent_slots";
+pub const PACED: &str = "tollgate_scheduler_paced_requests_total";
 pub const STANDBY: &str = "tollgate_scheduler_standby_slots";
 pub const QUEUE_WAIT: &str = "tollgate_queue_wait_seconds";
 pub const SCHEDULER_SUBMITTED: &str = "tollgate_scheduler_submitted_total";
@@ -154,6 +155,8 @@ pub struct SchedulerGauges {
     pub lent: u32,
     /// Slots kept free for tenants the fleet gives all they ask.
     pub standby: u32,
+    /// Requests that arrived while their tenant's starts were paced, since start-up.
+    pub paced: u64,
 }
 
 /// Where a replica stands with the fleet that shares its store's budget: the `standing` label
@@ -423,6 +426,7 @@ struct Inner {
     headroom_held: Gauge,
     lent: Gauge,
     standby: Gauge,
+    paced: Counter,
     controller_actions: Vec<Counter>,
     /// The `action` of each of `controller_actions`.
     actions: Vec<&'static str>,
@@ -609,6 +613,14 @@ impl Metrics {
             "Slots in flight that were lent: granted beyond their tenant's fair share of the \
              budget while it was not steady (scheduler.headroom), now.",
         );
+        r.describe_counter(
+            PACED,
+            Unit::Count,
+            "Requests that found a free slot their tenant could not take because it was paced \
+             (bursting beside steady tenants: at most the start rate of its fair share, \
+             scheduler.headroom.pace_bursts); each waited for its pace, or was refused with its \
+             tenant's queue full.",
+        );
         r.describe_histogram(
             QUEUE_WAIT,
             Unit::Seconds,
@@ -775,6 +787,7 @@ impl Metrics {
             headroom_held: r.gauge(HEADROOM_HELD, &[]),
             lent: r.gauge(LENT, &[]),
             standby: r.gauge(STANDBY, &[]),
+            paced: r.counter(PACED, &[]),
             controller_actions: actions
                 .iter()
                 .map(|action| r.counter(CONTROLLER_ACTIONS, &[("action", action)]))
@@ -946,6 +959,7 @@ impl Metrics {
         self.inner.headroom_held.set(f64::from(load.held));
         self.inner.lent.set(f64::from(load.lent));
         self.inner.standby.set(f64::from(load.standby));
+        self.inner.paced.absolute(load.paced);
     }
 
     pub fn scheduler_submitted(&self, tier: usize) {

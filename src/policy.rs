@@ -405,6 +405,7 @@ impl Policy {
                 headroom: scheduler.headroom.enabled.then(|| Headroom {
                     window: Duration::from_millis(scheduler.headroom.window_ms),
                     sigmas: scheduler.headroom.margin_sigmas,
+                    pace: scheduler.headroom.pace_bursts,
                 }),
             },
             control: config.control.clone(),

@@ -34,6 +34,8 @@ struct State {
     /// The deployment's limit: `fair`'s own on a lone replica, the fleet's whole budget when
     /// this replica holds a share of it. Reservations (a percentage) are of this.
     global_limit: u32,
+    /// The earliest wake-up armed for a paced request (`fair`, "Pacing a burst").
+    pace_wake: Option<Instant>,
 }
 
 /// The body bytes that queued requests hold, against a cap. A waiting request keeps its body in
@@ -95,6 +97,9 @@ pub struct Load {
     pub lent: u32,
     /// Slots kept free for tenants the fleet gives all they ask (`fair`, "Standby slots").
     pub standby: u32,
+    /// Requests that arrived while their tenant was paced, since start-up (`fair`, "Pacing a
+    /// burst").
+    pub paced: u64,
 }
 
 impl Load {
@@ -121,6 +126,7 @@ impl From<Load> for SchedulerGauges {
             held: load.held,
             lent: load.lent,
             standby: load.standby,
+            paced: load.paced,
         }
     }
 }
@@ -146,6 +152,7 @@ impl Scheduler {
                     cap: max_queued_body_bytes,
                 },
                 global_limit: limit.max(1),
+                pace_wake: None,
             }),
         })
     }
@@ -246,6 +253,7 @@ impl Scheduler {
             held: state.fair.held(),
             lent: state.fair.lent(),
             standby: state.fair.standby(),
+            paced: state.fair.paced(),
         }
     }
 
@@ -275,14 +283,33 @@ impl Scheduler {
         self.dispatch(state);
     }
 
-    /// Hands free slots to waiting requests, outside the lock.
+    /// Hands free slots to waiting requests, outside the lock; if what waits beside free slots
+    /// is paced, wakes up when it may start.
     fn dispatch(self: &Arc<Self>, mut state: MutexGuard<'_, State>) {
         let mut granted = Vec::new();
         while let Some((flow, waiter)) = state.fair.dispatch_next() {
             state.note_in_flight();
             granted.push((flow, waiter));
         }
+        // Only where a timer can be armed: a wake-up recorded but never armed would keep every
+        // later one from being armed. One already due is no reason to skip another (it may be
+        // a task that will never run: its runtime is shutting down).
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        let now = Instant::now();
+        let wake = runtime.as_ref().and_then(|_| {
+            state.fair.next_pace_at().filter(|at| {
+                state
+                    .pace_wake
+                    .is_none_or(|armed| *at < armed || armed <= now)
+            })
+        });
+        if wake.is_some() {
+            state.pace_wake = wake;
+        }
         drop(state);
+        if let (Some(runtime), Some(at)) = (runtime, wake) {
+            self.wake_at(&runtime, at);
+        }
         for (flow, waiter) in granted {
             let permit = Permit {
                 scheduler: self.clone(),
@@ -292,6 +319,24 @@ impl Scheduler {
             // releasing the slot (and dispatching the next request) exactly once.
             let _ = waiter.send(permit);
         }
+    }
+
+    /// Dispatches at `at`, when a paced request may start. An earlier event may dispatch it
+    /// first; the wake-up then finds nothing to do. Holds the scheduler weakly, so a wake-up
+    /// outliving it is a no-op. (Outside a runtime none is armed, and a paced request waits
+    /// for the next event; tollgate's scheduler always runs in one.)
+    fn wake_at(self: &Arc<Self>, runtime: &tokio::runtime::Handle, at: Instant) {
+        let scheduler = Arc::downgrade(self);
+        runtime.spawn(async move {
+            tokio::time::sleep_until(at).await;
+            if let Some(scheduler) = scheduler.upgrade() {
+                let mut state = scheduler.lock_at_now();
+                if state.pace_wake == Some(at) {
+                    state.pace_wake = None;
+                }
+                scheduler.dispatch(state);
+            }
+        });
     }
 
     /// The lock, with the fair queue's clock moved to now (its headroom decays with time).

@@ -548,6 +548,7 @@ fn scheduler_events_move_their_series() {
         held: 5,
         lent: 7,
         standby: 2,
+        paced: 11,
     });
     metrics.scheduler_submitted(premium);
     metrics.scheduler_outcome(premium, SchedulerOutcome::QueueTimeout);
@@ -559,6 +560,7 @@ fn scheduler_events_move_their_series() {
     assert_eq!(value(&scraped, HEADROOM_HELD, &[]), 5.0);
     assert_eq!(value(&scraped, LENT, &[]), 7.0);
     assert_eq!(value(&scraped, STANDBY, &[]), 2.0);
+    assert_eq!(value(&scraped, PACED, &[]), 11.0);
     assert_eq!(value(&scraped, QUEUED_BODY_BYTES, &[]), 83.0 + 1_048_576.0);
     assert_eq!(
         value(&scraped, SCHEDULER_SUBMITTED, &[("tier", "premium")]),

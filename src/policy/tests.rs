@@ -1018,6 +1018,7 @@ fn headroom_settings_are_checked_and_off_means_none() {
         Some(Headroom {
             window: Duration::from_secs(10),
             sigmas: 3.0,
+            pace: true,
         }),
         "on by default"
     );

@@ -1377,9 +1377,11 @@ fn a_flow_reports_the_mean_cost_of_its_requests() {
 // ---------------------------------------------------------------------------------------------
 // Headroom: isolation without caps.
 
+/// The headroom without pacing: what the tables below were written for (pacing has its own).
 const HEADROOM: Headroom = Headroom {
     window: Duration::from_secs(10),
     sigmas: 3.0,
+    pace: false,
 };
 
 /// A queue with headroom whose steady flows have held `in_flight` slots for six windows, so
@@ -1756,11 +1758,14 @@ impl Driver {
 /// exactly once, and when the queue settles with slots free, what waits is held back.
 #[test]
 fn random_operations_with_headroom_keep_the_invariants() {
-    for seed in 0..20u64 {
+    let mut paced_seen = 0;
+    for (seed, headroom) in
+        (0..40u64).map(|seed| (seed, if seed % 2 == 0 { HEADROOM } else { PACED }))
+    {
         let mut rng = Lcg(seed);
         let start = Instant::now();
         let mut clock = start;
-        let mut q: FairQueue<u64> = FairQueue::with_headroom(1 + rng.below(40) as u32, HEADROOM);
+        let mut q: FairQueue<u64> = FairQueue::with_headroom(1 + rng.below(40) as u32, headroom);
         q.advance(clock);
         let mut driver = Driver::default();
         for id in 0..3_000u64 {
@@ -1781,11 +1786,28 @@ fn random_operations_with_headroom_keep_the_invariants() {
                     q.held_back(first),
                     "seed {seed}: a free slot and a runnable head"
                 );
+                // Every flow the dispatch looked at and left for its pace alone is one the
+                // caller is told when to dispatch again, no later than its time.
+                let key = *q.order.first().expect("something waits");
+                let looked: Vec<u32> = std::iter::once(first)
+                    .chain(q.look_past_paced(&key).map(|key| key.flow))
+                    .collect();
+                for index in looked {
+                    if q.held_back_by_pace_alone(index) {
+                        paced_seen += 1;
+                        let until = q.paced_until(q.flow(index)).expect("paced");
+                        assert!(
+                            q.next_pace_at().is_some_and(|at| at > clock && at <= until),
+                            "seed {seed}: no wake-up for a paced flow"
+                        );
+                    }
+                }
             }
             check_structure(&q);
         }
         driver.finish(&q);
     }
+    assert!(paced_seen > 0, "pacing is exercised");
 }
 
 #[test]
@@ -1953,4 +1975,288 @@ fn random_operations_with_standby_slots_keep_the_invariants() {
         }
         driver.finish(&q);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pacing a burst.
+
+/// The headroom with pacing, as configured by default.
+const PACED: Headroom = Headroom {
+    pace: true,
+    ..HEADROOM
+};
+
+/// A queue whose `flows` each hold their slots, one released and the next started every `hold
+/// / slots`, for six windows: their means and the budget's turnover (slots in flight over
+/// starts per second, so a slot is held `hold`) have converged. The churn runs unpaced (the
+/// flows' own ramps would otherwise be paced while their means catch up) and `headroom` applies
+/// from its end.
+fn churning(
+    limit: u32,
+    headroom: Headroom,
+    flows: &[(&'static str, FlowClass, u32)],
+    hold: Duration,
+) -> (FairQueue<u32>, Instant) {
+    let start = Instant::now();
+    let unpaced = Headroom {
+        pace: false,
+        ..headroom
+    };
+    let mut q = FairQueue::with_headroom(limit, unpaced);
+    q.advance(start);
+    let mut next = Vec::new();
+    for &(tenant, class, slots) in flows {
+        let keys: Vec<FlowKey> = (0..slots)
+            .map(|_| granted(q.submit(tenant, class, 1, 0)))
+            .collect();
+        let every = hold / slots;
+        next.push((start + every, every, tenant, class, keys[0]));
+    }
+    let end = start + headroom.window * 6;
+    while let Some(i) = (0..next.len()).min_by_key(|&i| next[i].0)
+        && next[i].0 <= end
+    {
+        let (at, every, tenant, class, key) = next[i];
+        q.advance(at);
+        q.release(key);
+        let key = granted(q.submit(tenant, class, 1, 0));
+        next[i] = (at + every, every, tenant, class, key);
+    }
+    q.advance(end);
+    q.headroom = Some(headroom);
+    (q, end)
+}
+
+#[test]
+fn a_burst_beside_steady_tenants_starts_at_the_pace_of_a_steady_tenant_at_its_share() {
+    struct Case {
+        what: &'static str,
+        headroom: Headroom,
+        steady: Vec<(&'static str, FlowClass, u32)>,
+        burst: FlowClass,
+        /// The burst's requests granted at once, of 40.
+        granted: u32,
+        /// The pace after that, in ms, within 10 %: `None` when nothing is paced.
+        pace_ms: Option<f64>,
+    }
+    // Seed 000's shape: A and C (weight 2) hold 16 and 8 of 64, each slot for 2 s; B (1) bursts.
+    // B's fair share is 64 / 5 = 12.8, so its pace is 2 s / 12.8 = 156 ms, with a tolerance of
+    // 3 (the margin's sigmas) starts ahead of it: 4 at once, then one per pace.
+    let seed000 = || vec![("a", class(2), 16), ("c", class(2), 8)];
+    let cases = [
+        Case {
+            what: "seed 000: 1 + 3 slots at once, then one per 156 ms",
+            headroom: PACED,
+            steady: seed000(),
+            burst: class(1),
+            granted: 4,
+            pace_ms: Some(156.0),
+        },
+        Case {
+            // The steady flows are expected to need ceil(24 + 3 √24) = 39, 15 more than they
+            // hold: B fills 64 - 24 - 15 = 25 at once.
+            what: "without pacing: all the headroom leaves, at once",
+            headroom: HEADROOM,
+            steady: seed000(),
+            burst: class(1),
+            granted: 25,
+            pace_ms: None,
+        },
+        Case {
+            // A weight of 4 of 8: a share of 32, a pace of 2 s / 32 = 62.5 ms.
+            what: "a heavier burst's share is larger and its pace shorter",
+            headroom: PACED,
+            steady: seed000(),
+            burst: class(4),
+            granted: 4,
+            pace_ms: Some(62.5),
+        },
+        Case {
+            what: "alone: nobody to protect, the whole budget at once",
+            headroom: PACED,
+            steady: vec![],
+            burst: class(1),
+            granted: 40,
+            pace_ms: None,
+        },
+        Case {
+            // Below its reservation a flow is never held back, and those starts are not paced:
+            // 6, then the 4 of any burst.
+            what: "a reservation first",
+            headroom: PACED,
+            steady: seed000(),
+            burst: reserved(1, 6),
+            granted: 10,
+            pace_ms: Some(156.0),
+        },
+        Case {
+            // The steady flows are in band 1: nobody of B's band or above is protected.
+            what: "a higher band than the steady tenants'",
+            headroom: PACED,
+            steady: vec![("a", banded(2, 1), 16), ("c", banded(2, 1), 8)],
+            burst: banded(1, 0),
+            granted: 40,
+            pace_ms: None,
+        },
+    ];
+    for case in cases {
+        let (mut q, now) = churning(64, case.headroom, &case.steady, Duration::from_secs(2));
+        let granted_now = grants(&mut q, "b", case.burst, 40);
+        assert_eq!(granted_now, case.granted, "{}: granted at once", case.what);
+        assert!(q.dispatch_next().is_none(), "{}", case.what);
+        // The tolerance is to the nearest start (`sigmas + 0.5` paces), so the first paced start
+        // comes half a pace after the ones at once, and each next one a pace after it.
+        let ms = |from: Instant, to: Instant| to.duration_since(from).as_secs_f64() * 1000.0;
+        let waits = q.next_pace_at().map(|first| {
+            q.advance(first);
+            assert!(
+                q.dispatch_next().is_some(),
+                "{}: runs at its time",
+                case.what
+            );
+            let second = q.next_pace_at().expect("still paced");
+            (ms(now, first), ms(first, second))
+        });
+        match (waits, case.pace_ms) {
+            (Some((first, pace)), Some(want)) => assert!(
+                (first - want / 2.0).abs() <= want * 0.05 && (pace - want).abs() <= want * 0.1,
+                "{}: first after {first:.1} ms, then {pace:.1} ms, want {want} ms",
+                case.what
+            ),
+            (None, None) => {}
+            (got, want) => panic!("{}: waits {got:?}, want {want:?}", case.what),
+        }
+        // A steady tenant's next request, within its usual load, is never paced.
+        if !case.steady.is_empty() && case.pace_ms.is_some() {
+            let (tenant, class, _) = case.steady[0];
+            granted(q.submit(tenant, class, 1, 0));
+        }
+    }
+}
+
+#[test]
+fn a_paced_burst_reaches_its_fair_share_within_one_hold_time() {
+    let hold = Duration::from_secs(2);
+    let steady = [("a", class(2), 16), ("c", class(2), 8)];
+    let (mut q, start) = churning(64, PACED, &steady, hold);
+    // B's queue holds its burst (40 requests); 1 + 3 run at once.
+    assert_eq!(grants(&mut q, "b", class(1), 40), 4);
+    let mut held_by_b = 4;
+    let mut starts = vec![Duration::ZERO];
+    while let Some(at) = q.next_pace_at() {
+        if at > start + hold {
+            break;
+        }
+        // Nothing runs before its time...
+        q.advance(at - Duration::from_millis(1));
+        assert!(q.dispatch_next().is_none(), "dispatched before its pace");
+        // ... and one request at it.
+        q.advance(at);
+        assert!(
+            q.dispatch_next().is_some(),
+            "paced request runs at its time"
+        );
+        assert!(q.dispatch_next().is_none(), "one per pace");
+        held_by_b += 1;
+        starts.push(at.duration_since(start));
+    }
+    // 4 and then 12.8 more in 2 s (one per 156 ms), where unpaced it took 25 at once; the
+    // turnover moves as B's slots join, so a little either way.
+    assert!(
+        (15..=19).contains(&held_by_b),
+        "B holds {held_by_b} after one hold time: {starts:?}"
+    );
+    assert_eq!(q.in_flight(), 24 + held_by_b);
+}
+
+#[test]
+fn a_tenant_ramping_to_a_new_everyday_load_is_paced_but_not_held_back() {
+    // Pacing does not mark a flow as held back, so once its mean catches up it is steady and
+    // protected like any other (the headroom's "held back within the window" would instead keep
+    // it a burst for a window).
+    let hold = Duration::from_secs(2);
+    let (mut q, now) = churning(64, PACED, &[("a", class(2), 8)], hold);
+    assert_eq!(grants(&mut q, "c", class(2), 5), 4, "the fifth is paced");
+    let c = q.by_name["c"];
+    assert!(q.flow(c).held_back_at.is_none());
+    let at = q.next_pace_at().expect("paced");
+    assert!(at > now);
+    q.advance(at);
+    assert!(q.dispatch_next().is_some(), "the fifth runs at its pace");
+    // C holds its 5 for three windows: its mean catches up, it is no longer bursting, and its
+    // next request is granted at once and counted as protected.
+    q.advance(at + HEADROOM.window * 3);
+    granted(q.submit("c", class(2), 1, 0));
+    assert!(
+        q.flow(c).protected,
+        "C is protected once its mean has caught up"
+    );
+    assert_eq!(q.paced(), 1);
+}
+
+#[test]
+fn a_flow_that_ran_unpaced_waits_at_most_one_pace_when_it_bursts() {
+    // A holds 40 slots, each for 2 s: 20 starts a second. Alone for a minute (its mean catches
+    // up), then beside C (weight 2, two slots) for another: its share is 64 / 3 = 21, so its
+    // pace is about 2 s / 21 = 94 ms, and each of its starts, none paced (it is steady), moves
+    // its arrival time by that. Unbounded, that time would run ahead of the clock by about a
+    // second a second.
+    let mut q: FairQueue<u32> = FairQueue::with_headroom(64, PACED);
+    let mut now = Instant::now();
+    q.advance(now);
+    let mut held: VecDeque<FlowKey> = (0..40)
+        .map(|_| granted(q.submit("a", class(1), 1, 0)))
+        .collect();
+    for step in 0..2_400 {
+        if step == 1_200 {
+            granted(q.submit("c", class(2), 1, 0));
+            granted(q.submit("c", class(2), 1, 0));
+        }
+        now += Duration::from_millis(50);
+        q.advance(now);
+        q.release(held.pop_front().expect("held"));
+        held.push_back(granted(q.submit("a", class(1), 1, 0)));
+    }
+    let a = q.by_name["a"];
+    assert_eq!(q.paced(), 0, "A is steady: never paced");
+    let pace = q.pace(q.flow(a)).expect("a turnover");
+    assert!(pace > Duration::from_millis(80), "{pace:?}");
+    let next = q.flow(a).next_start_at.expect("a fair start");
+    assert!(
+        next <= now + pace,
+        "A's next start is {:?} away, more than its pace of {pace:?}",
+        next.duration_since(now)
+    );
+}
+
+#[test]
+fn a_flow_queued_behind_a_paced_burst_runs_beside_free_slots() {
+    // Seed 000's heavy-steady stalled this way before the look-ahead: A, queued once, sat behind
+    // B (paced, first in fair order and fewest slots per weight) beside 30 free slots.
+    let (mut q, _) = churning(
+        64,
+        PACED,
+        &[("a", class(2), 20), ("c", class(2), 8)],
+        Duration::from_secs(2),
+    );
+    assert_eq!(grants(&mut q, "b", class(1), 6), 4, "4 at once, 2 paced");
+    // A keeps running its usual load, at once; its starts move the fair order's virtual time
+    // past B's queued head.
+    let a = q.by_name["a"];
+    for _ in 0..10 {
+        q.release(q.flow_key(a));
+        assert!(q.dispatch_next().is_none(), "B is paced");
+        granted(q.submit("a", class(2), 1, 0));
+    }
+    // A request of A's that finds no slot queues; then slots free up.
+    q.set_limit(q.in_flight());
+    queued(q.submit("a", class(2), 1, 7));
+    q.set_limit(64);
+    let b = q.by_name["b"];
+    assert_eq!(q.order.first().map(|key| key.flow), Some(b), "B first");
+    assert_eq!(q.by_usage.first().map(|key| key.flow), Some(b), "B fewest");
+    assert!(q.paced_until(q.flow(b)).is_some());
+    assert_eq!(q.dispatch_next().map(|(_, id)| id), Some(7), "A runs");
+    assert!(q.dispatch_next().is_none(), "B still waits for its pace");
+    check_structure(&q);
 }
