@@ -228,6 +228,32 @@ async fn a_ticket_gives_its_body_bytes_back_however_it_leaves_the_queue() {
     assert_eq!(scheduler.load().queued_body_bytes, 1_000);
 }
 
+/// A 48-slot scheduler with the headroom (paced or not) and a steady tenant holding 12 slots,
+/// one finishing and the next starting every `every`, `times` times: on tokio's paused clock,
+/// its mean and the budget's turnover build up as time passes.
+async fn with_a_steady_tenant(
+    pace: bool,
+    every: Duration,
+    times: u32,
+) -> (Arc<Scheduler>, Vec<Permit>) {
+    let headroom = Headroom {
+        window: Duration::from_secs(10),
+        sigmas: 3.0,
+        pace,
+    };
+    let scheduler = Scheduler::new(48, UNCAPPED, Some(headroom));
+    let steady = class(8);
+    let mut steady_permits: Vec<Permit> = (0..12)
+        .map(|_| now(scheduler.submit("steady", steady, 1, 0)))
+        .collect();
+    for _ in 0..times {
+        tokio::time::advance(every).await;
+        steady_permits.remove(0);
+        steady_permits.push(now(scheduler.submit("steady", steady, 1, 0)));
+    }
+    (scheduler, steady_permits)
+}
+
 /// The headroom through the facade, on tokio's paused clock: a steady tenant's means build up
 /// as time passes, a burst then gets its fair share and what the steady tenant will not need,
 /// the steady tenant's next requests go at once, and the burst's waiting requests run once
@@ -235,22 +261,10 @@ async fn a_ticket_gives_its_body_bytes_back_however_it_leaves_the_queue() {
 /// are no demand for the controller.
 #[tokio::test(start_paused = true)]
 async fn a_burst_cannot_take_the_slots_a_steady_tenant_is_about_to_need() {
-    let headroom = Headroom {
-        window: Duration::from_secs(10),
-        sigmas: 3.0,
-        pace: false,
-    };
-    let scheduler = Scheduler::new(48, UNCAPPED, Some(headroom));
-    let steady = class(8);
-    let mut steady_permits: Vec<Permit> = (0..12)
-        .map(|_| now(scheduler.submit("steady", steady, 1, 0)))
-        .collect();
     // A minute of steady load: one request finishes and one starts every second.
-    for _ in 0..60 {
-        tokio::time::advance(Duration::from_secs(1)).await;
-        steady_permits.remove(0);
-        steady_permits.push(now(scheduler.submit("steady", steady, 1, 0)));
-    }
+    let (scheduler, mut steady_permits) =
+        with_a_steady_tenant(false, Duration::from_secs(1), 60).await;
+    let steady = class(8);
 
     // Fair shares 24 of 48 each; the steady tenant is expected to need up to
     // ceil(12 + 3 √12) = 23, 11 more than it holds: the burst gets its 24, one lent, and its
@@ -291,27 +305,14 @@ async fn a_burst_cannot_take_the_slots_a_steady_tenant_is_about_to_need() {
 }
 
 /// Pacing through the facade, on tokio's paused clock: beside a steady tenant, a burst's first
-/// request runs at once and the next ones wait for their pace with slots free, each woken by
-/// the scheduler's own timer (nothing else happens meanwhile), one per pace.
+/// four requests run at once and the next ones wait for their pace with slots free, each woken
+/// by the scheduler's own timer (nothing else happens meanwhile), one per pace.
 #[tokio::test(start_paused = true)]
 async fn a_paced_burst_is_woken_at_its_pace_with_nothing_else_happening() {
-    let headroom = Headroom {
-        window: Duration::from_secs(10),
-        sigmas: 3.0,
-        pace: true,
-    };
-    let scheduler = Scheduler::new(48, UNCAPPED, Some(headroom));
-    let steady = class(8);
     // A minute of steady load: 12 slots, each held 3 s (one finishes and one starts every
     // 250 ms).
-    let mut steady_permits: Vec<Permit> = (0..12)
-        .map(|_| now(scheduler.submit("steady", steady, 1, 0)))
-        .collect();
-    for _ in 0..240 {
-        tokio::time::advance(Duration::from_millis(250)).await;
-        steady_permits.remove(0);
-        steady_permits.push(now(scheduler.submit("steady", steady, 1, 0)));
-    }
+    let (scheduler, _steady_permits) =
+        with_a_steady_tenant(true, Duration::from_millis(250), 240).await;
 
     // The burst's share is 24 of 48 (equal weights): one start per 3 s / 24 = 125 ms, and 3
     // (the margin's sigmas) ahead of that pace: 4 at once.
