@@ -206,6 +206,9 @@ fn remove_list_item(yaml: &str, header: &str) -> Result<String> {
     Ok(kept.join("\n") + "\n")
 }
 
+/// How many times `Envoy::launch` starts Envoy on fresh ports after a port was taken.
+const PORT_ATTEMPTS: u32 = 3;
+
 /// A running Envoy; killed (and reaped) on drop.
 pub struct Envoy {
     /// Where clients connect (the rendered listener).
@@ -236,6 +239,11 @@ impl Envoy {
     }
 
     /// Renders `config` with `ports` and starts `binary` on it (see [`Envoy::launch_rendered`]).
+    ///
+    /// Envoy's own two ports are picked free and then bound by Envoy, so another process can
+    /// take one in between (tests start processes at once; a clean-clone CI run lost one this
+    /// way): an Envoy that exits saying so is started again with fresh listener and admin
+    /// ports, up to `PORT_ATTEMPTS` times. The returned `listen` and `admin` are the ones bound.
     pub async fn launch(
         binary: &Path,
         name: &str,
@@ -243,8 +251,24 @@ impl Envoy {
         ports: &EnvoyPorts,
         dir: Option<&Path>,
     ) -> Result<Envoy> {
-        let rendered = render_config(config, ports)?;
-        Envoy::launch_rendered(binary, name, &rendered, ports.listen, ports.admin, dir).await
+        let mut ports = *ports;
+        let mut attempt = 1;
+        loop {
+            let rendered = render_config(config, &ports)?;
+            match Envoy::launch_rendered(binary, name, &rendered, ports.listen, ports.admin, dir)
+                .await
+            {
+                Err(error)
+                    if attempt < PORT_ATTEMPTS
+                        && format!("{error:#}").contains("Address already in use") =>
+                {
+                    attempt += 1;
+                    ports.listen = free_port();
+                    ports.admin = free_port();
+                }
+                outcome => return outcome,
+            }
+        }
     }
 
     /// Starts `binary` on `config`, whose ports the caller rendered (for configs outside the
