@@ -25,7 +25,8 @@
 //! With `replicas: N` the lab starts N tollgate replicas sharing one budget through a
 //! redis-server of its own, behind the one Envoy (see `lab/stack.rs`), and reports the
 //! deployment's figures plus each replica's. `lab --compare BASE/summary.json
-//! OTHER/summary.json` prints the ratios of two results, run by run.
+//! OTHER/summary.json` prints the ratios of two results, run by run; `lab --slice
+//! <out>/<run> FROM TO` one run's tail latencies and budget use over a span of its time.
 //!
 //! Output: a seed-style table per run and an overview on stdout, a progress line on stderr,
 //! and under `--out` (default `target/lab/<scenario>/`): `summary.json`, `summary.csv`,
@@ -57,12 +58,18 @@ use stack::{Binaries, Stack};
 #[command(name = "lab", about = "Run a load-lab scenario (see docs/lab.md)")]
 struct Args {
     /// The scenario file.
-    #[arg(required_unless_present = "compare")]
+    #[arg(required_unless_present_any = ["compare", "slice"])]
     scenario: Option<PathBuf>,
     /// Compare two runs' results instead of running anything: `BASE OTHER`, two `summary.json`
     /// files (e.g. one replica against three); prints a table of ratios, run by run.
     #[arg(long, num_args = 2, value_names = ["BASE", "OTHER"])]
     compare: Vec<PathBuf>,
+    /// Summarise a finished run over a span of its simulated time instead of running anything:
+    /// `RUN FROM TO`, RUN being `<out>/<run name>` (its `.requests.csv` and `.samples.json`);
+    /// prints each tenant's median and p99 TTFT of the arrivals in [FROM, TO) s and tollgate's
+    /// mean limit and in-flight count over the samples in it.
+    #[arg(long, num_args = 3, value_names = ["RUN", "FROM", "TO"])]
+    slice: Vec<String>,
     /// Simulated seconds per real second [default: the scenario's `time_scale`].
     #[arg(long)]
     time_scale: Option<f64>,
@@ -100,6 +107,22 @@ async fn lab(args: &Args) -> Result<()> {
             serde_json::from_str(&text).with_context(|| format!("parse {}", path.display()))
         };
         print!("{}", report::compare(&read(base)?, &read(other)?));
+        return Ok(());
+    }
+    if let [run, from, to] = &args.slice[..] {
+        let read = |suffix: &str| {
+            let path = format!("{run}.{suffix}");
+            std::fs::read_to_string(&path).with_context(|| format!("read {path}"))
+        };
+        let samples: Value = serde_json::from_str(&read("samples.json")?)
+            .with_context(|| format!("parse {run}.samples.json"))?;
+        let (from, to): (f64, f64) = (
+            from.parse().context("FROM: seconds")?,
+            to.parse().context("TO: seconds")?,
+        );
+        let out = report::slice(&read("requests.csv")?, &samples, from, to)
+            .map_err(|error| anyhow::anyhow!("{run}: {error}"))?;
+        print!("{out}");
         return Ok(());
     }
     let scenario_file = args.scenario.as_ref().context("no scenario file")?;

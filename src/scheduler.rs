@@ -291,23 +291,23 @@ impl Scheduler {
             state.note_in_flight();
             granted.push((flow, waiter));
         }
-        // Only where a timer can be armed: a wake-up recorded but never armed would keep every
-        // later one from being armed. One already due is no reason to skip another (it may be
-        // a task that will never run: its runtime is shutting down).
-        let runtime = tokio::runtime::Handle::try_current().ok();
-        let now = Instant::now();
-        let wake = runtime.as_ref().and_then(|_| {
-            state.fair.next_pace_at().filter(|at| {
+        // A wake-up already due is no reason to skip another (it may be a task that will never
+        // run: its runtime is shutting down). Recorded only where a timer can be armed: one
+        // recorded but never armed would keep every later one from being armed.
+        let wake = state
+            .fair
+            .next_pace_at()
+            .filter(|at| {
                 state
                     .pace_wake
-                    .is_none_or(|armed| *at < armed || armed <= now)
+                    .is_none_or(|armed| *at < armed || armed <= Instant::now())
             })
-        });
-        if wake.is_some() {
-            state.pace_wake = wake;
+            .and_then(|at| Some((at, tokio::runtime::Handle::try_current().ok()?)));
+        if let Some((at, _)) = wake {
+            state.pace_wake = Some(at);
         }
         drop(state);
-        if let (Some(runtime), Some(at)) = (runtime, wake) {
+        if let Some((at, runtime)) = wake {
             self.wake_at(&runtime, at);
         }
         for (flow, waiter) in granted {

@@ -713,6 +713,79 @@ pub fn summary_csv(summaries: &[RunSummary]) -> String {
     out
 }
 
+/// One finished run over a span of its simulated time, `[from, to)` seconds (`lab --slice`):
+/// per tenant, the p99 and median TTFT of the completed requests that arrived in it, from the
+/// run's `<run>.requests.csv`; and the means of tollgate's limit, its in-flight count and their
+/// ratio over the samples in it (those with a limit), from `<run>.samples.json`. For figures a
+/// whole run's summary cannot give: a tenant's tail after its own cold start, a lone tenant's
+/// use of the budget.
+pub fn slice(requests_csv: &str, samples: &Value, from: f64, to: f64) -> Result<String, String> {
+    let mut lines = requests_csv.lines();
+    let header: Vec<&str> = lines.next().ok_or("no header")?.split(',').collect();
+    let column = |name: &str| {
+        header
+            .iter()
+            .position(|c| *c == name)
+            .ok_or(format!("no `{name}` column"))
+    };
+    let (tenant, arrival, status, ttft) = (
+        column("tenant")?,
+        column("arrival_s")?,
+        column("status")?,
+        column("ttft_ms")?,
+    );
+    let mut ttfts: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for line in lines {
+        let fields: Vec<&str> = line.split(',').collect();
+        let number = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
+        let entry = ttfts.entry(fields[tenant].to_owned()).or_default();
+        let at = number(arrival).ok_or(format!("bad arrival in `{line}`"))?;
+        if (from..to).contains(&at) && fields.get(status) == Some(&"200") {
+            entry.extend(number(ttft));
+        }
+    }
+    let mut out = format!(
+        "arrivals in [{from}, {to}) s\n\n| tenant | completed | median TTFT | p99 TTFT |\n|---|---|---|---|\n"
+    );
+    let ms =
+        |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{} ms", thousands(v.round())));
+    for (name, values) in &ttfts {
+        let _ = writeln!(
+            out,
+            "| {name} | {} | {} | {} |",
+            values.len(),
+            ms(percentile(values, 50.0)),
+            ms(percentile(values, 99.0))
+        );
+    }
+    let in_span: Vec<(f64, f64)> = samples
+        .as_array()
+        .ok_or("samples are not an array")?
+        .iter()
+        .filter(|s| s["t"].as_f64().is_some_and(|t| (from..to).contains(&t)))
+        .filter_map(|s| {
+            Some((
+                s["tollgate_limit"].as_f64()?,
+                s["tollgate_inflight"].as_f64()?,
+            ))
+        })
+        .filter(|(limit, _)| *limit > 0.0)
+        .collect();
+    if !in_span.is_empty() {
+        let n = in_span.len() as f64;
+        let mean = |f: &dyn Fn(&(f64, f64)) -> f64| in_span.iter().map(f).sum::<f64>() / n;
+        let _ = writeln!(
+            out,
+            "\ntollgate over {} samples: mean limit {:.1}, mean in flight {:.1}, mean in flight / limit {:.1} %",
+            in_span.len(),
+            mean(&|(limit, _)| *limit),
+            mean(&|(_, in_flight)| *in_flight),
+            100.0 * mean(&|(limit, in_flight)| in_flight / limit)
+        );
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -738,5 +811,30 @@ mod tests {
         ] {
             assert_eq!(thousands(n), want);
         }
+    }
+
+    #[test]
+    fn a_slice_counts_the_completed_arrivals_in_its_span_and_the_samples_in_it() {
+        let csv = "tenant,arrival_s,status,reason,ttft_ms,e2e_ms\n\
+                   A,1.0,200,,100,900\n\
+                   A,2.0,200,,300,900\n\
+                   A,2.5,503,queue_full,,\n\
+                   A,9.0,200,,5000,9000\n\
+                   B,0.5,200,,700,900\n";
+        let samples = serde_json::json!([
+            {"t": 1.0, "tollgate_limit": 10.0, "tollgate_inflight": 5.0},
+            {"t": 2.0, "tollgate_limit": 20.0, "tollgate_inflight": 20.0},
+            {"t": 9.0, "tollgate_limit": 20.0, "tollgate_inflight": 0.0},
+        ]);
+        let out = slice(csv, &samples, 1.0, 5.0).unwrap();
+        assert!(out.contains("| A | 2 | 100 ms | 300 ms |"), "{out}");
+        assert!(out.contains("| B | 0 | – | – |"), "{out}");
+        assert!(
+            out.contains(
+                "2 samples: mean limit 15.0, mean in flight 12.5, mean in flight / limit 75.0 %"
+            ),
+            "{out}"
+        );
+        assert!(slice("tenant,status\n", &samples, 0.0, 1.0).is_err());
     }
 }

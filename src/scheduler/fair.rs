@@ -102,8 +102,8 @@
 //! at which a steady tenant holding its fair share, `share` slots each held `hold`, starts
 //! them), with a tolerance of `sigmas` starts ahead of that pace: the spread of a Poisson count
 //! of one start per pace, so that a steady tenant's own clumps while its mean catches up at a
-//! cold start pass (seed 000's A: three arrivals in 0.2 s at 20 s, each delayed by up to a
-//! pace with no tolerance). It is the generic cell rate algorithm (`governor`'s): one
+//! cold start pass (without it, seed 000's A was paced at 20 s, its mean still lagging, and its
+//! p99 went over 1.3×). It is the generic cell rate algorithm (`governor`'s): one
 //! theoretical arrival time per flow (`Flow::pace_tat`). A burst takes `1 + sigmas` slots at
 //! once and then reaches its share in about one hold time instead of at once, and is paced only
 //! until its mean catches up (a few seconds with the default window): a flow whose arrivals
@@ -524,6 +524,17 @@ struct Flow {
     next_start_at: Option<Instant>,
 }
 
+/// Why a flow may not take a free slot now (`FairQueue::hold_back`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HoldBack {
+    /// It would be lent into the slots held for the protected flows.
+    Headroom,
+    /// It would take a standby slot it has no right to.
+    Standby,
+    /// It is bursting beside protected flows and its next start is not due.
+    Pace,
+}
+
 /// Which dispatch rule applies to a backlogged flow. Declaration order is dispatch order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Lane {
@@ -826,7 +837,8 @@ impl<T> FairQueue<T> {
         if self.in_flight < self.limit && nothing_eligible_waits {
             let index = existing.unwrap_or_else(|| self.insert_flow(tenant, class));
             // Never ahead of the flow's own queued requests.
-            if self.flow(index).queued == 0 && !self.held_back(index) {
+            let hold_back = self.hold_back(index);
+            if self.flow(index).queued == 0 && hold_back.is_none() {
                 self.flow_mut(index).note_submitted(cost);
                 let flow = self.flow(index);
                 let start = self.virtual_time[usize::from(flow.class.band)].max(flow.finish);
@@ -838,11 +850,13 @@ impl<T> FairQueue<T> {
             // refused) as if no slot were free. (Or behind its own queued requests, held back
             // the same way.) If the headroom is what holds it back, it is no steady tenant for
             // a window; standby slots kept for others say nothing about its own load.
-            if self.headroom_holds_back(self.flow(index)) {
-                let now = self.now;
-                self.flow_mut(index).held_back_at = now;
-            } else if self.paced_until(self.flow(index)).is_some() {
-                self.paced += 1;
+            match hold_back {
+                Some(HoldBack::Headroom) => {
+                    let now = self.now;
+                    self.flow_mut(index).held_back_at = now;
+                }
+                Some(HoldBack::Pace) => self.paced += 1,
+                Some(HoldBack::Standby) | None => {}
             }
             if self.flow(index).queued >= class.queue_max {
                 self.remove_flow_if_idle(index);
@@ -916,8 +930,8 @@ impl<T> FairQueue<T> {
             return Some(fewest);
         }
         // Pacing holds flows back one by one, not a band at once: the next flows in fair order
-        // may run (seed 000's heavy-steady: A, queued at a full budget, waited 1.6 s behind the
-        // paced burst at every release).
+        // may run (seed 000's heavy-steady: A, queued once, waited over a second beside free slots
+        // behind the paced burst).
         self.look_past_paced(first)
             .find(|key| !self.held_back(key.flow))
             .map(|key| key.flow)
@@ -942,26 +956,34 @@ impl<T> FairQueue<T> {
 
     /// Whether the flow's pace is all that keeps it from a free slot.
     fn held_back_by_pace_alone(&self, index: u32) -> bool {
-        let flow = self.flow(index);
-        let free = self.limit.saturating_sub(self.in_flight);
-        let standby_blocks = !flow.has_standby_right() && free <= self.standby();
-        self.paced_until(flow).is_some() && !standby_blocks && !self.headroom_holds_back(flow)
+        self.hold_back(index) == Some(HoldBack::Pace)
     }
 
     /// Whether one more slot for this flow would take a standby slot it has no right to (see
     /// "Standby slots"), or be lent beyond its fair share into the slots held for the protected
     /// flows (see "Headroom").
     fn held_back(&self, index: u32) -> bool {
+        self.hold_back(index).is_some()
+    }
+
+    /// Why one more slot for this flow is withheld, if it is: the headroom first (what marks a
+    /// flow as held back), then the standby slots, then its pace (so `Pace` is its pace alone).
+    fn hold_back(&self, index: u32) -> Option<HoldBack> {
         let flow = self.flow(index);
         // Nothing in flight: no release will come to dispatch what waits, so hold nothing.
         if self.in_flight == 0 || flow.lane() == Lane::Reserved {
-            return false;
+            return None;
         }
         let free = self.limit.saturating_sub(self.in_flight);
-        if !flow.has_standby_right() && free <= self.standby() {
-            return true;
+        if self.headroom_holds_back(flow) {
+            Some(HoldBack::Headroom)
+        } else if !flow.has_standby_right() && free <= self.standby() {
+            Some(HoldBack::Standby)
+        } else if self.paced_until(flow).is_some() {
+            Some(HoldBack::Pace)
+        } else {
+            None
         }
-        self.headroom_holds_back(flow) || self.paced_until(flow).is_some()
     }
 
     /// How long after one start a paced flow may start again: `hold / share`, the interval
@@ -989,13 +1011,7 @@ impl<T> FairQueue<T> {
         // Protected demand of its band or a higher one, other than its own.
         let (mut mean, _) = self.protected_upto(flow.class.band, headroom);
         if flow.protected {
-            mean -= decayed(
-                flow.mean,
-                flow.in_flight,
-                flow.mean_at,
-                self.now,
-                headroom.window,
-            );
+            mean -= self.mean_now(flow, headroom);
         }
         (mean >= 1.0).then_some(next_start_at)
     }
@@ -1086,14 +1102,18 @@ impl<T> FairQueue<T> {
         let Some(headroom) = self.headroom else {
             return false;
         };
-        let mean = decayed(
+        expected_need(self.mean_now(flow, headroom), 0, headroom).max(1) < in_flight
+    }
+
+    /// The flow's mean slots in flight as of now.
+    fn mean_now(&self, flow: &Flow, headroom: Headroom) -> f64 {
+        decayed(
             flow.mean,
             flow.in_flight,
             flow.mean_at,
             self.now,
             headroom.window,
-        );
-        expected_need(mean, 0, headroom).max(1) < in_flight
+        )
     }
 
     /// Whether the flow holds no more than its fair share.

@@ -2232,7 +2232,7 @@ fn a_flow_that_ran_unpaced_waits_at_most_one_pace_when_it_bursts() {
 #[test]
 fn a_flow_queued_behind_a_paced_burst_runs_beside_free_slots() {
     // Seed 000's heavy-steady stalled this way before the look-ahead: A, queued once, sat behind
-    // B (paced, first in fair order and fewest slots per weight) beside 30 free slots.
+    // B (paced, first in fair order and fewest slots per weight) beside free slots.
     let (mut q, _) = churning(
         64,
         PACED,
