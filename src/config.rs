@@ -368,11 +368,11 @@ pub struct SchedulerConfig {
 
 /// A tenant beyond its weighted fair share of the budget may take a free slot only while more
 /// stay free than the steady tenants are expected to need: their recent mean in flight
-/// (arrival rate × hold time) plus `margin_sigmas` × its square root. Learned, decays when they
-/// go quiet, nothing per tenant to set (`scheduler::fair`, "Headroom"). On by default: in the
-/// lab it keeps seed 000's steady tenants near their baseline through bursts, long and double
-/// ones included, for about 2 % of seed 001's sweep's goodput (docs/lab.md, "Isolation without
-/// caps").
+/// (arrival rate × hold time) plus `margin_sigmas` × its square root, and no more than their
+/// arrivals need until releases refill what they take. Learned, decays when they go quiet,
+/// nothing per tenant to set (`scheduler::fair`, "Headroom"). On by default: in the lab it
+/// keeps seed 000's steady tenants near their baseline through bursts, long and double ones
+/// included (docs/lab.md, "Isolation without caps").
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HeadroomConfig {
@@ -380,7 +380,8 @@ pub struct HeadroomConfig {
     /// Time constant of each tenant's mean slots in flight: how long demand is remembered.
     pub window_ms: u64,
     /// Held slots beyond the protected tenants' mean, in standard deviations of a Poisson
-    /// count (√mean). 0 holds only what they recently used and do not hold now.
+    /// count (√mean). 0 holds only what they recently used and do not hold now. Its normal
+    /// tail (0.13 % at 3) is also how often their arrivals may find no held slot free.
     pub margin_sigmas: f64,
     /// Pace a bursting tenant's admissions while steady tenants have demand: one start per
     /// `hold time / fair share`, the rate of a steady tenant at its share, so a burst's prompts

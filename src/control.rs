@@ -22,8 +22,9 @@
 //!    after increases would cap the climb at one step per `1 + cooldown_ticks` ticks. Backing
 //!    off is careful; climbing is eager.
 //! 2. **Breach** (p99 above `target × (1 + band)`): decrease, multiplicatively (or by a fixed
-//!    step) from the limit or from the peak in flight if that is lower (but not under half the
-//!    limit), never below the **floor**. A limit far above what is in use (at start-up, or
+//!    step) from the limit or from the peak in flight (plus the free slots the scheduler's
+//!    headroom holds, as for a clamp below) if that is lower (but not under half the limit),
+//!    never below the **floor**. A limit far above what is in use (at start-up, or
 //!    after slow start) cut by 10 % would hold back nothing. Below a small batch the GPU is *less* efficient per
 //!    token (the weights are read once per forward pass whatever the batch; continuous
 //!    batching has nothing to pack), so throughput falls, a backlog forms, queue wait rises,
@@ -45,7 +46,8 @@
 //!    about latency (a p99 of three samples is their maximum).
 //! 5. **Comfortably under** (p99 below `target × (1 − band)`): add `increase_step` (double,
 //!    while **slow start** lasts: until the first decrease with at least half the budget in
-//!    flight, or a whole window in which traffic flowed and the budget covered it), but only
+//!    flight, or a whole window in which traffic flowed and the budget covered it, counted
+//!    once a first stream has ended), but only
 //!    with **demand**, and
 //!    never above the ceiling. Slow start is TCP's answer to a start far below the operating
 //!    point: +1 per tick from 16 to the knee at ~140 takes two minutes at a 1 s tick. It is for
@@ -141,6 +143,9 @@ pub struct Observation {
     /// Free slots the scheduler's headroom holds for the steady tenants, at the tick
     /// (`scheduler::Load::held`): spoken for, though not yet in flight.
     pub held: u32,
+    /// Whether any slot has been released since start-up: until a first stream ends, what is
+    /// in flight has only risen, whatever level the traffic will settle at.
+    pub stream_ended: bool,
 }
 
 /// What a tick did.
@@ -277,7 +282,7 @@ impl Aimd {
             .filter(|p| !p.is_nan() && observation.samples >= config.control.min_samples);
         let target = config.target_p99_ttft_seconds;
         if p99.is_some_and(|p99| p99 > target * (1.0 + config.control.band)) {
-            return self.decrease(config, observation.peak_in_flight);
+            return self.decrease(config, observation.peak_in_flight, observation.held);
         }
         if observation.engine_saturation.is_some_and(|s| s >= 1.0) {
             return self.clamp(config, observation.peak_in_flight, observation.held);
@@ -303,7 +308,7 @@ impl Aimd {
         Action::Hold(Hold::InBand)
     }
 
-    fn decrease(&mut self, config: &AimdConfig, peak_in_flight: u32) -> Action {
+    fn decrease(&mut self, config: &AimdConfig, peak_in_flight: u32, held: u32) -> Action {
         if self.limit <= config.control.floor {
             // Nothing was cut, so there are no stale samples to wait out: no cooldown.
             return Action::Hold(Hold::AtFloor);
@@ -313,10 +318,12 @@ impl Aimd {
         // traffic (at start-up, or after slow start) cut by 10% would still not hold back the
         // requests that are overloading the upstream now. But from no less than half the
         // limit, so that one slow request among a handful in flight cannot take a healthy
-        // limit to the floor.
+        // limit to the floor. The slots the headroom holds count as in use, as for a clamp:
+        // they are the steady tenants' next requests, and a cut from below them would take
+        // them out of everyone else's part at each breach.
         let base = match peak_in_flight {
             0 => self.limit,
-            peak => peak.clamp(self.limit / 2, self.limit),
+            peak => peak.saturating_add(held).clamp(self.limit / 2, self.limit),
         };
         let cut = match config.decrease {
             Decrease::Factor(factor) => {
@@ -372,7 +379,12 @@ impl Aimd {
     /// spare room at once, and the steady tenants' first tokens slow down for as long as the
     /// burst's streams last (seed 000, docs/lab.md "Isolation without caps"). A tick with
     /// nothing in flight says nothing (a replica up before its traffic): it neither counts nor
-    /// starts the count again.
+    /// starts the count again. Nor does one before a first stream has ended: until then what
+    /// is in flight is only what arrived within one hold time, still climbing to the
+    /// traffic's level, and a window of it proves nothing. Seed 000's `heavy-steady` A, at
+    /// 4 rps, had ramped for 10 s with no request waiting when slow start ended, then reached
+    /// 55 in flight (its first streams ending only then, and decode slowing as the engine
+    /// filled) against a budget of 64 that then grew by steps: its p99 was 2.9× its baseline.
     fn end_slow_start_once_covered(&mut self, config: &AimdConfig, observation: Observation) {
         if !self.slow_start {
             return;
@@ -381,7 +393,9 @@ impl Aimd {
             self.covered_ticks = 0;
             return;
         }
-        if observation.peak_in_flight == 0 {
+        // Before a first stream ends, in flight is still climbing towards arrivals × hold
+        // time (Little's law), so a window of it has not seen the traffic's level.
+        if observation.peak_in_flight == 0 || !observation.stream_ended {
             return;
         }
         self.covered_ticks += 1;

@@ -80,6 +80,8 @@ pub struct Report {
     pub queued: u32,
     /// Free slots its headroom holds (`Load::held`), which an engine clamp leaves in place.
     pub held: u32,
+    /// Whether a slot of its has been released since it started (`Observation::stream_ended`).
+    pub stream_ended: bool,
     /// Its TTFT window (overdue requests counted), as `(bucket, count)` pairs.
     pub ttft: Vec<(u16, u64)>,
     pub flows: Vec<FlowDemand>,
@@ -497,6 +499,7 @@ impl Fleet {
             peak_in_flight: self.scheduler.take_peak_in_flight(),
             queued: load.waiting_for_slot(),
             held: load.held,
+            stream_ended: load.released > 0,
             ttft,
             flows: self
                 .scheduler
@@ -717,6 +720,7 @@ impl Fleet {
             samples,
             engine_saturation,
             held: reports.iter().map(|r| r.held).sum(),
+            stream_ended: reports.iter().any(|r| r.stream_ended),
         };
         let action = leadership.aimd.step(config, observation);
         if action == Action::Decrease && policy.control.signal == ControlSignal::Upstream {
@@ -780,6 +784,7 @@ impl Fleet {
                 samples,
                 engine_saturation,
                 held: load.held,
+                stream_ended: load.released > 0,
             };
             let action = alone.aimd.step(&alone.config, observation);
             self.metrics.controller_tick(action, p99);

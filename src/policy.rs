@@ -734,7 +734,7 @@ fn fleet_problems(fleet: &FleetConfig, control: &ControlConfig) -> Vec<String> {
 }
 
 /// Changes whenever the fleet's reports or overrides change shape (`crate::fleet::Report`).
-const FLEET_PROTOCOL: &str = "tollgate fleet protocol 4\n";
+const FLEET_PROTOCOL: &str = "tollgate fleet protocol 5\n";
 
 /// The hash a fleet member publishes so that replicas running different policies do not share
 /// a budget: SHA-256 (first 16 bytes, hex) of the configuration as JSON, without what is each

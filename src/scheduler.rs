@@ -18,7 +18,7 @@ use tokio::time::Instant;
 
 use crate::observe::SchedulerGauges;
 use fair::{EntryKey, FairQueue, FlowKey, Submit};
-pub use fair::{FlowClass, FlowLoad, Headroom, SHARE_SCALE, Share, TenantKey};
+pub use fair::{FlowClass, FlowLoad, Headroom, SHARE_SCALE, Share, TenantKey, slots_for_arrivals};
 
 /// The global in-flight budget and the per-tenant queues in front of it.
 pub struct Scheduler {
@@ -100,6 +100,8 @@ pub struct Load {
     /// Requests that arrived while their tenant was paced, since start-up (`fair`, "Pacing a
     /// burst").
     pub paced: u64,
+    /// Slots released since start-up: streams that ended, whichever way.
+    pub released: u64,
 }
 
 impl Load {
@@ -254,6 +256,7 @@ impl Scheduler {
             lent: state.fair.lent(),
             standby: state.fair.standby(),
             paced: state.fair.paced(),
+            released: state.fair.released(),
         }
     }
 

@@ -64,6 +64,7 @@ fn seen(p99: f64, peak_in_flight: u32, queued: u32) -> Observation {
         samples: 100,
         engine_saturation: None,
         held: 0,
+        stream_ended: true,
     }
 }
 
@@ -82,6 +83,7 @@ const NO_SAMPLES: Observation = Observation {
     samples: 0,
     engine_saturation: None,
     held: 0,
+    stream_ended: true,
 };
 
 /// p99 comfortably under, on the SLO, and in breach of the default 2 s ± 20% target.
@@ -337,6 +339,27 @@ fn a_window_of_traffic_the_budget_covers_ends_slow_start() {
     let mut steps = vec![(seen(ON_TARGET, 20, 0), IN_BAND, 64); 6];
     steps.push((burst, INCREASE, 65));
     trace(&config, 64, &steps);
+    // Nor do ticks before a first stream has ended: a tenant ramping up still has in flight
+    // only what arrived within one hold time (seed 000's heavy-steady A, 10 s of ramp, then
+    // 55 in flight once decode slowed, against a budget of 64). A window counts from the tick
+    // that saw a release; its ramp reaching the limit before then doubles.
+    let ramping = |in_flight| Observation {
+        stream_ended: false,
+        ..seen(FAST, in_flight, 0)
+    };
+    let mut steps: Vec<_> = (0..10u32)
+        .map(|tick| (ramping(4 * tick + 4), NO_DEMAND, 64))
+        .collect();
+    steps.push((seen(FAST, 54, 0), INCREASE, 128));
+    trace(&config, 64, &steps);
+    let mut steps: Vec<_> = (0..10u32)
+        .map(|tick| (ramping(2 * tick + 2), NO_DEMAND, 64))
+        .collect();
+    steps.extend([covered; 5]);
+    steps.push((burst, INCREASE, 128));
+    steps.extend([(seen(FAST, 20, 0), NO_DEMAND, 128); 6]);
+    steps.push((seen(FAST, 128, 2), INCREASE, 129));
+    trace(&config, 64, &steps);
 }
 
 #[test]
@@ -462,6 +485,23 @@ fn a_breach_cuts_from_what_is_in_flight_when_that_is_under_the_limit() {
             (seen(SLOW, 200, 0), DECREASE, 137),
             // Nothing in flight this tick (a breach from samples alone): from the limit.
             (seen(SLOW, 0, 0), DECREASE, 123),
+        ],
+    );
+    // The slots the headroom holds free for the steady tenants count as in use: 128 in flight
+    // and 6 held under a limit of 140 cut from 134, not from 128 (which would take the held
+    // slots out of the others' part at every breach, as a clamp would).
+    let held = |held, observation| Observation {
+        held,
+        ..observation
+    };
+    trace(
+        &config,
+        140,
+        &[
+            (held(6, seen(SLOW, 128, 0)), DECREASE, 120),
+            (seen(SLOW, 108, 0), DECREASE, 97),
+            // Held slots that cover every free one: from the limit, no higher.
+            (held(40, seen(SLOW, 90, 0)), DECREASE, 87),
         ],
     );
     let by_step = with(|c| {
@@ -698,6 +738,7 @@ fn never_leaves_floor_and_ceiling_whatever_it_sees() {
                     _ => Some(f64::from(lcg.below(300)) / 100.0),
                 },
                 held: if lcg.below(3) == 0 { lcg.below(40) } else { 0 },
+                stream_ended: lcg.below(4) != 0,
             };
             let before = aimd.limit();
             let action = aimd.step(&config, observation);
@@ -831,6 +872,7 @@ impl Plant {
             samples: self.window.iter().map(|tick| tick.len() as u64).sum(),
             engine_saturation: None,
             held: 0,
+            stream_ended: true,
         }
     }
 

@@ -117,6 +117,7 @@ pub async fn run(
             samples,
             engine_saturation,
             held: load.held,
+            stream_ended: load.released > 0,
         };
         let action = aimd.step(&config, observation);
         if action == Action::Decrease && control.signal == ControlSignal::Upstream {

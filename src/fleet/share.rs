@@ -55,7 +55,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::scheduler::{SHARE_SCALE, Share, TenantKey};
+use crate::scheduler::{SHARE_SCALE, Share, TenantKey, slots_for_arrivals};
 
 /// One tenant's load on one replica, as that replica reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -227,21 +227,7 @@ impl StandbyHold {
 /// The fewest standby slots found all taken with a chance of at most `miss`, for tenants below
 /// the level holding `part` of the limit (see "Standby slots"). 0 when `miss` is 1 or more.
 pub fn standby_slots(part: f64, miss: f64) -> u32 {
-    // Beyond 0.95 those tenants hold nearly everything: holding more back gains them nothing.
-    let rho = if part.is_finite() {
-        part.clamp(0.0, 0.95)
-    } else {
-        0.0
-    };
-    let mut full = 1.0;
-    let mut k = 0;
-    let mut power = 1.0; // rho^k
-    while full > miss && k < 64 {
-        k += 1;
-        power *= rho;
-        full = power * (1.0 - rho) / (1.0 - power * rho);
-    }
-    k
+    slots_for_arrivals(part, miss)
 }
 
 /// `shares` with no grant above its replica's commitment: nobody grows. What a leader publishes

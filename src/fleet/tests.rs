@@ -62,6 +62,7 @@ fn a_report_survives_its_encoding() {
         peak_in_flight: 4,
         queued: 9,
         held: 5,
+        stream_ended: true,
         ttft: vec![(10, 3), (200, 1)],
         flows: vec![FlowDemand {
             tenant: TenantKey::of("alice").0,

@@ -549,6 +549,7 @@ fn scheduler_events_move_their_series() {
         lent: 7,
         standby: 2,
         paced: 11,
+        released: 30,
     });
     metrics.scheduler_submitted(premium);
     metrics.scheduler_outcome(premium, SchedulerOutcome::QueueTimeout);

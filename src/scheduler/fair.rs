@@ -65,7 +65,14 @@
 //! (time constant `Headroom::window`: arrival rate × hold time, Little's law), and the protected
 //! flows together are expected to use up to `M + sigmas × √M` slots, `M` the sum of their means
 //! (a Poisson-like count's spread). What they hold or have queued is subtracted; the rest is
-//! held free. A
+//! held free, but never more than their **arrivals until releases refill the slots** need: a
+//! slot a protected flow takes is given back by the next release (held slots are not lent), so
+//! the free slots are an M/M/1/k queue with `ρ = M / in_flight` of their arrivals per release
+//! (Little's law, the same hold for all), and `slots_for_arrivals` holds the fewest that their
+//! requests find all taken no more often than the spread's own tail, `Φ(-sigmas)` (0.13 % at
+//! 3). The spread decides while few releases come per arrival; the arrivals decide while many
+//! slots turn over for few protected requests (seed 001's sweep: 6 slots instead of the 20 of
+//! A's spread, which sat free while B was backlogged and cost 2-3 % of its goodput). A
 //! flow is protected when, as of its last event, it is not itself bursting (not above its own
 //! mean's `M + sigmas × √M`), was not held back within the last `window`, and is within its
 //! fair share or steady (below): a burst's slots, even within its fair share, must not offset
@@ -235,7 +242,8 @@ pub struct Headroom {
     /// Time constant of each flow's mean slots in flight: how long recent demand is remembered.
     pub window: Duration,
     /// How far above the protected flows' mean the held slots reach, in standard deviations of
-    /// a Poisson count (`√mean`).
+    /// a Poisson count (`√mean`); its normal tail is also the chance their arrivals may find
+    /// no held slot free (`slots_for_arrivals`).
     pub sigmas: f64,
     /// Pace a burst's admissions beside protected flows (see "Pacing a burst").
     pub pace: bool,
@@ -393,6 +401,8 @@ pub struct FairQueue<T> {
     turnover: Turnover,
     /// Requests submitted while their flow was paced.
     paced: u64,
+    /// Slots released so far.
+    released: u64,
 }
 
 /// A backlogged flow by how many slots it would hold per weight with one more.
@@ -601,6 +611,41 @@ fn expected_need(mean: f64, in_flight: u32, headroom: Headroom) -> u32 {
     (expected as u32).saturating_sub(in_flight)
 }
 
+/// The fewest slots kept free that arrivals, one per slot, find all taken with a chance of at
+/// most `miss`, where `rho` arrivals come per release and each release refills one: an M/M/1/k
+/// queue of the slots taken, whose chance of being full is `ρ^k (1 - ρ) / (1 - ρ^(k+1))`. In
+/// closed form, the least `k ≥ 1` with `ρ^k (1 - ρ + ρ·miss) ≤ miss`. `rho` is clamped to
+/// 0.95 (beyond it the arrivals take nearly every release: holding more gains them nothing);
+/// 0 when `miss` is 1 or more. The fleet's standby slots and the headroom both size by it.
+pub fn slots_for_arrivals(rho: f64, miss: f64) -> u32 {
+    if miss >= 1.0 || miss.is_nan() {
+        return 0;
+    }
+    let rho = if rho.is_finite() {
+        rho.clamp(0.0, 0.95)
+    } else {
+        0.0
+    };
+    let miss = miss.max(f64::MIN_POSITIVE);
+    let k = (miss / (1.0 - rho + rho * miss)).ln() / rho.ln();
+    // The tolerance keeps an exact boundary (`ρ^k` equal to it) from rounding up a slot;
+    // `as` saturates, and `ln 0` gives 0 here, so no arrivals still hold one slot.
+    ((k - 1e-9).ceil() as u32).max(1)
+}
+
+/// The chance that a normal variable lands more than `sigmas` standard deviations above its
+/// mean: what the headroom's margin leaves uncovered, and so the miss its arrivals' sizing
+/// aims at (0.13 % at the default 3). Abramowitz and Stegun's 7.1.26 for `erfc`, to 1.5e-7.
+fn normal_tail(sigmas: f64) -> f64 {
+    let x = sigmas.max(0.0) / std::f64::consts::SQRT_2;
+    let t = 1.0 / (1.0 + 0.327_591_1 * x);
+    let poly = t
+        * (0.254_829_592
+            + t * (-0.284_496_736
+                + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+    0.5 * poly * (-x * x).exp()
+}
+
 /// Virtual time one request of `cost` takes from a flow of `weight`; at least 1, so tags always
 /// advance.
 fn charge(cost: u64, weight: u32) -> u128 {
@@ -636,6 +681,7 @@ impl<T> FairQueue<T> {
             standby_order: BTreeSet::new(),
             turnover: Turnover::default(),
             paced: 0,
+            released: 0,
         }
     }
 
@@ -666,6 +712,11 @@ impl<T> FairQueue<T> {
         self.paced
     }
 
+    /// Slots released so far (grants whose streams ended, whichever way).
+    pub fn released(&self) -> u64 {
+        self.released
+    }
+
     /// Slots kept free at this instant for the protected flows (of every band) against a flow
     /// that would take more than its fair share.
     pub fn held(&self) -> u32 {
@@ -673,8 +724,24 @@ impl<T> FairQueue<T> {
             return 0;
         };
         let free = self.limit.saturating_sub(self.in_flight);
-        let (mean, in_flight) = self.protected_upto(u8::MAX, headroom);
-        expected_need(mean, in_flight, self.margin_headroom(headroom)).min(free)
+        let (mean, present) = self.protected_upto(u8::MAX, headroom);
+        self.held_for(mean, present, headroom).min(free)
+    }
+
+    /// Slots to keep free for protected flows of summed `mean` that have `present` requests
+    /// here (in flight or queued): the fewer of what their spread may still need
+    /// (`expected_need`, with this replica's margin) and what their arrivals need until
+    /// releases refill the slots they take (`slots_for_arrivals`, at the margin's own miss).
+    /// Both are what the protected flows would find free; the first counts how far above their
+    /// mean they may go, the second how soon a release gives back what they took, which is
+    /// what decides while many slots turn over for few protected arrivals (seed 001's sweep:
+    /// 5 to 7 slots, not the 20 of A's spread). Protected arrivals per release are `ρ = mean /
+    /// in_flight`: by Little's law they arrive at `mean / hold`, and the slots in flight
+    /// release at `in_flight / hold`, for the same hold.
+    fn held_for(&self, mean: f64, present: u32, headroom: Headroom) -> u32 {
+        let spread = expected_need(mean, present, self.margin_headroom(headroom));
+        let rho = mean / f64::from(self.in_flight.max(1));
+        spread.min(slots_for_arrivals(rho, normal_tail(headroom.sigmas)))
     }
 
     /// Every flow (tenant with requests waiting or in flight) and its load: O(F), for the
@@ -1052,7 +1119,7 @@ impl<T> FairQueue<T> {
         // (`next_eligible`; pacing, per flow, is apart from this).
         let free = self.limit.saturating_sub(self.in_flight);
         let (mean, present) = self.protected_upto(flow.class.band, headroom);
-        free <= expected_need(mean, present, self.margin_headroom(headroom))
+        free <= self.held_for(mean, present, headroom)
     }
 
     /// Whether one more slot would be lent: beyond the flow's fair share (its weight's share of
@@ -1208,6 +1275,7 @@ impl<T> FairQueue<T> {
         }
         let waiting = record.queued;
         let lane_before = record.lane();
+        self.released += 1;
         if let Some(headroom) = self.headroom {
             self.turnover
                 .advance(self.in_flight, self.now, headroom.window);
