@@ -380,8 +380,10 @@ pub struct HeadroomConfig {
     /// Time constant of each tenant's mean slots in flight: how long demand is remembered.
     pub window_ms: u64,
     /// Held slots beyond the protected tenants' mean, in standard deviations of a Poisson
-    /// count (√mean). 0 holds only what they recently used and do not hold now. Its normal
-    /// tail (0.13 % at 3) is also how often their arrivals may find no held slot free.
+    /// count (√mean). Its normal tail is also how often their arrivals may find no held slot
+    /// free before the next releases refill them: 0.13 % at 3, 2.3 % at 2, 16 % at 1, and at
+    /// 0 (which holds at most what they recently used and do not hold now) half the time, so
+    /// at most one slot is held.
     pub margin_sigmas: f64,
     /// Pace a bursting tenant's admissions while steady tenants have demand: one start per
     /// `hold time / fair share`, the rate of a steady tenant at its share, so a burst's prompts
@@ -445,8 +447,9 @@ pub struct ControlConfig {
     /// Demand gate: grow only while peak in-flight reached this fraction of the limit, rounded
     /// up (or requests are queued), so an idle system does not drift upward.
     pub demand_fraction: f64,
-    /// Until the first decrease (or engine saturation) with the budget in real use, each
-    /// increase doubles the limit.
+    /// Until the first decrease (or engine saturation) with the budget in real use, or a
+    /// window of traffic the budget covered counted from a first stream's end, each increase
+    /// doubles the limit.
     pub slow_start: bool,
     /// The controller holds while the window has fewer samples than this.
     pub min_samples: u64,

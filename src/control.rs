@@ -230,7 +230,8 @@ impl fmt::Display for Action {
 pub struct Aimd {
     limit: u32,
     cooldown_left: u32,
-    /// No decrease yet: increases double (if the config has slow start on).
+    /// Increases double (if the config has slow start on) until a decrease or clamp with the
+    /// budget in use, or a covered window (`end_slow_start_once_covered`).
     slow_start: bool,
     /// Consecutive ticks in which traffic flowed and no request waited for want of a slot: a
     /// window of them ends slow start.
@@ -347,7 +348,9 @@ impl Aimd {
     /// (seed 001's sweep lost up to 6 % of its goodput with the first headroom, most likely to
     /// that, docs/lab.md). The price: while the steady tenants' expected need covers every
     /// free slot, the clamp holds rather than lowers, and the engines' overload is bounded by
-    /// those tenants' own spread (`margin_sigmas × √M`) instead of by what is in flight.
+    /// what is held for those tenants (at most their own spread, `margin_sigmas × √M`, and
+    /// at most what their arrivals need until the next releases) instead of by what is in
+    /// flight.
     fn clamp(&mut self, config: &AimdConfig, peak_in_flight: u32, held: u32) -> Action {
         self.end_slow_start_if_in_use(peak_in_flight);
         let in_use = peak_in_flight
@@ -385,6 +388,8 @@ impl Aimd {
     /// 4 rps, had ramped for 10 s with no request waiting when slow start ended, then reached
     /// 55 in flight (its first streams ending only then, and decode slowing as the engine
     /// filled) against a budget of 64 that then grew by steps: its p99 was 2.9× its baseline.
+    /// The first release is the budget's, not each tenant's: a tenant that starts ramping
+    /// after others' streams have ended is a change of load like a burst, probed for by steps.
     fn end_slow_start_once_covered(&mut self, config: &AimdConfig, observation: Observation) {
         if !self.slow_start {
             return;

@@ -10,8 +10,9 @@
 //! The leader, with every sync:
 //!
 //! - once per `control.tick_ms`, steps the AIMD controller on the deployment's inputs: the p99
-//!   of all replicas' TTFT windows merged bucket by bucket, their summed peak in flight and
-//!   queue, and the engines' saturation (the leader scrapes them). A new leader starts from
+//!   of all replicas' TTFT windows merged bucket by bucket, their summed peak in flight, queue
+//!   and held slots, whether any has seen a stream end, and the engines' saturation (the
+//!   leader scrapes them). A new leader starts from
 //!   the published limit, so the limit survives a change of leader;
 //! - divides the limit among the live replicas (`share::divide`: by tenant across the
 //!   deployment, then split by where each tenant's demand is), never granting a replica what

@@ -70,7 +70,11 @@
 //! the free slots are an M/M/1/k queue with `ρ = M / in_flight` of their arrivals per release
 //! (Little's law, the same hold for all), and `slots_for_arrivals` holds the fewest that their
 //! requests find all taken no more often than the spread's own tail, `Φ(-sigmas)` (0.13 % at
-//! 3). The spread decides while few releases come per arrival; the arrivals decide while many
+//! 3; `sigmas` itself, not a fleet member's scaled margin: the miss is per request, and each
+//! replica's arrivals and releases are its own). This assumes the protected flows hold their
+//! slots about as long as the others do: behind streams longer than theirs, releases come
+//! less often than `in_flight / hold` says, and fewer slots are held than the miss needs.
+//! The spread decides while few releases come per arrival; the arrivals decide while many
 //! slots turn over for few protected requests (seed 001's sweep: 6 slots instead of the 20 of
 //! A's spread, which sat free while B was backlogged and cost 2-3 % of its goodput). A
 //! flow is protected when, as of its last event, it is not itself bursting (not above its own
@@ -84,7 +88,8 @@
 //! weight like the others; once the headroom holds it back, it is a burst for a window.
 //!
 //! - **Work-conserving otherwise.** A lone tenant, or tenants all above their fair share, or
-//!   protected tenants holding their usual load, leave nothing held but the spread, and a flow
+//!   protected tenants holding their usual load, leave nothing held beyond the spread (and
+//!   no more than their arrivals until the next releases need), and a flow
 //!   whose next slot stays within its fair share is never held back (a protected flow about to
 //!   go beyond its own is held back like any other). Held slots go to a protected flow at once.
 //! - **Bands.** A flow is held back only by the protected flows of its own band and the bands
@@ -731,7 +736,8 @@ impl<T> FairQueue<T> {
     /// Slots to keep free for protected flows of summed `mean` that have `present` requests
     /// here (in flight or queued): the fewer of what their spread may still need
     /// (`expected_need`, with this replica's margin) and what their arrivals need until
-    /// releases refill the slots they take (`slots_for_arrivals`, at the margin's own miss).
+    /// releases refill the slots they take (`slots_for_arrivals`, at the miss of `sigmas`
+    /// itself, unscaled on a fleet member: see "Headroom").
     /// Both are what the protected flows would find free; the first counts how far above their
     /// mean they may go, the second how soon a release gives back what they took, which is
     /// what decides while many slots turn over for few protected arrivals (seed 001's sweep:

@@ -745,11 +745,19 @@ fn release_then_dispatch_next() {
     let (c, tenant) = q.dispatch_next().expect("a slot is free");
     assert_eq!(tenant, "c");
     assert_eq!(q.dispatch_next(), None);
+    assert_eq!(q.released(), 1);
     q.release(a);
     assert_eq!(q.in_flight(), 2, "a's flow is gone: its key is stale");
+    assert_eq!(
+        q.released(),
+        1,
+        "a stale key releases nothing, and counts as nothing"
+    );
     q.release(b);
     q.release(c);
     assert_eq!((q.in_flight(), q.flow_count()), (0, 0));
+    q.release(c);
+    assert_eq!(q.released(), 3, "each grant released once");
     // Nothing queued and a slot free: granted at once again.
     granted(q.submit("a", class(1), 1, "a"));
 }
