@@ -242,7 +242,8 @@ impl Envoy {
     ///
     /// Envoy's own two ports are picked free and then bound by Envoy, so another process can
     /// take one in between (tests start processes at once; a clean-clone CI run lost one this
-    /// way): an Envoy that exits saying so is started again with fresh listener and admin
+    /// way): an Envoy that exits saying so (either port taken: Envoy 1.36 to 1.40 exit on a
+    /// static listener they cannot bind, too) is started again with fresh listener and admin
     /// ports, up to `PORT_ATTEMPTS` times. The returned `listen` and `admin` are the ones bound.
     pub async fn launch(
         binary: &Path,
@@ -273,8 +274,9 @@ impl Envoy {
 
     /// Starts `binary` on `config`, whose ports the caller rendered (for configs outside the
     /// front proxy's port scheme, like the TLS sidecar), and waits until the admin endpoint on
-    /// `admin` reports LIVE. The config and the log go to `<dir>/<name>.yaml` and
-    /// `<dir>/<name>.log`, in a temp dir of Envoy's own when `dir` is `None`.
+    /// `admin` reports LIVE and its workers' listeners have started. The config and the log go
+    /// to `<dir>/<name>.yaml` and `<dir>/<name>.log`, in a temp dir of Envoy's own when `dir`
+    /// is `None`.
     pub async fn launch_rendered(
         binary: &Path,
         name: &str,
@@ -304,6 +306,18 @@ impl Envoy {
         )?;
         let url = format!("http://{}/ready", loopback(admin));
         wait_until_http(&proc, READY_TIMEOUT, &url, |body| body.trim() == "LIVE").await?;
+        // LIVE is not yet listening: the workers add the listeners after it, and until then a
+        // connection is refused (envoyproxy/envoy#8321, #12245; a clean-clone run's e2e test
+        // got "connection refused" that way). `listener_manager.workers_started` is the gauge
+        // Envoy added for it, and what Istio's readiness probe reads.
+        let url = format!(
+            "http://{}/stats?filter=^listener_manager.workers_started$",
+            loopback(admin)
+        );
+        wait_until_http(&proc, READY_TIMEOUT, &url, |body| {
+            body.trim() == "listener_manager.workers_started: 1"
+        })
+        .await?;
         Ok(Envoy {
             listen: loopback(listen),
             admin: loopback(admin),

@@ -327,6 +327,22 @@ async fn a_client_that_disconnects_mid_stream_leaves_no_held_stream() {
     );
 }
 
+/// The testkit's own guard, on every Envoy version of the matrix: a listener port another
+/// process took between being picked and being bound makes Envoy exit saying so, and
+/// `Envoy::launch` starts it again on fresh ports (as for its admin port; a clean-clone run
+/// lost an e2e test to a taken port before the guard).
+#[tokio::test]
+async fn envoy_is_started_again_when_its_listener_port_was_taken() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let taken_port = taken.local_addr().unwrap().port();
+    let stack = Stack::start_on(DEFAULTS, &[], |ports| ports.listen = taken_port).await;
+    assert_ne!(stack.envoy.listen.port(), taken_port, "fresh ports");
+    let body = serde_json::to_vec(&chat(json!({}))).unwrap();
+    let (status, _, _) = send(&stack, "/v1/chat/completions", &USER, body).await;
+    assert_eq!(status, 200);
+    drop(taken);
+}
+
 #[tokio::test]
 async fn an_upstream_that_cuts_the_stream_is_counted_as_truncated() {
     // Tokens 50 ms apart, so the 200 reaches the client before the upstream aborts (an abort

@@ -125,10 +125,21 @@ pub struct Stack {
 
 impl Stack {
     pub async fn start(tollgate_config: &str, upstream_args: &[&str]) -> Stack {
+        Stack::start_on(tollgate_config, upstream_args, |_| {}).await
+    }
+
+    /// [`Stack::start`], with Envoy's ports as `choose` leaves them (a test may hand it one
+    /// that is taken).
+    pub async fn start_on(
+        tollgate_config: &str,
+        upstream_args: &[&str],
+        choose: impl FnOnce(&mut EnvoyPorts),
+    ) -> Stack {
         let upstream = Upstream::start(upstream_args);
         let tollgate = Tollgate::start(tollgate_config).await;
         let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/front-proxy.yaml");
-        let ports = EnvoyPorts::free(upstream.addr.port(), tollgate.grpc.port());
+        let mut ports = EnvoyPorts::free(upstream.addr.port(), tollgate.grpc.port());
+        choose(&mut ports);
         let envoy = Envoy::start(&e2e_envoy_version(), &config, ports).await;
         Stack {
             envoy,
