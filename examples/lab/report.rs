@@ -728,10 +728,11 @@ pub fn slice(requests_csv: &str, samples: &Value, from: f64, to: f64) -> Result<
             .position(|c| *c == name)
             .ok_or(format!("no `{name}` column"))
     };
-    let (tenant, arrival, status, ttft) = (
+    let (tenant, arrival, status, truncated, ttft) = (
         column("tenant")?,
         column("arrival_s")?,
         column("status")?,
+        column("truncated")?,
         column("ttft_ms")?,
     );
     let mut ttfts: BTreeMap<String, Vec<f64>> = BTreeMap::new();
@@ -740,7 +741,11 @@ pub fn slice(requests_csv: &str, samples: &Value, from: f64, to: f64) -> Result<
         let number = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
         let entry = ttfts.entry(fields[tenant].to_owned()).or_default();
         let at = number(arrival).ok_or(format!("bad arrival in `{line}`"))?;
-        if (from..to).contains(&at) && fields.get(status) == Some(&"200") {
+        // Completed as the run's summary counts them: a 200 whose stream was not cut short.
+        if (from..to).contains(&at)
+            && fields.get(status) == Some(&"200")
+            && fields.get(truncated) == Some(&"false")
+        {
             entry.extend(number(ttft));
         }
     }
@@ -815,12 +820,13 @@ mod tests {
 
     #[test]
     fn a_slice_counts_the_completed_arrivals_in_its_span_and_the_samples_in_it() {
-        let csv = "tenant,arrival_s,status,reason,ttft_ms,e2e_ms\n\
-                   A,1.0,200,,100,900\n\
-                   A,2.0,200,,300,900\n\
-                   A,2.5,503,queue_full,,\n\
-                   A,9.0,200,,5000,9000\n\
-                   B,0.5,200,,700,900\n";
+        let csv = "tenant,arrival_s,status,reason,ttft_ms,e2e_ms,truncated\n\
+                   A,1.0,200,,100,900,false\n\
+                   A,2.0,200,,300,900,false\n\
+                   A,2.5,503,queue_full,,,false\n\
+                   A,3.0,200,,50,400,true\n\
+                   A,9.0,200,,5000,9000,false\n\
+                   B,0.5,200,,700,900,false\n";
         let samples = serde_json::json!([
             {"t": 1.0, "tollgate_limit": 10.0, "tollgate_inflight": 5.0},
             {"t": 2.0, "tollgate_limit": 20.0, "tollgate_inflight": 20.0},

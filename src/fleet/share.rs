@@ -32,11 +32,11 @@
 //! first slot that frees anywhere; split over replicas it waits for its own replica's next
 //! release, which comes a third as often with three. So each replica keeps a few of its slots
 //! free from the tenants at the level (`scheduler::fair`, "Standby slots"), and the next
-//! release refills what a tenant below it took. How many (`standby_slots`): protected arrivals
-//! per release are about `ρ`, the part of the limit those tenants hold, so the standby slots
-//! of one replica are an M/M/1/k queue (arrivals ρ, one refill per release), and `k` is the
-//! smallest whose chance of being found all taken, `ρ^k (1 - ρ) / (1 - ρ^(k+1))`, is at most
-//! `fleet.standby_miss`. None when one replica runs alone, when every tenant or none is below
+//! release refills what a tenant below it took. How many (`scheduler::slots_for_arrivals`):
+//! protected arrivals per release are about `ρ`, the part of the limit those tenants hold, so
+//! the standby slots of one replica are an M/M/1/k queue (arrivals ρ, one refill per release),
+//! and `k` is the smallest whose chance of being found all taken, `ρ^k (1 - ρ) / (1 -
+//! ρ^(k+1))`, is at most `fleet.standby_miss`. None when one replica runs alone, when every tenant or none is below
 //! the level (nothing to hold back, or nobody to hold it for), and never more than a quarter
 //! of a replica's target. A tenant below the level between two requests has no demand at the
 //! instant the leader divides, so the slots outlive the demand that asked for them while such
@@ -160,7 +160,7 @@ pub fn divide(limit: u32, members: &[MemberLoad<'_>], standby: Standby) -> Divis
     let grants = grants(limit, members, &targets);
     let asked = below_level
         .as_ref()
-        .map_or(0, |(part, _)| standby_slots(*part, standby.miss));
+        .map_or(0, |(part, _)| slots_for_arrivals(*part, standby.miss));
     let kept = if members.len() > 1 {
         asked.max(standby.at_least)
     } else {
@@ -222,12 +222,6 @@ impl StandbyHold {
             }
         }
     }
-}
-
-/// The fewest standby slots found all taken with a chance of at most `miss`, for tenants below
-/// the level holding `part` of the limit (see "Standby slots"). 0 when `miss` is 1 or more.
-pub fn standby_slots(part: f64, miss: f64) -> u32 {
-    slots_for_arrivals(part, miss)
 }
 
 /// `shares` with no grant above its replica's commitment: nobody grows. What a leader publishes

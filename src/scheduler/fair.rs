@@ -989,7 +989,8 @@ impl<T> FairQueue<T> {
     /// earliest time (`next_pace_at`) or the next event.
     fn next_eligible(&self) -> Option<u32> {
         let first = self.order.first()?;
-        if !self.held_back(first.flow) {
+        let first_hold = self.hold_back(first.flow);
+        if first_hold.is_none() {
             return Some(first.flow);
         }
         if let Some(standby) = self.standby_order.first()
@@ -1005,7 +1006,7 @@ impl<T> FairQueue<T> {
         // Pacing holds flows back one by one, not a band at once: the next flows in fair order
         // may run (seed 000's heavy-steady: A, queued once, waited over a second beside free slots
         // behind the paced burst).
-        self.look_past_paced(first)
+        self.look_past_paced(first, first_hold)
             .find(|key| !self.held_back(key.flow))
             .map(|key| key.flow)
     }
@@ -1016,20 +1017,20 @@ impl<T> FairQueue<T> {
     /// first is held back by its pace alone: a rate limit is no priority claim, and a lower
     /// band's flow within its share may take a slot a paced burst must leave free for now (a
     /// flow held back by the headroom or the standby slots holds its band's place as before).
-    /// Nothing without pacing.
-    fn look_past_paced<'a>(&'a self, first: &'a OrderKey) -> impl Iterator<Item = &'a OrderKey> {
+    /// Nothing without pacing. `first_hold` is why the first is held back (`hold_back`), which
+    /// the caller has already asked.
+    fn look_past_paced<'a>(
+        &'a self,
+        first: &'a OrderKey,
+        first_hold: Option<HoldBack>,
+    ) -> impl Iterator<Item = &'a OrderKey> {
         let pacing = self.headroom.is_some_and(|headroom| headroom.pace);
-        let any_band = pacing && self.held_back_by_pace_alone(first.flow);
+        let any_band = pacing && first_hold == Some(HoldBack::Pace);
         self.order
             .iter()
             .skip(1)
             .take(if pacing { PACED_LOOKAHEAD } else { 0 })
             .take_while(move |key| key.lane == first.lane && (any_band || key.band == first.band))
-    }
-
-    /// Whether the flow's pace is all that keeps it from a free slot.
-    fn held_back_by_pace_alone(&self, index: u32) -> bool {
-        self.hold_back(index) == Some(HoldBack::Pace)
     }
 
     /// Whether one more slot for this flow would take a standby slot it has no right to (see
@@ -1105,7 +1106,10 @@ impl<T> FairQueue<T> {
         candidates
             .into_iter()
             .flatten()
-            .chain(self.look_past_paced(first).map(|key| key.flow))
+            .chain(
+                self.look_past_paced(first, self.hold_back(first.flow))
+                    .map(|key| key.flow),
+            )
             .filter_map(|index| self.paced_until(self.flow(index)))
             .min()
     }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 
-use crate::ports::{free_port, loopback};
+use crate::ports::{PORT_ATTEMPTS, free_port, loopback, port_was_taken};
 use crate::process::{Proc, files_dir, wait_until_http};
 
 /// The Envoy version tests and examples run against unless they say otherwise. Keep in step
@@ -206,9 +206,6 @@ fn remove_list_item(yaml: &str, header: &str) -> Result<String> {
     Ok(kept.join("\n") + "\n")
 }
 
-/// How many times `Envoy::launch` starts Envoy on fresh ports after a port was taken.
-const PORT_ATTEMPTS: u32 = 3;
-
 /// A running Envoy; killed (and reaped) on drop.
 pub struct Envoy {
     /// Where clients connect (the rendered listener).
@@ -259,10 +256,7 @@ impl Envoy {
             match Envoy::launch_rendered(binary, name, &rendered, ports.listen, ports.admin, dir)
                 .await
             {
-                Err(error)
-                    if attempt < PORT_ATTEMPTS
-                        && format!("{error:#}").contains("Address already in use") =>
-                {
+                Err(error) if attempt < PORT_ATTEMPTS && port_was_taken(&error) => {
                     attempt += 1;
                     ports.listen = free_port();
                     ports.admin = free_port();

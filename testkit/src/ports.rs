@@ -20,6 +20,15 @@ pub fn free_addr() -> SocketAddr {
     SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()))
 }
 
+/// How many times a child that lost a picked port (another process bound it first) is started
+/// again on fresh ports (`TollgateCommand::start`, `Envoy::launch`).
+pub const PORT_ATTEMPTS: u32 = 3;
+
+/// Whether a child's start failed because a port it was given was taken in between.
+pub fn port_was_taken(error: &anyhow::Error) -> bool {
+    format!("{error:#}").contains("Address already in use")
+}
+
 /// `127.0.0.1:<port>`.
 pub fn loopback(port: u16) -> SocketAddr {
     SocketAddr::from((Ipv4Addr::LOCALHOST, port))

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Result;
 
 use crate::metrics::{self, Metrics};
-use crate::ports::free_addr;
+use crate::ports::{PORT_ATTEMPTS, free_addr, port_was_taken};
 use crate::process::{Proc, wait_until_http};
 
 /// How long tollgate may take to answer `/readyz`: milliseconds when idle; the margin is for a
@@ -81,10 +81,7 @@ impl TollgateCommand {
         let mut attempt = 1;
         loop {
             match self.start_once(log_dir).await {
-                Err(error)
-                    if attempt < PORT_ATTEMPTS
-                        && format!("{error:#}").contains("Address already in use") =>
-                {
+                Err(error) if attempt < PORT_ATTEMPTS && port_was_taken(&error) => {
                     attempt += 1;
                 }
                 outcome => return outcome,
@@ -119,9 +116,6 @@ impl TollgateCommand {
         Ok(TollgateProcess { grpc, admin, proc })
     }
 }
-
-/// Starts on fresh ports after a port was taken in between (see `TollgateCommand::start`).
-const PORT_ATTEMPTS: u32 = 3;
 
 /// A running tollgate; killed (and reaped) on drop.
 pub struct TollgateProcess {

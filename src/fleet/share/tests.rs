@@ -311,40 +311,6 @@ fn while_the_fleet_reforms_nobody_grows() {
 }
 
 #[test]
-fn standby_slots_reach_the_miss_chance_with_as_few_as_can() {
-    // (part of the limit held by the tenants below the level, miss chance) → standby slots
-    let rows = [
-        (0.0, 0.05, 1),
-        (0.1, 0.05, 2),
-        (0.25, 0.05, 2),
-        (0.33, 0.05, 3),
-        (0.5, 0.05, 4),
-        (0.5, 0.2, 2),
-        (0.9, 0.05, 11),
-        (0.99, 0.05, 14),
-        (f64::NAN, 0.05, 1),
-        (0.33, 1.0, 0),
-    ];
-    for (part, miss, expected) in rows {
-        assert_eq!(standby_slots(part, miss), expected, "{part} {miss}");
-        let rho: f64 = if part.is_finite() {
-            part.clamp(0.0, 0.95)
-        } else {
-            0.0
-        };
-        // The M/M/1/k chance of finding them all taken, for k and one fewer.
-        let full = |k: i32| rho.powi(k) * (1.0 - rho) / (1.0 - rho.powi(k + 1));
-        if expected > 0 {
-            assert!(full(expected as i32) <= miss, "{part}: {expected} reach it");
-            assert!(
-                expected == 1 || full(expected as i32 - 1) > miss,
-                "{part}: one fewer would not"
-            );
-        }
-    }
-}
-
-#[test]
 fn standby_slots_are_kept_only_for_tenants_below_the_level_against_others() {
     // A (tenant 1, weight 2) asks 9 of 30, below its level; B (tenant 2) floods everywhere.
     let a = FlowDemand {
