@@ -15,6 +15,18 @@
 //! * **R**: B with a second tollgate that keeps its budgets in a `redis-server` of our own
 //!   (free loopback port, nothing on disk): one EVALSHA to reserve and one to settle each.
 //!
+//! Beside them, for what a platform team would deploy instead (`--configs A,B,R,D,F,L`):
+//!
+//! * **D**: no proxy at all, the client straight to the upstream: the floor every gateway's
+//!   added latency is measured from;
+//! * **F**: Envoy alone plus Envoy's own `local_ratelimit` filter with a token bucket per
+//!   `x-user-id` (A's config with the filter added: `with_local_ratelimit`): the floor for a
+//!   per-user decision made inside Envoy, without any RPC;
+//! * **L**: LiteLLM's proxy (PyPI `litellm[proxy]`, installed by `scripts/bench-overhead.sh` into
+//!   `.tools/litellm`) in front of the same upstream, with per-key rpm/tpm limits on, one worker
+//!   per CPU and its rate-limit counters in a `redis-server` of its own, as its production
+//!   guide has it (`examples/bench/litellm/`). Each user sends its own key.
+//!
 //! With `--configs A,B,C` another Envoy runs **C**: B with Envoy's response phases off, so
 //! tollgate gets two ext_proc messages per request instead of four; B − C is what observing the
 //! response (time to first token, usage) costs. C is the request-only deployment
@@ -73,9 +85,13 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use tollgate_testkit::bench::median;
-use tollgate_testkit::envoy::{self, ENVOY_VERSION, Envoy, EnvoyPorts, without_ext_proc};
+use tollgate_testkit::envoy::{
+    self, ENVOY_VERSION, Envoy, EnvoyPorts, PER_USER_BUCKET_TOKENS, with_local_ratelimit,
+    without_ext_proc,
+};
 use tollgate_testkit::host::{
     Machine, busy_fraction, clock_ticks_per_second, command_output, cpu_ticks_of, machine_jiffies,
+    tree_cpu_ticks,
 };
 use tollgate_testkit::ports::free_addr;
 use tollgate_testkit::process::{Proc, wait_until};
@@ -134,7 +150,9 @@ struct Args {
     /// embedded store, R Envoy + tollgate with Redis. C is a diagnostic: B with Envoy's
     /// response phases switched off (`response_header_mode: SKIP`, `response_body_mode:
     /// NONE`), so tollgate sees two messages per request instead of four and observes nothing
-    /// after its decision. Q is C's baseline: E with the same response phases off.
+    /// after its decision. Q is C's baseline: E with the same response phases off. The peers:
+    /// D no proxy (the client straight to the upstream), F Envoy with its `local_ratelimit`
+    /// filter per user, L LiteLLM's proxy with per-key limits.
     #[arg(long, value_delimiter = ',', default_values_t = vec![Config::A, Config::E, Config::B, Config::R])]
     configs: Vec<Config>,
     /// Also write the results as JSON to this file.
@@ -158,6 +176,10 @@ struct Args {
     /// Echo ext_proc binary, for E [default: target/release/examples/echo_extproc].
     #[arg(long, value_name = "FILE")]
     echo_bin: Option<PathBuf>,
+    /// LiteLLM's `litellm` command, for L [default: .tools/litellm/bin/litellm, where
+    /// scripts/bench-overhead.sh installs it].
+    #[arg(long, value_name = "FILE")]
+    litellm_bin: Option<PathBuf>,
     /// redis-server binary, for R [default: redis-server on PATH].
     #[arg(long, value_name = "FILE", default_value = "redis-server")]
     redis_server: PathBuf,
@@ -214,7 +236,7 @@ async fn bench(args: &Args) -> Result<Verdict> {
     configs.dedup();
     ensure!(
         configs.len() > 1,
-        "--configs needs E, Q, B, C or R next to A"
+        "--configs needs E, Q, B, C, R, F, L or D next to A"
     );
     let mut envoy_configs = Vec::new();
     for &config in &configs {
@@ -225,7 +247,9 @@ async fn bench(args: &Args) -> Result<Verdict> {
                 front_proxy_path.display()
             )
         })?;
-        envoy_configs.push((config, text));
+        if let Some(text) = text {
+            envoy_configs.push((config, text));
+        }
     }
 
     let envoy_version = command_output(&binaries.envoy, &["--version"])
@@ -248,11 +272,10 @@ async fn bench(args: &Args) -> Result<Verdict> {
         "no tollgate config at {}",
         tollgate_config.display()
     );
-    let stack = Stack::start(&binaries, &tollgate_config, &envoy_configs, args).await?;
-    let targets = stack
-        .envoys
+    let stack = Stack::start(&binaries, &tollgate_config, &configs, &envoy_configs, args).await?;
+    let targets = configs
         .iter()
-        .map(|(config, envoy)| Target::new(*config, envoy.listen, &body))
+        .map(|&config| Target::new(config, stack.listen(config)?, &body))
         .collect::<Result<Vec<_>>>()?;
     for target in &targets {
         sanity_check(target, &stack).await?;
@@ -367,6 +390,7 @@ struct Binaries {
     tollgate: PathBuf,
     upstream: PathBuf,
     echo: PathBuf,
+    litellm: PathBuf,
 }
 
 impl Binaries {
@@ -385,6 +409,9 @@ impl Binaries {
             tollgate: bins::tollgate(args.tollgate_bin.as_deref())?,
             upstream: bins::example("upstream", args.upstream_bin.as_deref())?,
             echo: bins::example("echo_extproc", args.echo_bin.as_deref())?,
+            litellm: args.litellm_bin.clone().unwrap_or_else(|| {
+                tollgate_testkit::repo_root().join(".tools/litellm/bin/litellm")
+            }),
         })
     }
 
@@ -440,6 +467,8 @@ struct Stack {
     redis: Option<RedisServer>,
     /// The echo ext_proc and its gRPC address, for E and Q.
     echo: Option<(Proc, SocketAddr)>,
+    /// LiteLLM's proxy and its Redis, for L.
+    litellm: Option<LiteLlm>,
     upstream: Upstream,
     dir: tempfile::TempDir,
 }
@@ -449,6 +478,7 @@ impl Stack {
     async fn start(
         binaries: &Binaries,
         tollgate_config: &Path,
+        configs: &[Config],
         envoy_configs: &[(Config, String)],
         args: &Args,
     ) -> Result<Stack> {
@@ -464,7 +494,7 @@ impl Stack {
             Upstream::start(&binaries.upstream, ["--itl-ms", &itl_ms], Some(dir.path()))?;
         let upstream_addr = upstream.addr;
 
-        let needs = |wanted: &[Config]| envoy_configs.iter().any(|(c, _)| wanted.contains(c));
+        let needs = |wanted: &[Config]| configs.iter().any(|c| wanted.contains(c));
         let tollgate = if needs(&[Config::B, Config::C]) {
             let name = "tollgate";
             Some(start_tollgate(binaries, tollgate_config, None, name, dir.path()).await?)
@@ -503,10 +533,16 @@ impl Stack {
             None
         };
 
+        let litellm = if needs(&[Config::L]) {
+            Some(LiteLlm::start(&binaries.litellm, upstream_addr, args, dir.path()).await?)
+        } else {
+            None
+        };
+
         let mut envoys = Vec::new();
         for (config, text) in envoy_configs {
             let extproc = match config {
-                Config::A => None,
+                Config::A | Config::F | Config::L | Config::D => None,
                 Config::E | Config::Q => echo.as_ref().map(|(_, addr)| addr.port()),
                 Config::B | Config::C => tollgate.as_ref().map(|t| t.grpc.port()),
                 Config::R => tollgate_redis.as_ref().map(|t| t.grpc.port()),
@@ -522,9 +558,28 @@ impl Stack {
             tollgate_redis,
             redis,
             echo,
+            litellm,
             upstream,
             dir,
         })
+    }
+
+    /// Where `config`'s requests go: its Envoy's listener, LiteLLM's, or the upstream itself.
+    fn listen(&self, config: Config) -> Result<SocketAddr> {
+        match config {
+            Config::D => Ok(self.upstream.addr),
+            Config::L => self
+                .litellm
+                .as_ref()
+                .map(|litellm| litellm.addr)
+                .context("L runs without LiteLLM"),
+            _ => self
+                .envoys
+                .iter()
+                .find(|(c, _)| *c == config)
+                .map(|(_, envoy)| envoy.listen)
+                .with_context(|| format!("{} runs without its Envoy", config.name())),
+        }
     }
 
     /// Every child, keyed as in the CPU figures.
@@ -546,6 +601,13 @@ impl Stack {
         if let Some((echo, _)) = &self.echo {
             procs.push(("echo", echo));
         }
+        if let Some(litellm) = &self.litellm {
+            // Its CPU is its whole process tree's (`cpu_snapshot`); listed for the log tails.
+            procs.push(("litellm", &litellm.proc));
+            if let Ok(redis) = litellm.redis.proc() {
+                procs.push(("litellm_redis", redis));
+            }
+        }
         procs.push(("upstream", self.upstream.proc()));
         procs
     }
@@ -564,7 +626,7 @@ impl Stack {
         let tollgate = match config {
             Config::B | Config::C => self.tollgate.as_ref()?,
             Config::R => self.tollgate_redis.as_ref()?,
-            Config::A | Config::E | Config::Q => return None,
+            Config::A | Config::E | Config::Q | Config::F | Config::L | Config::D => return None,
         };
         Some(metrics::scrape(tollgate.admin).await.ok()?.0)
     }
@@ -584,6 +646,84 @@ impl Stack {
                 })
                 .collect(),
         )
+    }
+}
+
+/// LiteLLM's proxy (`litellm --config examples/bench/litellm/config.yaml`) with one worker per
+/// CPU and a `redis-server` of its own for its rate-limit counters. Killed with all its workers
+/// on drop: they are children of its process, in a process group of their own.
+struct LiteLlm {
+    proc: Proc,
+    addr: SocketAddr,
+    redis: RedisServer,
+}
+
+/// LiteLLM builds its app and loads its model cost map before it listens: tens of seconds on a
+/// busy 2-core machine.
+const LITELLM_READY_TIMEOUT: Duration = Duration::from_secs(120);
+
+impl LiteLlm {
+    async fn start(
+        litellm: &Path,
+        upstream: SocketAddr,
+        args: &Args,
+        dir: &Path,
+    ) -> Result<LiteLlm> {
+        use std::os::unix::process::CommandExt as _;
+        ensure!(
+            litellm.is_file(),
+            "L runs LiteLLM's proxy, and there is no {}: run scripts/bench-overhead.sh, which \
+             installs it (or pass --litellm-bin)",
+            litellm.display()
+        );
+        let redis = RedisServer::launch(RedisOptions {
+            binary: Some(args.redis_server.clone()),
+            ..RedisOptions::default()
+        })
+        .await
+        .context("L needs redis-server")?;
+        let config_dir = tollgate_testkit::repo_root().join("examples/bench/litellm");
+        let addr = free_addr();
+        let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let proc = Proc::spawn_logged(
+            "litellm",
+            Command::new(litellm)
+                .current_dir(&config_dir)
+                .args(["--config", "config.yaml", "--host"])
+                .arg(addr.ip().to_string())
+                .args(["--port", &addr.port().to_string()])
+                .args(["--num_workers", &workers.to_string()])
+                .env("BENCH_UPSTREAM_API_BASE", format!("http://{upstream}/v1"))
+                .env("LITELLM_MASTER_KEY", "sk-bench-master")
+                .env("BENCH_REDIS_HOST", "127.0.0.1")
+                .env("BENCH_REDIS_PORT", redis.port.to_string())
+                // Production logging (errors only), and the cost map from the package rather
+                // than from GitHub (no network here, and none needed).
+                .env("LITELLM_LOG", "ERROR")
+                .env("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+                .env("LITELLM_MODE", "PRODUCTION")
+                .process_group(0),
+            dir.join("litellm.log"),
+        )?;
+        let litellm = LiteLlm { proc, addr, redis };
+        let url = format!("http://{addr}/health/liveliness");
+        tollgate_testkit::process::wait_until_http(
+            &litellm.proc,
+            LITELLM_READY_TIMEOUT,
+            &url,
+            |_| true,
+        )
+        .await?;
+        Ok(litellm)
+    }
+}
+
+impl Drop for LiteLlm {
+    fn drop(&mut self) {
+        // The whole group: killing the first process alone would leave its workers running.
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.proc.pid())])
+            .status();
     }
 }
 
@@ -637,6 +777,12 @@ enum Config {
     C,
     /// Envoy + tollgate with its budgets in Redis.
     R,
+    /// Peer floor: Envoy with its own `local_ratelimit` filter, a token bucket per user.
+    F,
+    /// Peer: LiteLLM's proxy with per-key limits, its counters in Redis.
+    L,
+    /// No proxy: the client straight to the upstream.
+    D,
 }
 
 impl std::fmt::Display for Config {
@@ -654,6 +800,9 @@ impl Config {
             Config::B => "B",
             Config::R => "R",
             Config::C => "C",
+            Config::F => "F",
+            Config::L => "L",
+            Config::D => "D",
         }
     }
 
@@ -665,10 +814,14 @@ impl Config {
             Config::B => "B  Envoy + tollgate",
             Config::R => "R  Envoy + tollgate+Redis",
             Config::C => "C  B, request only",
+            Config::F => "F  Envoy + local_ratelimit",
+            Config::L => "L  LiteLLM + Redis",
+            Config::D => "D  no proxy",
         }
     }
 
-    /// The key of this configuration's Envoy in the CPU figures.
+    /// The key of this configuration's Envoy in the CPU figures (D and L have none: no process
+    /// has their key, so their Envoy CPU is 0).
     fn envoy_key(self) -> &'static str {
         match self {
             Config::A => "envoy_a",
@@ -677,21 +830,39 @@ impl Config {
             Config::B => "envoy_b",
             Config::R => "envoy_r",
             Config::C => "envoy_c",
+            Config::F => "envoy_f",
+            Config::L | Config::D => "no_envoy",
         }
     }
 
-    /// The processes behind this configuration's ext_proc filter, as keyed in the CPU figures.
+    /// The processes behind this configuration's ext_proc filter, as keyed in the CPU figures;
+    /// for L, LiteLLM (all its workers) and its Redis, which stand where Envoy and tollgate do.
     fn ext_proc_processes(self) -> &'static [&'static str] {
         match self {
-            Config::A => &[],
+            Config::A | Config::F | Config::D => &[],
             Config::E | Config::Q => &["echo"],
             Config::B | Config::C => &["tollgate"],
             Config::R => &["tollgate_redis", "redis"],
+            Config::L => &["litellm", "litellm_redis"],
+        }
+    }
+
+    /// The response header a peer's limiter sets, and its value when the per-user limit counted
+    /// the request: Envoy's per-user bucket (`with_local_ratelimit`), LiteLLM's per-key limit
+    /// (examples/bench/litellm/custom_auth.py's `RPM_LIMIT`).
+    fn limit_header(self) -> Option<(&'static str, String)> {
+        match self {
+            Config::F => Some(("x-ratelimit-limit", PER_USER_BUCKET_TOKENS.to_string())),
+            Config::L => Some(("x-ratelimit-api_key-limit-requests", "10000000".to_owned())),
+            _ => None,
         }
     }
 
     fn has_ext_proc(self) -> bool {
-        self != Config::A
+        matches!(
+            self,
+            Config::E | Config::Q | Config::B | Config::C | Config::R
+        )
     }
 
     fn uses_tollgate(self) -> bool {
@@ -703,19 +874,22 @@ impl Config {
     /// `None` for the baselines.
     fn echo_baseline(self) -> Option<Config> {
         match self {
-            Config::A | Config::E | Config::Q => None,
+            Config::A | Config::E | Config::Q | Config::F | Config::L | Config::D => None,
             Config::B | Config::R => Some(Config::E),
             Config::C => Some(Config::Q),
         }
     }
 
-    /// This configuration's Envoy config, derived from `front_proxy`.
-    fn envoy_config(self, front_proxy: &str) -> Result<String> {
-        match self {
-            Config::A => without_ext_proc(front_proxy),
-            Config::E | Config::B | Config::R => Ok(front_proxy.to_owned()),
-            Config::Q | Config::C => request_phases_only(front_proxy),
-        }
+    /// This configuration's Envoy config, derived from `front_proxy`; `None` for the two
+    /// without an Envoy.
+    fn envoy_config(self, front_proxy: &str) -> Result<Option<String>> {
+        Ok(Some(match self {
+            Config::A => without_ext_proc(front_proxy)?,
+            Config::E | Config::B | Config::R => front_proxy.to_owned(),
+            Config::Q | Config::C => request_phases_only(front_proxy)?,
+            Config::F => with_local_ratelimit(front_proxy)?,
+            Config::L | Config::D => return Ok(None),
+        }))
     }
 }
 
@@ -751,11 +925,18 @@ impl Target {
     }
 
     fn request(&self, user: &str) -> reqwest::RequestBuilder {
-        self.client
+        let request = self
+            .client
             .post(&self.url)
             .header("content-type", "application/json")
             .header("x-user-id", user)
-            .body(self.body.clone())
+            .body(self.body.clone());
+        if self.config == Config::L {
+            // LiteLLM knows users by their keys (examples/bench/litellm/custom_auth.py).
+            request.bearer_auth(format!("sk-bench-{user}"))
+        } else {
+            request
+        }
     }
 }
 
@@ -1125,6 +1306,12 @@ fn cpu_snapshot(stack: &Stack) -> BTreeMap<&'static str, u64> {
         .into_iter()
         .filter_map(|(name, proc)| Some((name, proc.cpu_ticks()?)))
         .collect();
+    if let Some(litellm) = &stack.litellm
+        && let Some(ticks) = tree_cpu_ticks(litellm.proc.pid())
+    {
+        // LiteLLM serves from worker processes its own process starts.
+        snapshot.insert("litellm", ticks);
+    }
     if let Some(ticks) = cpu_ticks_of("/proc/self/stat") {
         snapshot.insert("loadgen", ticks);
     }
@@ -1140,9 +1327,9 @@ async fn sanity_check(target: &Target, stack: &Stack) -> Result<()> {
         .await
         .with_context(|| format!("first request through {}", target.config.label()))?;
     let status = response.status();
+    let headers = response.headers().clone();
     // The upstream repeats every x-tollgate-* request header as x-upstream-saw-x-tollgate-*.
-    let saw_tollgate = response
-        .headers()
+    let saw_tollgate = headers
         .keys()
         .any(|name| name.as_str().starts_with("x-upstream-saw-x-tollgate-"));
     let body = response.text().await.unwrap_or_default();
@@ -1152,6 +1339,18 @@ async fn sanity_check(target: &Target, stack: &Stack) -> Result<()> {
         target.config.label(),
         stack.log_tails()
     );
+    // The peers' own limiters answered: each reports the limit that counted the request.
+    if let Some((header, expected)) = target.config.limit_header() {
+        let limit = headers
+            .get(header)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()));
+        ensure!(
+            limit.as_deref() == Some(expected.as_str()),
+            "{}: expected {header}: {expected} on the response (its limiter counted the \
+             request), got {limit:?}",
+            target.config.label()
+        );
+    }
     if target.config.uses_tollgate() {
         ensure!(
             saw_tollgate,
@@ -1684,6 +1883,96 @@ impl RateSummary {
         for config in self.others() {
             let _ = write!(w, "{}", self.tollgate_view(config));
         }
+        let _ = write!(w, "{}", self.peers());
+        out
+    }
+
+    /// CPU-seconds per request, in µs, of everything between the client and the upstream:
+    /// Envoy and what its ext_proc filter calls, or LiteLLM and its Redis.
+    fn gateway_cpu_us_per_request(&self, config: Config) -> f64 {
+        self.cpu_us_per_request(config, config.envoy_key())
+            + self.ext_proc_cpu_us_per_request(config)
+    }
+
+    /// tollgate side by side with what a platform team would deploy instead, when D ran: what
+    /// each gateway adds over no proxy and the CPU it spends per request, then tollgate's
+    /// figures as ratios to LiteLLM's (L) and its decision's to Envoy's local_ratelimit (F).
+    fn peers(&self) -> String {
+        let mut out = String::new();
+        let w = &mut out;
+        if !self.configs.contains(&Config::D) {
+            return out;
+        }
+        let gateways: Vec<Config> = self
+            .configs
+            .iter()
+            .copied()
+            .filter(|&c| c != Config::D)
+            .collect();
+        let _ = writeln!(
+            w,
+            "{:<27}{:>40}{:>40}{:>16}",
+            "PEERS: over D (no proxy)", "added p50 ms", "added p99 ms", "gateway CPU us"
+        );
+        for &config in &gateways {
+            let p50 = PerRound::new(self.added_over_per_round(config, Config::D, |l| l.p50));
+            let p99 = PerRound::new(self.added_over_per_round(config, Config::D, |l| l.p99));
+            let _ = writeln!(
+                w,
+                "{:<27}{:>40}{:>40}{:>16.1}",
+                config.label(),
+                p50.spread(),
+                p99.spread(),
+                self.gateway_cpu_us_per_request(config),
+            );
+        }
+        let _ = writeln!(
+            w,
+            "(added: median of per-round differences with D, and their range; gateway CPU: Envoy \
+             and its ext_proc service, or LiteLLM's processes and its Redis, over all rounds / \
+             requests)"
+        );
+        let over_d = |config: Config, figure: fn(&Latency) -> f64| {
+            self.added_over(config, Config::D, figure)
+        };
+        if self.configs.contains(&Config::L) {
+            for config in [Config::B, Config::R]
+                .into_iter()
+                .filter(|c| self.configs.contains(c))
+            {
+                let _ = writeln!(
+                    w,
+                    "PEERS {} over L: added p50 {:.3}x, added p99 {:.3}x, gateway CPU {:.3}x",
+                    config.name(),
+                    over_d(config, |l| l.p50) / over_d(Config::L, |l| l.p50),
+                    over_d(config, |l| l.p99) / over_d(Config::L, |l| l.p99),
+                    self.gateway_cpu_us_per_request(config)
+                        / self.gateway_cpu_us_per_request(Config::L),
+                );
+            }
+        }
+        if self.configs.contains(&Config::F) {
+            // The decision alone: what each adds to Envoy alone, in latency and in CPU (Envoy's
+            // own extra work included: the ext_proc filter's for tollgate, the filter's for F).
+            let decision_cpu = |config: Config| {
+                self.gateway_cpu_us_per_request(config) - self.gateway_cpu_us_per_request(Config::A)
+            };
+            for config in [Config::B, Config::R]
+                .into_iter()
+                .filter(|c| self.configs.contains(c))
+            {
+                let _ = writeln!(
+                    w,
+                    "PEERS {} over F, the decision alone (each minus A): added p50 {:+.3} ms \
+                     against {:+.3} ms, CPU {:+.1} us against {:+.1} us per request",
+                    config.name(),
+                    self.added(config, |l| l.p50),
+                    self.added(Config::F, |l| l.p50),
+                    decision_cpu(config),
+                    decision_cpu(Config::F),
+                );
+            }
+        }
         out
     }
 
@@ -1781,6 +2070,15 @@ impl RateSummary {
                     "added_over_q_ms": added_over(Config::Q)
                         .filter(|_| config.echo_baseline() == Some(Config::Q)),
                     "cpu_us_per_request": cpu,
+                    "gateway_cpu_us_per_request": self.gateway_cpu_us_per_request(config),
+                    // D, no proxy, is declared last: every gateway over it.
+                    "added_over_d_ms": (config != Config::D && self.configs.contains(&Config::D))
+                        .then(|| json!({
+                            "p50": self.added_over(config, Config::D, |l| l.p50),
+                            "p99": self.added_over(config, Config::D, |l| l.p99),
+                            "p50_per_round": self.added_over_per_round(config, Config::D, |l| l.p50),
+                            "p99_per_round": self.added_over_per_round(config, Config::D, |l| l.p99),
+                        })),
                     "tollgate_decision": self.decision(config).as_ref().map(HistogramDelta::json),
                     "envoy_ext_proc_stats": config.has_ext_proc().then(|| self.ext_proc(config)),
                     "runs": self.runs(config).map(RunSummary::json).collect::<Vec<_>>(),

@@ -9,6 +9,9 @@
 #   e.g.      scripts/bench-overhead.sh --rates 1000 --rounds 5 --json target/bench-overhead.json
 #             scripts/bench-overhead.sh --configs B,C   (C: tollgate without the response phases)
 #             scripts/bench-overhead.sh --configs E,Q,B,C   (Q: the echo without them, C's baseline)
+#             scripts/bench-overhead.sh --configs A,B,R,F,L,D --rates 50,200
+#                 (the peers: F Envoy's local_ratelimit, L LiteLLM's proxy, D no proxy; installs
+#                 LiteLLM into .tools/litellm first)
 #
 # Everything runs on 127.0.0.1 ports picked at start-up; the example kills every process it
 # started when it ends, also on error or Ctrl-C. Run it on an otherwise idle machine: it shares
@@ -29,6 +32,26 @@ envoy_version_line="$("${envoy_bin}" --version 2>/dev/null || true)"
 if [[ "${envoy_version_line}" != *"/${ENVOY_VERSION}/"* ]]; then
     echo "bench-overhead: Envoy ${ENVOY_VERSION} not found at ${envoy_bin}; installing it" >&2
     scripts/install-test-deps.sh "${ENVOY_VERSION}"
+fi
+
+# LiteLLM's proxy, for configuration L (the peer): a pinned release in its own virtualenv under
+# .tools/ (git-ignored), installed only when L is asked for.
+readonly LITELLM_VERSION="1.108.7"
+wants_litellm=false
+previous=""
+for arg in "$@"; do
+    if [[ "${arg}" == --configs=*L* || ( "${previous}" == "--configs" && "${arg}" == *L* ) ]]; then
+        wants_litellm=true
+    fi
+    previous="${arg}"
+done
+litellm_venv="${repo_root}/.tools/litellm"
+if [[ "${wants_litellm}" == true ]] \
+    && ! "${litellm_venv}/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('litellm') != '${LITELLM_VERSION}')" 2>/dev/null; then
+    echo "bench-overhead: installing litellm[proxy]==${LITELLM_VERSION} into ${litellm_venv}" >&2
+    rm -rf "${litellm_venv}"
+    python3 -m venv "${litellm_venv}"
+    "${litellm_venv}/bin/pip" install --quiet "litellm[proxy]==${LITELLM_VERSION}"
 fi
 
 # `cargo run --example` builds only the example: build the tollgate binary and the upstream it

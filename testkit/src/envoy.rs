@@ -177,6 +177,60 @@ pub fn without_ext_proc(front_proxy: &str) -> Result<String> {
     Ok(direct)
 }
 
+/// The tokens of each user's bucket in [`with_local_ratelimit`]'s config (and what its
+/// `x-ratelimit-limit` response header says when that bucket counted a request).
+pub const PER_USER_BUCKET_TOKENS: u64 = 100_000_000;
+/// The tokens of the filter's default bucket there: larger, so the header tells them apart.
+pub const DEFAULT_BUCKET_TOKENS: u64 = 300_000_000;
+
+/// Envoy alone ([`without_ext_proc`]) with Envoy's own `local_ratelimit` filter before the
+/// router, one token bucket per `x-user-id` (a wildcard descriptor: each value gets a bucket of
+/// its own, up to `max_dynamic_descriptors`): bench_overhead's F, the floor for a per-user
+/// decision made inside Envoy without any RPC. The buckets are far above any benchmark's rate,
+/// as tollgate's limits are in examples/bench/tollgate.yaml: nothing is refused and every
+/// request takes the whole check. A request without the header falls to the filter's default
+/// bucket, which is larger, so the `x-ratelimit-limit` a response carries says which counted it.
+pub fn with_local_ratelimit(front_proxy: &str) -> Result<String> {
+    const ROUTER: &str = "- name: envoy.filters.http.router";
+    let filter = format!(
+        r#"- name: envoy.filters.http.local_ratelimit
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit
+    stat_prefix: per_user
+    token_bucket: {{ max_tokens: {DEFAULT_BUCKET_TOKENS}, tokens_per_fill: {DEFAULT_BUCKET_TOKENS}, fill_interval: 1s }}
+    filter_enabled:
+      runtime_key: per_user_enabled
+      default_value: {{ numerator: 100, denominator: HUNDRED }}
+    filter_enforced:
+      runtime_key: per_user_enforced
+      default_value: {{ numerator: 100, denominator: HUNDRED }}
+    rate_limits:
+    - actions:
+      - request_headers: {{ header_name: x-user-id, descriptor_key: user }}
+    descriptors:
+    - entries: [{{ key: user }}]
+      token_bucket: {{ max_tokens: {PER_USER_BUCKET_TOKENS}, tokens_per_fill: {PER_USER_BUCKET_TOKENS}, fill_interval: 1s }}
+    always_consume_default_token_bucket: false
+    max_dynamic_descriptors: 1024
+    enable_x_ratelimit_headers: DRAFT_VERSION_03
+"#
+    );
+    let alone = without_ext_proc(front_proxy)?;
+    let routers: Vec<&str> = alone
+        .lines()
+        .filter(|line| line.trim_start() == ROUTER)
+        .collect();
+    let [router] = routers[..] else {
+        bail!("`{ROUTER}` occurs {} times, expected once", routers.len());
+    };
+    let indent = &router[..router.len() - router.trim_start().len()];
+    let indented: String = filter
+        .lines()
+        .map(|line| format!("{indent}{line}\n"))
+        .collect();
+    Ok(alone.replacen(router, &format!("{indented}{router}"), 1))
+}
+
 /// Removes the YAML list item that starts with `header` (after indentation): its line and every
 /// following line that is blank or indented deeper than the dash. The header must occur once.
 fn remove_list_item(yaml: &str, header: &str) -> Result<String> {

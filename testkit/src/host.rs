@@ -18,6 +18,52 @@ pub fn cpu_ticks_of(stat_path: &str) -> Option<u64> {
     Some(utime + stime)
 }
 
+/// utime + stime of process `root` and every live process descended from it, in clock ticks:
+/// for a server that works in child processes (LiteLLM's workers). `None` when `root` is gone.
+pub fn tree_cpu_ticks(root: u32) -> Option<u64> {
+    let mut processes: Vec<(u32, u32, u64)> = Vec::new();
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // After the command name: state, ppid, ...; utime and stime as in `cpu_ticks_of`.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let parent = fields.get(1).and_then(|f| f.parse().ok());
+        let ticks = fields
+            .get(11)
+            .zip(fields.get(12))
+            .and_then(|(u, s)| Some(u.parse::<u64>().ok()? + s.parse::<u64>().ok()?));
+        if let (Some(parent), Some(ticks)) = (parent, ticks) {
+            processes.push((pid, parent, ticks));
+        }
+    }
+    let mut tree = vec![root];
+    let mut total = processes.iter().find(|(pid, ..)| *pid == root)?.2;
+    // Breadth-first over the parent links; a handful of processes, so a scan per level is fine.
+    let mut next = 0;
+    while next < tree.len() {
+        let parent = tree[next];
+        next += 1;
+        for &(pid, ppid, ticks) in &processes {
+            if ppid == parent && pid != root {
+                tree.push(pid);
+                total += ticks;
+            }
+        }
+    }
+    Some(total)
+}
+
 /// utime + stime of process `pid` (all threads), in seconds.
 pub fn cpu_seconds(pid: u32) -> Result<f64> {
     let path = format!("/proc/{pid}/stat");

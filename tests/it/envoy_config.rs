@@ -21,7 +21,10 @@ use futures_util::Stream;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use tollgate_testkit::envoy::{render_config, without_ext_proc};
+use tollgate_testkit::envoy::{
+    DEFAULT_BUCKET_TOKENS, PER_USER_BUCKET_TOKENS, render_config, with_local_ratelimit,
+    without_ext_proc,
+};
 
 use crate::support::envoy::{ENVOY_VERSION, Envoy, EnvoyPorts, envoy_binary, free_port};
 
@@ -627,6 +630,78 @@ fn the_front_proxy_without_ext_proc_keeps_the_rest() {
     ] {
         assert!(direct.contains(kept), "{kept} went missing");
     }
+}
+
+/// Proves: bench_overhead's F (`with_local_ratelimit`, Envoy's local_ratelimit filter with a
+/// bucket per `x-user-id`) validates on every supported Envoy, and on the newest counts a request
+/// that names a user in the per-user descriptor's bucket (its `x-ratelimit-limit`), while a
+/// request without the header falls to the filter's default bucket. Without the descriptor
+/// matching, the benchmark's floor would be one global bucket, not a per-user decision. (The
+/// remaining tokens cannot show one user's bucket apart from another's here: at 10^8 tokens a
+/// second, Envoy's bucket refills a token in 10 ns.)
+#[tokio::test]
+async fn the_local_ratelimit_floor_counts_requests_in_the_per_user_bucket() {
+    let front_proxy = std::fs::read_to_string(front_proxy_config()).expect("read front-proxy");
+    let config = with_local_ratelimit(&front_proxy).unwrap();
+    assert!(
+        !config.contains("ext_proc.v3"),
+        "the floor runs without ext_proc"
+    );
+    let dir = tempfile::Builder::new()
+        .prefix("tollgate-local-ratelimit-")
+        .tempdir()
+        .expect("create a temp dir");
+    let path = dir.path().join("local-ratelimit.yaml");
+    std::fs::write(&path, &config).expect("write config");
+    for version in VALIDATED_ENVOY_VERSIONS {
+        envoy_validate(version, &path).unwrap_or_else(|failure| panic!("{failure}"));
+    }
+
+    let upstream = Upstream::spawn().await;
+    let envoy = Envoy::start(
+        ENVOY_VERSION,
+        &path,
+        EnvoyPorts::free_with(upstream.port(), None),
+    )
+    .await;
+    let client = client();
+    let send = |user: Option<&str>| {
+        let request = client
+            .post(format!("http://{}/v1/chat/completions", envoy.listen))
+            .header("content-type", "application/json")
+            .body(r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#);
+        let request = match user {
+            Some(user) => request.header("x-user-id", user),
+            None => request,
+        };
+        async move {
+            let response = request.send().await.expect("POST through Envoy");
+            assert_eq!(response.status(), 200);
+            response
+                .headers()
+                .get("x-ratelimit-limit")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok())
+        }
+    };
+    for user in ["alice", "bob", "alice"] {
+        assert_eq!(
+            send(Some(user)).await,
+            Some(PER_USER_BUCKET_TOKENS),
+            "{user}"
+        );
+    }
+    assert_eq!(send(None).await, Some(DEFAULT_BUCKET_TOKENS));
+    assert_eq!(
+        envoy.stat("per_user.http_local_rate_limit.ok").await,
+        Some(4),
+        "the filter checked every request"
+    );
+    assert_eq!(
+        upstream.bodies().len(),
+        4,
+        "every request reached the upstream"
+    );
 }
 
 /// Proves: rendering puts every port of front-proxy.yaml on loopback, and a config without

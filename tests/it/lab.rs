@@ -227,3 +227,42 @@ fn tollgate_keeps_the_steady_tenant_fast_through_a_burst_that_floods_vllm_withou
         "B:\n{stdout}"
     );
 }
+
+/// Proves: the CPU of a process tree (`host::tree_cpu_ticks`, what bench_overhead reads for
+/// LiteLLM, which serves from worker processes) counts a child's CPU, which the root's own
+/// figure leaves out.
+#[test]
+fn a_process_trees_cpu_counts_its_children() {
+    use std::os::unix::process::CommandExt as _;
+    use tollgate_testkit::host::{cpu_ticks_of, tree_cpu_ticks};
+
+    // The root shell only waits; a subshell spins, then stays alive (only live processes count).
+    let mut root = std::process::Command::new("sh")
+        .args([
+            "-c",
+            "(i=0; while [ $i -lt 400000 ]; do i=$((i+1)); done; sleep 60) & wait",
+        ])
+        .process_group(0)
+        .spawn()
+        .expect("spawn sh");
+    let pid = root.id();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    let (own, tree) = loop {
+        let own = cpu_ticks_of(&format!("/proc/{pid}/stat")).expect("the root's CPU");
+        let tree = tree_cpu_ticks(pid).expect("the tree's CPU");
+        // 10 ticks: 0.1 s of CPU at the usual 100 ticks a second, all the child's.
+        if tree >= own + 10 || tokio::time::Instant::now() > deadline {
+            break (own, tree);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", "--", &format!("-{pid}")])
+        .status();
+    let _ = root.wait();
+    assert!(
+        tree >= own + 10,
+        "the tree's CPU ({tree} ticks) should count the spinning child beside the root's ({own})"
+    );
+    assert_eq!(tree_cpu_ticks(pid), None, "a root that is gone has no tree");
+}
