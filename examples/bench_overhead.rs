@@ -31,7 +31,10 @@
 //! tollgate gets two ext_proc messages per request instead of four; B − C is what observing the
 //! response (time to first token, usage) costs. C is the request-only deployment
 //! (`envoy/front-proxy-no-response.yaml`); its baseline is **Q** (`--configs A,Q,C`): E with the
-//! same response phases off, so C − Q is tollgate's own work there as B − E is in B.
+//! same response phases off, so C − Q is tollgate's own work there as B − E is in B. **O** is
+//! a design experiment: Q plus a second ext_proc filter in `observability_mode` that sends the
+//! response to the echo without waiting for answers (`--configs A,E,Q,O --stream-tokens 64`): O −
+//! Q is the floor of observing responses that way, against E − Q for every chunk waiting.
 //!
 //! Every Envoy runs `--concurrency 1 --disable-hot-restart`; everything listens on 127.0.0.1
 //! ports picked at start-up, and no request leaves the machine.
@@ -86,8 +89,8 @@ use tokio::time::Instant;
 
 use tollgate_testkit::bench::median;
 use tollgate_testkit::envoy::{
-    self, ENVOY_VERSION, Envoy, EnvoyPorts, PER_USER_BUCKET_TOKENS, with_local_ratelimit,
-    without_ext_proc,
+    self, ENVOY_VERSION, Envoy, EnvoyPorts, PER_USER_BUCKET_TOKENS, request_phases_only,
+    with_local_ratelimit, with_observer_filter, without_ext_proc,
 };
 use tollgate_testkit::host::{
     Machine, busy_fraction, clock_ticks_per_second, command_output, cpu_ticks_of, machine_jiffies,
@@ -152,7 +155,8 @@ struct Args {
     /// NONE`), so tollgate sees two messages per request instead of four and observes nothing
     /// after its decision. Q is C's baseline: E with the same response phases off. The peers:
     /// D no proxy (the client straight to the upstream), F Envoy with its `local_ratelimit`
-    /// filter per user, L LiteLLM's proxy with per-key limits.
+    /// filter per user, L LiteLLM's proxy with per-key limits. O (an experiment): Q plus a
+    /// second ext_proc filter in `observability_mode` for the response phases, to the echo.
     #[arg(long, value_delimiter = ',', default_values_t = vec![Config::A, Config::E, Config::B, Config::R])]
     configs: Vec<Config>,
     /// Also write the results as JSON to this file.
@@ -436,23 +440,6 @@ impl Binaries {
 // ---------------------------------------------------------------------------------------------
 // Envoy configs
 
-/// Configs C and Q: `front_proxy` with Envoy's response phases off, so the ext_proc stream
-/// carries the request headers and body only. tollgate then decides exactly as in B but is never
-/// shown the response; the difference between B and C is what observing responses costs, and Q
-/// is the echo under the same two messages per request, the floor C is compared with.
-fn request_phases_only(front_proxy: &str) -> Result<String> {
-    let mut config = front_proxy.to_owned();
-    for (from, to) in [
-        ("response_header_mode: SEND", "response_header_mode: SKIP"),
-        ("response_body_mode: STREAMED", "response_body_mode: NONE"),
-    ] {
-        let count = config.matches(from).count();
-        ensure!(count == 1, "`{from}` occurs {count} times, expected once");
-        config = config.replacen(from, to, 1);
-    }
-    Ok(config)
-}
-
 // ---------------------------------------------------------------------------------------------
 // Child processes
 
@@ -515,7 +502,7 @@ impl Stack {
         } else {
             (None, None)
         };
-        let echo = if needs(&[Config::E, Config::Q]) {
+        let echo = if needs(&[Config::E, Config::Q, Config::O]) {
             let addr = free_addr();
             let proc = Proc::spawn(
                 "echo",
@@ -543,7 +530,7 @@ impl Stack {
         for (config, text) in envoy_configs {
             let extproc = match config {
                 Config::A | Config::F | Config::L | Config::D => None,
-                Config::E | Config::Q => echo.as_ref().map(|(_, addr)| addr.port()),
+                Config::E | Config::Q | Config::O => echo.as_ref().map(|(_, addr)| addr.port()),
                 Config::B | Config::C => tollgate.as_ref().map(|t| t.grpc.port()),
                 Config::R => tollgate_redis.as_ref().map(|t| t.grpc.port()),
             };
@@ -626,7 +613,9 @@ impl Stack {
         let tollgate = match config {
             Config::B | Config::C => self.tollgate.as_ref()?,
             Config::R => self.tollgate_redis.as_ref()?,
-            Config::A | Config::E | Config::Q | Config::F | Config::L | Config::D => return None,
+            Config::A | Config::E | Config::Q | Config::O | Config::F | Config::L | Config::D => {
+                return None;
+            }
         };
         Some(metrics::scrape(tollgate.admin).await.ok()?.0)
     }
@@ -771,6 +760,8 @@ enum Config {
     E,
     /// E without the response phases: the floor of a request-only ext_proc service, C's baseline.
     Q,
+    /// Experiment: Q plus a second ext_proc filter in `observability_mode` for the response.
+    O,
     /// Envoy + tollgate with its embedded store, envoy/front-proxy.yaml as shipped.
     B,
     /// Diagnostic: B without the response phases.
@@ -797,6 +788,7 @@ impl Config {
             Config::A => "A",
             Config::E => "E",
             Config::Q => "Q",
+            Config::O => "O",
             Config::B => "B",
             Config::R => "R",
             Config::C => "C",
@@ -811,6 +803,7 @@ impl Config {
             Config::A => "A  Envoy alone",
             Config::E => "E  Envoy + echo",
             Config::Q => "Q  E, request only",
+            Config::O => "O  Q + observer filter",
             Config::B => "B  Envoy + tollgate",
             Config::R => "R  Envoy + tollgate+Redis",
             Config::C => "C  B, request only",
@@ -827,6 +820,7 @@ impl Config {
             Config::A => "envoy_a",
             Config::E => "envoy_e",
             Config::Q => "envoy_q",
+            Config::O => "envoy_o",
             Config::B => "envoy_b",
             Config::R => "envoy_r",
             Config::C => "envoy_c",
@@ -840,7 +834,7 @@ impl Config {
     fn ext_proc_processes(self) -> &'static [&'static str] {
         match self {
             Config::A | Config::F | Config::D => &[],
-            Config::E | Config::Q => &["echo"],
+            Config::E | Config::Q | Config::O => &["echo"],
             Config::B | Config::C => &["tollgate"],
             Config::R => &["tollgate_redis", "redis"],
             Config::L => &["litellm", "litellm_redis"],
@@ -861,7 +855,7 @@ impl Config {
     fn has_ext_proc(self) -> bool {
         matches!(
             self,
-            Config::E | Config::Q | Config::B | Config::C | Config::R
+            Config::E | Config::Q | Config::O | Config::B | Config::C | Config::R
         )
     }
 
@@ -874,7 +868,9 @@ impl Config {
     /// `None` for the baselines.
     fn echo_baseline(self) -> Option<Config> {
         match self {
-            Config::A | Config::E | Config::Q | Config::F | Config::L | Config::D => None,
+            Config::A | Config::E | Config::Q | Config::O | Config::F | Config::L | Config::D => {
+                None
+            }
             Config::B | Config::R => Some(Config::E),
             Config::C => Some(Config::Q),
         }
@@ -887,6 +883,7 @@ impl Config {
             Config::A => without_ext_proc(front_proxy)?,
             Config::E | Config::B | Config::R => front_proxy.to_owned(),
             Config::Q | Config::C => request_phases_only(front_proxy)?,
+            Config::O => with_observer_filter(front_proxy)?,
             Config::F => with_local_ratelimit(front_proxy)?,
             Config::L | Config::D => return Ok(None),
         }))

@@ -1,5 +1,6 @@
 //! `echo_extproc`: an Envoy ext_proc service that decides nothing. It answers every message with
-//! a CONTINUE of its kind and reads nothing, so it is the floor any ext_proc service built with
+//! a CONTINUE of its kind (except those of a filter in `observability_mode`, which the protocol
+//! says not to answer) and reads nothing, so it is the floor any ext_proc service built with
 //! tonic costs: the baseline the benchmarks hold tollgate against (`bench_decisions` over gRPC,
 //! `bench_overhead` behind Envoy).
 //!
@@ -57,6 +58,11 @@ impl ExternalProcessor for Echo {
         let (tx, rx) = mpsc::channel(2);
         tokio::spawn(async move {
             while let Ok(Some(message)) = inbound.message().await {
+                // A filter in observability_mode does not wait for answers, and the protocol
+                // asks the server to send none.
+                if message.observability_mode {
+                    continue;
+                }
                 let Some(answer) = continue_answer(message.request) else {
                     let _ = tx
                         .send(Err(Status::invalid_argument("empty message")))

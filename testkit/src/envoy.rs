@@ -177,6 +177,49 @@ pub fn without_ext_proc(front_proxy: &str) -> Result<String> {
     Ok(direct)
 }
 
+/// bench_overhead's configs C and Q: `front_proxy` with Envoy's response phases off, so the ext_proc stream
+/// carries the request headers and body only. tollgate then decides exactly as in B but is never
+/// shown the response; the difference between B and C is what observing responses costs, and Q
+/// is the echo under the same two messages per request, the floor C is compared with.
+pub fn request_phases_only(front_proxy: &str) -> Result<String> {
+    let mut config = front_proxy.to_owned();
+    for (from, to) in [
+        ("response_header_mode: SEND", "response_header_mode: SKIP"),
+        ("response_body_mode: STREAMED", "response_body_mode: NONE"),
+    ] {
+        let count = config.matches(from).count();
+        ensure!(count == 1, "`{from}` occurs {count} times, expected once");
+        config = config.replacen(from, to, 1);
+    }
+    Ok(config)
+}
+
+/// bench_overhead's config O, a design experiment for observing responses at a fraction of today's cost (issue
+/// 17): Q (the echo, request phases only) plus a second ext_proc filter, after the first, in
+/// `observability_mode`, that sends the response headers and every response body chunk to the
+/// same service without waiting for an answer (the echo answers none of its messages, as the
+/// protocol asks). O − Q is what such an observer costs per response, against E − Q for
+/// today's way (every chunk waits for its answer).
+pub fn with_observer_filter(front_proxy: &str) -> Result<String> {
+    const OBSERVER: &str = r#"- name: envoy.filters.http.ext_proc.observer
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+    grpc_service:
+      envoy_grpc: { cluster_name: tollgate }
+    observability_mode: true
+    processing_mode:
+      request_header_mode: SKIP
+      request_body_mode: NONE
+      request_trailer_mode: SKIP
+      response_header_mode: SEND
+      response_body_mode: STREAMED
+      response_trailer_mode: SKIP
+    message_timeout: 1s
+    failure_mode_allow: true
+"#;
+    with_filter_before_router(&request_phases_only(front_proxy)?, OBSERVER)
+}
+
 /// The tokens of each user's bucket in [`with_local_ratelimit`]'s config (and what its
 /// `x-ratelimit-limit` response header says when that bucket counted a request).
 pub const PER_USER_BUCKET_TOKENS: u64 = 100_000_000;
@@ -191,7 +234,6 @@ pub const DEFAULT_BUCKET_TOKENS: u64 = 300_000_000;
 /// request takes the whole check. A request without the header falls to the filter's default
 /// bucket, which is larger, so the `x-ratelimit-limit` a response carries says which counted it.
 pub fn with_local_ratelimit(front_proxy: &str) -> Result<String> {
-    const ROUTER: &str = "- name: envoy.filters.http.router";
     let filter = format!(
         r#"- name: envoy.filters.http.local_ratelimit
   typed_config:
@@ -215,8 +257,14 @@ pub fn with_local_ratelimit(front_proxy: &str) -> Result<String> {
     enable_x_ratelimit_headers: DRAFT_VERSION_03
 "#
     );
-    let alone = without_ext_proc(front_proxy)?;
-    let routers: Vec<&str> = alone
+    with_filter_before_router(&without_ext_proc(front_proxy)?, &filter)
+}
+
+/// `config` with the HTTP filter `filter` (a YAML list item, `- name: ...`, unindented) added
+/// just before the router filter, indented as the router is.
+pub fn with_filter_before_router(config: &str, filter: &str) -> Result<String> {
+    const ROUTER: &str = "- name: envoy.filters.http.router";
+    let routers: Vec<&str> = config
         .lines()
         .filter(|line| line.trim_start() == ROUTER)
         .collect();
@@ -228,7 +276,7 @@ pub fn with_local_ratelimit(front_proxy: &str) -> Result<String> {
         .lines()
         .map(|line| format!("{indent}{line}\n"))
         .collect();
-    Ok(alone.replacen(router, &format!("{indented}{router}"), 1))
+    Ok(config.replacen(router, &format!("{indented}{router}"), 1))
 }
 
 /// Removes the YAML list item that starts with `header` (after indentation): its line and every

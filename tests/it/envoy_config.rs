@@ -22,8 +22,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use tollgate_testkit::envoy::{
-    DEFAULT_BUCKET_TOKENS, PER_USER_BUCKET_TOKENS, render_config, with_local_ratelimit,
-    without_ext_proc,
+    DEFAULT_BUCKET_TOKENS, PER_USER_BUCKET_TOKENS, render_config, request_phases_only,
+    with_local_ratelimit, with_observer_filter, without_ext_proc,
 };
 
 use crate::support::envoy::{ENVOY_VERSION, Envoy, EnvoyPorts, envoy_binary, free_port};
@@ -702,6 +702,36 @@ async fn the_local_ratelimit_floor_counts_requests_in_the_per_user_bucket() {
         4,
         "every request reached the upstream"
     );
+}
+
+/// Proves: the configs bench_overhead derives from front-proxy.yaml for its experiments (C and
+/// Q: the response phases off; O: those phases moved to a second ext_proc filter in
+/// `observability_mode`) load on every supported Envoy, so a comparison never runs on one
+/// version and silently fails on another.
+#[test]
+fn the_benchmarks_derived_configs_validate() {
+    let front_proxy = std::fs::read_to_string(front_proxy_config()).expect("read front-proxy");
+    let dir = tempfile::Builder::new()
+        .prefix("tollgate-bench-configs-")
+        .tempdir()
+        .expect("create a temp dir");
+    let observer = with_observer_filter(&front_proxy).unwrap();
+    assert_eq!(observer.matches("ext_proc.v3.ExternalProcessor").count(), 2);
+    assert!(observer.contains("observability_mode: true"));
+    let mut failures = Vec::new();
+    for (name, config) in [
+        ("request-only", request_phases_only(&front_proxy).unwrap()),
+        ("observer", observer),
+    ] {
+        let path = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&path, config).expect("write config");
+        for version in VALIDATED_ENVOY_VERSIONS {
+            if let Err(failure) = envoy_validate(version, &path) {
+                failures.push(failure);
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// Proves: rendering puts every port of front-proxy.yaml on loopback, and a config without
