@@ -10,6 +10,8 @@
 # shares, and take decisions per CPU-second from scripts/bench-decisions.sh.
 #
 # Usage: scripts/profile-decisions.sh [OUT_DIR]   (default target/profile-decisions)
+#        PERF_RECORD_EVENT=syscalls:sys_enter_futex scripts/profile-decisions.sh OUT_DIR
+#            (samples where tollgate makes a system call instead of where it spends CPU)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,7 +46,7 @@ while kill -0 "${bench}" 2>/dev/null; do
             -p "${pid}" -o "${out}/${name}.stat" &
         monitors+=($!)
         if [[ "${name}" != echo ]]; then
-            perf record -q -F 999 --call-graph dwarf,16384 -p "${pid}" -o "${out}/${name}.data" \
+            perf record -q ${PERF_RECORD_EVENT:+-e "${PERF_RECORD_EVENT}"} -F 999 --call-graph dwarf,16384 -p "${pid}" -o "${out}/${name}.data" \
                 > /dev/null 2>&1 &
             monitors+=($!)
         fi
