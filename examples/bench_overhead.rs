@@ -52,9 +52,10 @@
 //! the gaps between tokens as the client saw them: what Envoy's response-body streaming through
 //! ext_proc (one round trip to tollgate per chunk) adds to inter-token latency.
 //!
-//! For each rate: a warm-up run on A then on B (discarded), then rounds A, B, A, B, ... The
-//! headline is B − A at p50 and p99, taken per round (A and B of the same round are adjacent in
-//! time, so slow drifts of the machine cancel) and then the median over rounds. CPU per request
+//! For each rate: a warm-up run of every configuration (discarded), then rounds of every
+//! configuration in turn (A, B, ..., A, B, ...). The headline is B − A at p50 and p99, taken per
+//! round (A and B of the same round are minutes apart at most, so slow drifts of the machine
+//! cancel) and then the median over rounds. CPU per request
 //! comes from `/proc/PID/stat` (utime + stime) of every process before and after each run.
 //! tollgate's own `tollgate_decision_duration_seconds` histogram and Envoy's ext_proc counters
 //! are read around each B run, to tell time spent deciding from time spent getting there.
@@ -97,7 +98,7 @@ use tollgate_testkit::host::{
     tree_cpu_ticks,
 };
 use tollgate_testkit::ports::free_addr;
-use tollgate_testkit::process::{Proc, wait_until};
+use tollgate_testkit::process::{Proc, kill_process_group, wait_until};
 use tollgate_testkit::redis::{RedisOptions, RedisServer};
 use tollgate_testkit::tollgate::{TollgateCommand, TollgateProcess};
 use tollgate_testkit::upstream::Upstream;
@@ -232,15 +233,16 @@ async fn bench(args: &Args) -> Result<Verdict> {
         .unwrap_or_else(|| root.join("envoy/front-proxy.yaml"));
     let front_proxy = std::fs::read_to_string(&front_proxy_path)
         .with_context(|| format!("read {}", front_proxy_path.display()))?;
-    // A first (the baseline every other configuration is compared with), then the echo
-    // baselines E and Q, then B, C, R: the declaration order of `Config`.
+    // The declaration order of `Config`: A first (the baseline every other configuration is
+    // compared with), the echo's E, Q and O, tollgate's B, C and R, then the peers F and L and
+    // D, no proxy.
     let mut configs = args.configs.clone();
     configs.push(Config::A);
     configs.sort_unstable();
     configs.dedup();
     ensure!(
         configs.len() > 1,
-        "--configs needs E, Q, B, C, R, F, L or D next to A"
+        "--configs needs E, Q, O, B, C, R, F, L or D next to A"
     );
     let mut envoy_configs = Vec::new();
     for &config in &configs {
@@ -647,6 +649,13 @@ struct LiteLlm {
     redis: RedisServer,
 }
 
+/// Each key's limits in LiteLLM (examples/bench/litellm/custom_auth.py reads them from the
+/// environment): far above the benchmark's rates, as tollgate's are in
+/// examples/bench/tollgate.yaml, so every request takes the whole limiter path and none is
+/// refused.
+const LITELLM_KEY_RPM_LIMIT: u64 = 10_000_000;
+const LITELLM_KEY_TPM_LIMIT: u64 = 10_000_000_000;
+
 /// LiteLLM builds its app and loads its model cost map before it listens: tens of seconds on a
 /// busy 2-core machine.
 const LITELLM_READY_TIMEOUT: Duration = Duration::from_secs(120);
@@ -686,6 +695,8 @@ impl LiteLlm {
                 .env("LITELLM_MASTER_KEY", "sk-bench-master")
                 .env("BENCH_REDIS_HOST", "127.0.0.1")
                 .env("BENCH_REDIS_PORT", redis.port.to_string())
+                .env("BENCH_KEY_RPM_LIMIT", LITELLM_KEY_RPM_LIMIT.to_string())
+                .env("BENCH_KEY_TPM_LIMIT", LITELLM_KEY_TPM_LIMIT.to_string())
                 // Production logging (errors only), and the cost map from the package rather
                 // than from GitHub (no network here, and none needed).
                 .env("LITELLM_LOG", "ERROR")
@@ -710,9 +721,7 @@ impl LiteLlm {
 impl Drop for LiteLlm {
     fn drop(&mut self) {
         // The whole group: killing the first process alone would leave its workers running.
-        let _ = Command::new("kill")
-            .args(["-KILL", "--", &format!("-{}", self.proc.pid())])
-            .status();
+        kill_process_group(self.proc.pid());
     }
 }
 
@@ -843,11 +852,14 @@ impl Config {
 
     /// The response header a peer's limiter sets, and its value when the per-user limit counted
     /// the request: Envoy's per-user bucket (`with_local_ratelimit`), LiteLLM's per-key limit
-    /// (examples/bench/litellm/custom_auth.py's `RPM_LIMIT`).
+    /// (`LITELLM_KEY_RPM_LIMIT`).
     fn limit_header(self) -> Option<(&'static str, String)> {
         match self {
             Config::F => Some(("x-ratelimit-limit", PER_USER_BUCKET_TOKENS.to_string())),
-            Config::L => Some(("x-ratelimit-api_key-limit-requests", "10000000".to_owned())),
+            Config::L => Some((
+                "x-ratelimit-api_key-limit-requests",
+                LITELLM_KEY_RPM_LIMIT.to_string(),
+            )),
             _ => None,
         }
     }

@@ -37,6 +37,7 @@ fi
 # LiteLLM's proxy, for configuration L (the peer): a pinned release in its own virtualenv under
 # .tools/ (git-ignored), installed only when L is asked for.
 readonly LITELLM_VERSION="1.108.7"
+# Not when --litellm-bin names a LiteLLM of the caller's own.
 wants_litellm=false
 previous=""
 for arg in "$@"; do
@@ -44,6 +45,11 @@ for arg in "$@"; do
         wants_litellm=true
     fi
     previous="${arg}"
+done
+for arg in "$@"; do
+    if [[ "${arg}" == --litellm-bin || "${arg}" == --litellm-bin=* ]]; then
+        wants_litellm=false
+    fi
 done
 litellm_venv="${repo_root}/.tools/litellm"
 if [[ "${wants_litellm}" == true ]] \

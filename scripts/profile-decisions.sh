@@ -7,7 +7,9 @@
 #   - `perf record --call-graph dwarf` samples each tollgate, for `perf report --children`.
 # Needs perf (linux-perf) and permission to attach to the servers (root, or
 # kernel.perf_event_paranoid <= 1). Attaching slows the servers a little; read the profile's
-# shares, and take decisions per CPU-second from scripts/bench-decisions.sh.
+# shares, and take decisions per CPU-second from scripts/bench-decisions.sh. perf attaches
+# within 50 ms of a server's start, and the benchmark starts and checks every server before the
+# first run, so the counts cover each server's whole measured run (and a few checking requests).
 #
 # Usage: scripts/profile-decisions.sh [OUT_DIR]   (default target/profile-decisions)
 #        PERF_RECORD_EVENT=syscalls:sys_enter_futex scripts/profile-decisions.sh OUT_DIR
@@ -55,7 +57,7 @@ while kill -0 "${bench}" 2>/dev/null; do
 done
 wait "${bench}" || { cat "${out}/bench.txt" >&2; exit 1; }
 # perf exits when the process it is attached to does; give it time to write.
-for monitor in "${monitors[@]}"; do
+for monitor in ${monitors[@]+"${monitors[@]}"}; do
     wait "${monitor}" || true
 done
 
@@ -64,6 +66,7 @@ echo "(columns: decisions/s, p50 / p99 ms, server cores, decisions per server CP
 echo "system calls and context switches per decision:"
 for name in echo tollgate-redis tollgate-memory; do
     rate="$(awk -v n="${name}" '$1 == n { print $2; exit }' "${out}/bench.txt")"
+    [[ "${rate}" =~ ^[0-9]+$ ]] || { echo "profile-decisions: no decisions/s for ${name}" >&2; exit 1; }
     awk -v n="${name}" -v decisions="$((rate * SECONDS_PER_SERVER))" '
         /syscalls:sys_enter_|context-switches/ {
             gsub(/,/, "", $1); sub(/syscalls:sys_enter_/, "", $2)

@@ -177,10 +177,11 @@ pub fn without_ext_proc(front_proxy: &str) -> Result<String> {
     Ok(direct)
 }
 
-/// bench_overhead's configs C and Q: `front_proxy` with Envoy's response phases off, so the ext_proc stream
-/// carries the request headers and body only. tollgate then decides exactly as in B but is never
-/// shown the response; the difference between B and C is what observing responses costs, and Q
-/// is the echo under the same two messages per request, the floor C is compared with.
+/// bench_overhead's configs C and Q: `front_proxy` with Envoy's response phases off, so the
+/// ext_proc stream carries the request headers and body only. tollgate then decides exactly as
+/// in B but is never shown the response; the difference between B and C is what observing
+/// responses costs, and Q is the echo under the same two messages per request, the floor C is
+/// compared with.
 pub fn request_phases_only(front_proxy: &str) -> Result<String> {
     let mut config = front_proxy.to_owned();
     for (from, to) in [
@@ -194,8 +195,8 @@ pub fn request_phases_only(front_proxy: &str) -> Result<String> {
     Ok(config)
 }
 
-/// bench_overhead's config O, a design experiment for observing responses at a fraction of today's cost (issue
-/// 17): Q (the echo, request phases only) plus a second ext_proc filter, after the first, in
+/// bench_overhead's config O, a design experiment for observing responses at a fraction of
+/// today's cost (issue 17): Q (the echo, request phases only) plus a second ext_proc filter, after the first, in
 /// `observability_mode`, that sends the response headers and every response body chunk to the
 /// same service without waiting for an answer (the echo answers none of its messages, as the
 /// protocol asks). O − Q is what such an observer costs per response, against E − Q for

@@ -10,18 +10,39 @@ use serde_json::{Value, json};
 /// utime + stime from a /proc/…/stat file, in clock ticks (all threads of the process).
 pub fn cpu_ticks_of(stat_path: &str) -> Option<u64> {
     let stat = std::fs::read_to_string(stat_path).ok()?;
-    // The command name (field 2) is in parentheses and may contain spaces: count fields after
-    // the last ')'. Field 3 (state) is then index 0, utime (14) index 11, stime (15) index 12.
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some(utime + stime)
+    Some(ProcStat::parse(&stat)?.ticks)
 }
 
-/// utime + stime of process `root` and every live process descended from it, in clock ticks:
-/// for a server that works in child processes (LiteLLM's workers). `None` when `root` is gone.
+/// The fields of a /proc/PID/stat line the benchmarks read.
+struct ProcStat {
+    parent: u32,
+    /// utime + stime: the process's own CPU, all its threads.
+    ticks: u64,
+    /// cutime + cstime: the CPU of its children that have exited and been reaped.
+    reaped_children_ticks: u64,
+}
+
+impl ProcStat {
+    fn parse(stat: &str) -> Option<ProcStat> {
+        // The command name (field 2) is in parentheses and may contain spaces: count fields
+        // after the last ')'. Field 3 (state) is then index 0, ppid (4) index 1, utime (14)
+        // index 11, stime (15) index 12, cutime (16) index 13, cstime (17) index 14.
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let field = |index: usize| fields.get(index)?.parse::<u64>().ok();
+        Some(ProcStat {
+            parent: fields.get(1)?.parse().ok()?,
+            ticks: field(11)? + field(12)?,
+            reaped_children_ticks: field(13)? + field(14)?,
+        })
+    }
+}
+
+/// CPU of process `root` and every process descended from it, in clock ticks: for a server that
+/// works in child processes (LiteLLM's workers). Live descendants count with their own CPU, and
+/// exited ones through their parents' reaped-children figures, so a worker that is replaced
+/// mid-run keeps its CPU. `None` when `root` is gone.
 pub fn tree_cpu_ticks(root: u32) -> Option<u64> {
-    let mut processes: Vec<(u32, u32, u64)> = Vec::new();
+    let mut processes: Vec<(u32, ProcStat)> = Vec::new();
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
         let Some(pid) = entry
             .file_name()
@@ -30,34 +51,26 @@ pub fn tree_cpu_ticks(root: u32) -> Option<u64> {
         else {
             continue;
         };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        let Some(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| ProcStat::parse(&stat))
+        else {
             continue;
         };
-        // After the command name: state, ppid, ...; utime and stime as in `cpu_ticks_of`.
-        let Some((_, rest)) = stat.rsplit_once(')') else {
-            continue;
-        };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let parent = fields.get(1).and_then(|f| f.parse().ok());
-        let ticks = fields
-            .get(11)
-            .zip(fields.get(12))
-            .and_then(|(u, s)| Some(u.parse::<u64>().ok()? + s.parse::<u64>().ok()?));
-        if let (Some(parent), Some(ticks)) = (parent, ticks) {
-            processes.push((pid, parent, ticks));
-        }
+        processes.push((pid, stat));
     }
+    let own = |stat: &ProcStat| stat.ticks + stat.reaped_children_ticks;
+    let mut total = own(&processes.iter().find(|(pid, _)| *pid == root)?.1);
     let mut tree = vec![root];
-    let mut total = processes.iter().find(|(pid, ..)| *pid == root)?.2;
     // Breadth-first over the parent links; a handful of processes, so a scan per level is fine.
     let mut next = 0;
     while next < tree.len() {
         let parent = tree[next];
         next += 1;
-        for &(pid, ppid, ticks) in &processes {
-            if ppid == parent && pid != root {
-                tree.push(pid);
-                total += ticks;
+        for (pid, stat) in &processes {
+            if stat.parent == parent && *pid != root {
+                tree.push(*pid);
+                total += own(stat);
             }
         }
     }

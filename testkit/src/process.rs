@@ -176,6 +176,15 @@ impl Drop for Proc {
     }
 }
 
+/// SIGKILLs every process in the process group `group` (a child spawned with
+/// `CommandExt::process_group(0)` leads a group numbered by its pid): for a server whose worker
+/// processes would outlive their parent's own kill.
+pub fn kill_process_group(group: u32) {
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", "--", &format!("-{group}")])
+        .status();
+}
+
 /// Where a child keeps its files (config, log): the caller's `dir`, or else a fresh temp dir
 /// named `<prefix>…`, which the caller must keep (and drop after the child) as the first value.
 pub(crate) fn files_dir(

@@ -229,7 +229,7 @@ fn tollgate_keeps_the_steady_tenant_fast_through_a_burst_that_floods_vllm_withou
 }
 
 /// Proves: the CPU of a process tree (`host::tree_cpu_ticks`, what bench_overhead reads for
-/// LiteLLM, which serves from worker processes) counts a child's CPU, which the root's own
+/// LiteLLM, which serves from worker processes) counts a live child's CPU, which the root's own
 /// figure leaves out.
 #[test]
 fn a_process_trees_cpu_counts_its_children() {
@@ -256,9 +256,7 @@ fn a_process_trees_cpu_counts_its_children() {
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     };
-    let _ = std::process::Command::new("kill")
-        .args(["-KILL", "--", &format!("-{pid}")])
-        .status();
+    tollgate_testkit::process::kill_process_group(pid);
     let _ = root.wait();
     assert!(
         tree >= own + 10,
