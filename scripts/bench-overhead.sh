@@ -38,21 +38,20 @@ fi
 # .tools/ (git-ignored), installed only when L is asked for.
 readonly LITELLM_VERSION="1.108.7"
 # Not when --litellm-bin names a LiteLLM of the caller's own.
-wants_litellm=false
+runs_litellm=false
+own_litellm=false
 previous=""
 for arg in "$@"; do
     if [[ "${arg}" == --configs=*L* || ( "${previous}" == "--configs" && "${arg}" == *L* ) ]]; then
-        wants_litellm=true
+        runs_litellm=true
+    fi
+    if [[ "${arg}" == --litellm-bin || "${arg}" == --litellm-bin=* ]]; then
+        own_litellm=true
     fi
     previous="${arg}"
 done
-for arg in "$@"; do
-    if [[ "${arg}" == --litellm-bin || "${arg}" == --litellm-bin=* ]]; then
-        wants_litellm=false
-    fi
-done
 litellm_venv="${repo_root}/.tools/litellm"
-if [[ "${wants_litellm}" == true ]] \
+if [[ "${runs_litellm}" == true && "${own_litellm}" == false ]] \
     && ! "${litellm_venv}/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('litellm') != '${LITELLM_VERSION}')" 2>/dev/null; then
     echo "bench-overhead: installing litellm[proxy]==${LITELLM_VERSION} into ${litellm_venv}" >&2
     rm -rf "${litellm_venv}"

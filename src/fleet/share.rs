@@ -36,9 +36,9 @@
 //! protected arrivals per release are about `ρ`, the part of the limit those tenants hold, so
 //! the standby slots of one replica are an M/M/1/k queue (arrivals ρ, one refill per release),
 //! and `k` is the smallest whose chance of being found all taken, `ρ^k (1 - ρ) / (1 -
-//! ρ^(k+1))`, is at most `fleet.standby_miss`. None when one replica runs alone, when every tenant or none is below
-//! the level (nothing to hold back, or nobody to hold it for), and never more than a quarter
-//! of a replica's target. A tenant below the level between two requests has no demand at the
+//! ρ^(k+1))`, is at most `fleet.standby_miss`. None when one replica runs alone, when every
+//! tenant or none is below the level (nothing to hold back, or nobody to hold it for), and
+//! never more than a quarter of a replica's target. A tenant below the level between two requests has no demand at the
 //! instant the leader divides, so the slots outlive the demand that asked for them while such
 //! a tenant is away (`StandbyHold`, for up to `control.window_ms`): they would otherwise go to
 //! the others just before its next request.

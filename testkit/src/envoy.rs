@@ -196,11 +196,11 @@ pub fn request_phases_only(front_proxy: &str) -> Result<String> {
 }
 
 /// bench_overhead's config O, a design experiment for observing responses at a fraction of
-/// today's cost (issue 17): Q (the echo, request phases only) plus a second ext_proc filter, after the first, in
-/// `observability_mode`, that sends the response headers and every response body chunk to the
-/// same service without waiting for an answer (the echo answers none of its messages, as the
-/// protocol asks). O − Q is what such an observer costs per response, against E − Q for
-/// today's way (every chunk waits for its answer).
+/// today's cost (issue 17): Q (the echo, request phases only) plus a second ext_proc filter,
+/// after the first, in `observability_mode`, that sends the response headers and every response
+/// body chunk to the same service without waiting for an answer (the echo answers none of its
+/// messages, as the protocol asks). O − Q is what such an observer costs per response, against
+/// E − Q for today's way (every chunk waits for its answer).
 pub fn with_observer_filter(front_proxy: &str) -> Result<String> {
     const OBSERVER: &str = r#"- name: envoy.filters.http.ext_proc.observer
   typed_config:
