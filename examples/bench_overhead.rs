@@ -35,6 +35,12 @@
 //! a design experiment: Q plus a second ext_proc filter in `observability_mode` that sends the
 //! response to the echo without waiting for answers (`--configs A,E,Q,O --stream-tokens 64`): O −
 //! Q is the floor of observing responses that way, against E − Q for every chunk waiting.
+//! **P** is B's tollgate behind `envoy/front-proxy-reports.yaml` (the file beside the front proxy
+//! B runs): the response reported on instead of streamed through tollgate, a first-token report
+//! and a summary through Envoy's access log (`pipeline::reports`). With C and B or P beside it
+//! (`--configs A,C,B,P --stream-tokens 64`), an OBSERVING line per observer prints what observing
+//! adds over deciding (B − C, P − C) as a ratio to what deciding adds over Envoy alone (C − A),
+//! the CPU of Envoy and tollgate per request, each round's and their median.
 //!
 //! Every Envoy runs `--concurrency 1 --disable-hot-restart`; everything listens on 127.0.0.1
 //! ports picked at start-up, and no request leaves the machine.
@@ -157,7 +163,8 @@ struct Args {
     /// after its decision. Q is C's baseline: E with the same response phases off. The peers:
     /// D no proxy (the client straight to the upstream), F Envoy with its `local_ratelimit`
     /// filter per user, L LiteLLM's proxy with per-key limits. O (an experiment): Q plus a
-    /// second ext_proc filter in `observability_mode` for the response phases, to the echo.
+    /// second ext_proc filter in `observability_mode` for the response phases, to the echo. P:
+    /// B's tollgate behind envoy/front-proxy-reports.yaml (the response reported on).
     #[arg(long, value_delimiter = ',', default_values_t = vec![Config::A, Config::E, Config::B, Config::R])]
     configs: Vec<Config>,
     /// Also write the results as JSON to this file.
@@ -242,17 +249,27 @@ async fn bench(args: &Args) -> Result<Verdict> {
     configs.dedup();
     ensure!(
         configs.len() > 1,
-        "--configs needs E, Q, O, B, C, R, F, L or D next to A"
+        "--configs needs E, Q, O, B, C, P, R, F, L or D next to A"
     );
+    // P's file sits beside the front proxy B runs.
+    let reports_path = front_proxy_path.with_file_name("front-proxy-reports.yaml");
+    let reports = if configs.contains(&Config::P) {
+        std::fs::read_to_string(&reports_path)
+            .with_context(|| format!("read {}", reports_path.display()))?
+    } else {
+        String::new()
+    };
     let mut envoy_configs = Vec::new();
     for &config in &configs {
-        let text = config.envoy_config(&front_proxy).with_context(|| {
-            format!(
-                "derive config {} from {}",
-                config.name(),
-                front_proxy_path.display()
-            )
-        })?;
+        let text = config
+            .envoy_config(&front_proxy, &reports)
+            .with_context(|| {
+                format!(
+                    "derive config {} from {}",
+                    config.name(),
+                    front_proxy_path.display()
+                )
+            })?;
         if let Some(text) = text {
             envoy_configs.push((config, text));
         }
@@ -484,7 +501,7 @@ impl Stack {
         let upstream_addr = upstream.addr;
 
         let needs = |wanted: &[Config]| configs.iter().any(|c| wanted.contains(c));
-        let tollgate = if needs(&[Config::B, Config::C]) {
+        let tollgate = if needs(&[Config::B, Config::C, Config::P]) {
             let name = "tollgate";
             Some(start_tollgate(binaries, tollgate_config, None, name, dir.path()).await?)
         } else {
@@ -533,7 +550,7 @@ impl Stack {
             let extproc = match config {
                 Config::A | Config::F | Config::L | Config::D => None,
                 Config::E | Config::Q | Config::O => echo.as_ref().map(|(_, addr)| addr.port()),
-                Config::B | Config::C => tollgate.as_ref().map(|t| t.grpc.port()),
+                Config::B | Config::C | Config::P => tollgate.as_ref().map(|t| t.grpc.port()),
                 Config::R => tollgate_redis.as_ref().map(|t| t.grpc.port()),
             };
             let ports = EnvoyPorts::free_with(upstream_addr.port(), extproc);
@@ -613,7 +630,7 @@ impl Stack {
     /// The metrics of the tollgate behind `config`, if one is.
     async fn tollgate_metrics(&self, config: Config) -> Option<String> {
         let tollgate = match config {
-            Config::B | Config::C => self.tollgate.as_ref()?,
+            Config::B | Config::C | Config::P => self.tollgate.as_ref()?,
             Config::R => self.tollgate_redis.as_ref()?,
             Config::A | Config::E | Config::Q | Config::O | Config::F | Config::L | Config::D => {
                 return None;
@@ -775,6 +792,8 @@ enum Config {
     B,
     /// Diagnostic: B without the response phases.
     C,
+    /// B with the response reported on instead of streamed (envoy/front-proxy-reports.yaml).
+    P,
     /// Envoy + tollgate with its budgets in Redis.
     R,
     /// Peer floor: Envoy with its own `local_ratelimit` filter, a token bucket per user.
@@ -801,6 +820,7 @@ impl Config {
             Config::B => "B",
             Config::R => "R",
             Config::C => "C",
+            Config::P => "P",
             Config::F => "F",
             Config::L => "L",
             Config::D => "D",
@@ -816,6 +836,7 @@ impl Config {
             Config::B => "B  Envoy + tollgate",
             Config::R => "R  Envoy + tollgate+Redis",
             Config::C => "C  B, request only",
+            Config::P => "P  B, response reported",
             Config::F => "F  Envoy + local_ratelimit",
             Config::L => "L  LiteLLM + Redis",
             Config::D => "D  no proxy",
@@ -833,6 +854,7 @@ impl Config {
             Config::B => "envoy_b",
             Config::R => "envoy_r",
             Config::C => "envoy_c",
+            Config::P => "envoy_p",
             Config::F => "envoy_f",
             Config::L | Config::D => "no_envoy",
         }
@@ -844,7 +866,7 @@ impl Config {
         match self {
             Config::A | Config::F | Config::D => &[],
             Config::E | Config::Q | Config::O => &["echo"],
-            Config::B | Config::C => &["tollgate"],
+            Config::B | Config::C | Config::P => &["tollgate"],
             Config::R => &["tollgate_redis", "redis"],
             Config::L => &["litellm", "litellm_redis"],
         }
@@ -867,12 +889,12 @@ impl Config {
     fn has_ext_proc(self) -> bool {
         matches!(
             self,
-            Config::E | Config::Q | Config::O | Config::B | Config::C | Config::R
+            Config::E | Config::Q | Config::O | Config::B | Config::C | Config::P | Config::R
         )
     }
 
     fn uses_tollgate(self) -> bool {
-        matches!(self, Config::B | Config::R | Config::C)
+        matches!(self, Config::B | Config::R | Config::C | Config::P)
     }
 
     /// The echo configuration with the same ext_proc phases: what a tollgate configuration
@@ -880,18 +902,24 @@ impl Config {
     /// `None` for the baselines.
     fn echo_baseline(self) -> Option<Config> {
         match self {
-            Config::A | Config::E | Config::Q | Config::O | Config::F | Config::L | Config::D => {
-                None
-            }
+            Config::A
+            | Config::E
+            | Config::Q
+            | Config::O
+            | Config::P
+            | Config::F
+            | Config::L
+            | Config::D => None,
             Config::B | Config::R => Some(Config::E),
             Config::C => Some(Config::Q),
         }
     }
 
-    /// This configuration's Envoy config, derived from `front_proxy`; `None` for the two
-    /// without an Envoy.
-    fn envoy_config(self, front_proxy: &str) -> Result<Option<String>> {
+    /// This configuration's Envoy config, derived from `front_proxy` (P's is `reports`, the
+    /// reports deployment's file as shipped); `None` for the two without an Envoy.
+    fn envoy_config(self, front_proxy: &str, reports: &str) -> Result<Option<String>> {
         Ok(Some(match self {
+            Config::P => reports.to_owned(),
             Config::A => without_ext_proc(front_proxy)?,
             Config::E | Config::B | Config::R => front_proxy.to_owned(),
             Config::Q | Config::C => request_phases_only(front_proxy)?,
@@ -1194,6 +1222,8 @@ struct RunSummary {
     decision: Option<HistogramDelta>,
     /// B runs: Envoy's ext_proc counters over the run.
     ext_proc: Option<BTreeMap<String, u64>>,
+    /// P runs: tollgate's report counters over the run, by their labels.
+    reports: BTreeMap<String, f64>,
 }
 
 impl RunSummary {
@@ -1213,6 +1243,7 @@ impl RunSummary {
             "cpu_seconds": self.cpu_seconds,
             "machine_busy": self.machine_busy,
             "tollgate_decision": self.decision.as_ref().map(HistogramDelta::json),
+            "tollgate_response_reports": self.reports,
             "envoy_ext_proc_stats": self.ext_proc,
         })
     }
@@ -1242,11 +1273,18 @@ async fn measure(
 
     let cpu_after = cpu_snapshot(stack);
     let machine_after = machine_jiffies();
-    let decision = match (metrics_before, stack.tollgate_metrics(target.config).await) {
+    let metrics_after = stack.tollgate_metrics(target.config).await;
+    let decision = match (&metrics_before, &metrics_after) {
         (Some(before), Some(after)) => {
-            HistogramDelta::between(&before, &after, "tollgate_decision_duration_seconds")
+            HistogramDelta::between(before, after, "tollgate_decision_duration_seconds")
         }
         _ => None,
+    };
+    let reports = match (&metrics_before, &metrics_after) {
+        (Some(before), Some(after)) if target.config == Config::P => {
+            counter_deltas(before, after, "tollgate_response_reports_total")
+        }
+        _ => BTreeMap::new(),
     };
     let ext_proc = match (stats_before, stack.ext_proc_stats(target.config).await) {
         (Some(before), Some(after)) => Some(
@@ -1306,6 +1344,7 @@ async fn measure(
         machine_busy,
         decision,
         ext_proc,
+        reports,
     })
 }
 
@@ -1360,6 +1399,36 @@ async fn sanity_check(target: &Target, stack: &Stack) -> Result<()> {
             target.config.label()
         );
     }
+    if target.config == Config::P {
+        // A reports deployment whose reports go nowhere would still answer every request, and
+        // would look cheap: its first request must be timed and settled by its reports.
+        let matched = |m: &metrics::Metrics, report: &str| {
+            m.find(
+                "tollgate_response_reports_total",
+                &[&format!("report=\"{report}\""), "outcome=\"matched\""],
+            )
+            .unwrap_or(0.0)
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let text = stack
+                .tollgate_metrics(target.config)
+                .await
+                .unwrap_or_default();
+            let m = metrics::Metrics(text);
+            if matched(&m, "first_token") >= 1.0 && matched(&m, "summary") >= 1.0 {
+                break;
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "{}: tollgate got no first-token report or no summary for the first request \
+                 (tollgate_response_reports_total):\n{}",
+                target.config.label(),
+                stack.log_tails()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
     if target.config.uses_tollgate() {
         ensure!(
             saw_tollgate,
@@ -1378,6 +1447,28 @@ async fn sanity_check(target: &Target, stack: &Stack) -> Result<()> {
 
 // ---------------------------------------------------------------------------------------------
 // tollgate's histogram
+
+/// The change of each series of the counter `name` between two scrapes, keyed by its labels
+/// (`report="summary",outcome="matched"`).
+fn counter_deltas(before: &str, after: &str, name: &str) -> BTreeMap<String, f64> {
+    let series = |text: &str| -> BTreeMap<String, f64> {
+        text.lines()
+            .filter_map(|line| {
+                let rest = line.strip_prefix(name)?.strip_prefix('{')?;
+                let (labels, value) = rest.split_once("} ")?;
+                Some((labels.to_owned(), value.trim().parse().ok()?))
+            })
+            .collect()
+    };
+    let before = series(before);
+    series(after)
+        .into_iter()
+        .map(|(labels, value)| {
+            let delta = value - before.get(&labels).copied().unwrap_or(0.0);
+            (labels, delta)
+        })
+        .collect()
+}
 
 /// The change of a Prometheus histogram between two scrapes.
 struct HistogramDelta {
@@ -1893,6 +1984,7 @@ impl RateSummary {
             let _ = write!(w, "{}", self.tollgate_view(config));
         }
         let _ = write!(w, "{}", self.peers());
+        let _ = write!(w, "{}", self.observing());
         out
     }
 
@@ -1985,6 +2077,102 @@ impl RateSummary {
         out
     }
 
+    /// Envoy's and its ext_proc service's CPU per request of each of `config`'s runs, in µs.
+    fn gateway_cpu_per_round(&self, config: Config) -> Vec<f64> {
+        self.runs(config)
+            .map(|run| {
+                let seconds: f64 = std::iter::once(config.envoy_key())
+                    .chain(config.ext_proc_processes().iter().copied())
+                    .map(|process| run.cpu_seconds.get(process).copied().unwrap_or(0.0))
+                    .sum();
+                seconds / run.requests.max(1) as f64 * 1e6
+            })
+            .collect()
+    }
+
+    /// What observing the response costs, when C ran beside B or P (issue 17): per round, the
+    /// CPU (Envoy and tollgate) that deciding adds over Envoy alone (C − A) and that observing
+    /// adds over deciding (B − C streamed, P − C reported), with the ratio the issue holds to
+    /// at most 1; streamed runs add the inter-token p99 over A.
+    fn observing(&self) -> String {
+        let mut out = String::new();
+        let w = &mut out;
+        let observers: Vec<Config> = [Config::B, Config::P]
+            .into_iter()
+            .filter(|c| self.configs.contains(c))
+            .collect();
+        if !self.configs.contains(&Config::C) || observers.is_empty() {
+            return out;
+        }
+        let a = self.gateway_cpu_per_round(Config::A);
+        let c = self.gateway_cpu_per_round(Config::C);
+        let deciding: Vec<f64> = c.iter().zip(&a).map(|(c, a)| c - a).collect();
+        let us = |values: &[f64]| {
+            let low = values.iter().copied().fold(f64::INFINITY, f64::min);
+            let high = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            format!(
+                "{:.0} us (rounds {low:.0} to {high:.0})",
+                median(&mut values.to_vec())
+            )
+        };
+        let _ = writeln!(
+            w,
+            "OBSERVING: deciding (C - A) costs {} of Envoy + tollgate CPU per request",
+            us(&deciding)
+        );
+        for config in observers {
+            let observing: Vec<f64> = self
+                .gateway_cpu_per_round(config)
+                .iter()
+                .zip(&c)
+                .map(|(x, c)| x - c)
+                .collect();
+            let ratios: Vec<f64> = observing
+                .iter()
+                .zip(&deciding)
+                .map(|(o, d)| o / d)
+                .collect();
+            let ratio = PerRound::new(ratios);
+            let within = ratio.values.iter().filter(|&&r| r <= 1.0).count();
+            let mut line = format!(
+                "OBSERVING {} - C: {}, {:.2}x deciding (rounds {:.2} to {:.2}) [<= 1x: {}, {within}/{} rounds]",
+                config.name(),
+                us(&observing),
+                ratio.median,
+                ratio.values.iter().copied().fold(f64::INFINITY, f64::min),
+                ratio
+                    .values
+                    .iter()
+                    .copied()
+                    .fold(f64::NEG_INFINITY, f64::max),
+                if ratio.median <= 1.0 {
+                    "met"
+                } else {
+                    "NOT met"
+                },
+                ratio.values.len(),
+            );
+            if self.has_token_gaps(config) {
+                let gaps: Vec<f64> = self
+                    .runs(config)
+                    .zip(self.runs(Config::A))
+                    .filter_map(|(run, baseline)| {
+                        Some(run.token_gap.as_ref()?.p99 - baseline.token_gap.as_ref()?.p99)
+                    })
+                    .collect();
+                let gaps = PerRound::new(gaps);
+                let _ = write!(
+                    line,
+                    "; inter-token p99 over A {} {}",
+                    gaps.spread(),
+                    gaps.verdict(1.0)
+                );
+            }
+            let _ = writeln!(w, "{line}");
+        }
+        out
+    }
+
     /// What tollgate's histogram and Envoy's ext_proc counters say about `config`'s runs.
     fn tollgate_view(&self, config: Config) -> String {
         let mut out = String::new();
@@ -2003,6 +2191,26 @@ impl RateSummary {
                 decision.mean_us().unwrap_or(f64::NAN),
                 bound(0.5),
                 bound(0.99),
+            );
+        }
+        let mut reports: BTreeMap<&str, f64> = BTreeMap::new();
+        for run in self.runs(config) {
+            for (labels, delta) in &run.reports {
+                *reports.entry(labels.as_str()).or_default() += delta;
+            }
+        }
+        if !reports.is_empty() {
+            let requests: u64 = self.runs(config).map(|r| r.requests).sum();
+            let counted: Vec<String> = reports
+                .iter()
+                .filter(|(_, count)| **count > 0.0)
+                .map(|(labels, count)| format!("{labels} {:.3}", count / requests.max(1) as f64))
+                .collect();
+            let _ = writeln!(
+                out,
+                "{}: tollgate_response_reports_total per request: {}",
+                config.name(),
+                counted.join(", ")
             );
         }
         let ext_proc = self.ext_proc(config);

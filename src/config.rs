@@ -339,6 +339,12 @@ pub struct ResponseConfig {
     pub inject_stream_usage: bool,
     /// Most bytes of a non-streamed JSON response kept to read its `usage`.
     pub max_buffered_json_bytes: usize,
+    /// Where Envoy does not stream the response body to tollgate but reports on it
+    /// (envoy/front-proxy-reports.yaml): how long a request's end waits for Envoy's summary of
+    /// the response (usage and status, sent with its access log) before it settles without one,
+    /// charging the reserved output. The slot is freed at the end either way; only the
+    /// settlement waits. Above the access log's `buffer_flush_interval`.
+    pub summary_wait_ms: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -698,6 +704,7 @@ impl Default for ResponseConfig {
         ResponseConfig {
             inject_stream_usage: true,
             max_buffered_json_bytes: 1024 * 1024,
+            summary_wait_ms: 2000,
         }
     }
 }

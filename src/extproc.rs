@@ -17,6 +17,7 @@
 //! At shutdown (`Lifecycle::Closing`) an undecided stream ends with UNAVAILABLE, never OK: OK
 //! would tell Envoy to continue without tollgate, admitting a request nobody checked.
 
+mod access_log;
 mod convert;
 mod service;
 
@@ -27,6 +28,7 @@ use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::Instant;
 use tonic::{Status, Streaming};
 
+pub use access_log::AccessLogReports;
 pub use service::ExtProcService;
 
 use crate::lifecycle::{Lifecycle, reached};
@@ -68,14 +70,107 @@ impl OpenStreams {
     }
 }
 
+/// The gRPC request header (the filter's `grpc_service.initial_metadata`) that says what a
+/// stream is for, where it is not the default decision stream that is shown the response.
+const STREAM_ROLE_HEADER: &str = "x-tollgate-stream";
+
+/// What an ext_proc stream is for, as its filter's configuration says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StreamRole {
+    /// The request's decision, shown the response too (the default).
+    Decision,
+    /// The request's decision, with the response reported on (`pipeline::reports`): its
+    /// filter does not stream the response body, and another filter and the access log report
+    /// on it (`reports`).
+    DecisionReported,
+    /// The first-token filter's stream: one response body chunk, then tollgate closes it.
+    FirstToken,
+}
+
+impl StreamRole {
+    fn of(header: Option<&[u8]>) -> StreamRole {
+        match header {
+            Some(b"reports") => StreamRole::DecisionReported,
+            Some(b"first-token") => StreamRole::FirstToken,
+            _ => StreamRole::Decision,
+        }
+    }
+}
+
 /// Starts serving one ext_proc stream; returns the stream of its answers.
-fn open_stream(shared: Arc<Shared>, inbound: Streaming<ProcessingRequest>) -> Answers {
+fn open_stream(
+    shared: Arc<Shared>,
+    inbound: Streaming<ProcessingRequest>,
+    role: StreamRole,
+) -> Answers {
     // One answer per message and Envoy waits for each, so two slots never block.
     let (tx, rx) = mpsc::channel(2);
     // A task of its own, so a stream that Envoy resets is noticed and accounted for even
     // while tonic is not polling the response stream.
-    tokio::spawn(serve_stream(shared, inbound, tx));
+    match role {
+        StreamRole::FirstToken => {
+            tokio::spawn(serve_first_token(shared, inbound, tx));
+        }
+        StreamRole::Decision | StreamRole::DecisionReported => {
+            tokio::spawn(serve_stream(shared, inbound, tx, role));
+        }
+    }
     Answers(rx)
+}
+
+/// The first-token filter's stream: reports the first response body chunk's arrival
+/// (`Reports::first_token`) and then ends the stream with OK, on which Envoy sends nothing more
+/// on it. The filter runs in `observability_mode` (envoy/front-proxy-reports.yaml): Envoy does
+/// not wait for answers, so the chunk is not delayed, and none is sent, as the protocol asks.
+/// A filter not in that mode is answered CONTINUE for each message, so a different
+/// configuration still passes the response through unchanged.
+async fn serve_first_token(
+    shared: Arc<Shared>,
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: mpsc::Sender<service::Answer>,
+) {
+    let _held = StreamGuard::new(&shared);
+    while let Ok(Some(message)) = inbound.message().await {
+        let (message, observing, tag) = convert::first_token_message(message);
+        let (answer, last) = match message {
+            Inbound::ResponseBody { .. } => {
+                let pipeline = &shared.pipeline;
+                pipeline.reports.first_token(
+                    &pipeline.metrics,
+                    &pipeline.ttft_window,
+                    tag.as_deref(),
+                    Instant::now(),
+                );
+                (Ok(convert::continue_unchanged(Answer::ResponseBody)), true)
+            }
+            Inbound::RequestHeaders { .. } => {
+                (Ok(convert::request_headers_continue(Vec::new())), false)
+            }
+            Inbound::RequestBody { .. } => {
+                (Ok(convert::continue_unchanged(Answer::RequestBody)), false)
+            }
+            Inbound::RequestTrailers => (
+                Ok(convert::continue_unchanged(Answer::RequestTrailers)),
+                false,
+            ),
+            Inbound::ResponseHeaders { .. } => (Ok(convert::response_headers_continue(&[])), false),
+            Inbound::ResponseTrailers => (
+                Ok(convert::continue_unchanged(Answer::ResponseTrailers)),
+                true,
+            ),
+            Inbound::Empty => (
+                Err(Status::invalid_argument(
+                    "ProcessingRequest carries no request_headers/request_body/... message",
+                )),
+                true,
+            ),
+        };
+        let sent = observing || send(&tx, answer).await;
+        if !sent || last {
+            break;
+        }
+    }
+    // Dropping `tx` ends the answers, and tonic the stream, with OK.
 }
 
 /// Sends one answer to Envoy; `false` if the stream is gone.
@@ -96,10 +191,14 @@ async fn serve_stream(
     shared: Arc<Shared>,
     mut inbound: Streaming<ProcessingRequest>,
     tx: mpsc::Sender<service::Answer>,
+    role: StreamRole,
 ) {
     let _held = StreamGuard::new(&shared);
     let mut lifecycle = shared.lifecycle.clone();
     let mut life = RequestLife::new(&shared.pipeline);
+    if role == StreamRole::DecisionReported {
+        life.expect_reports();
+    }
     loop {
         let message = tokio::select! {
             biased;
@@ -275,7 +374,7 @@ mod tests {
     use super::*;
 
     /// The size of the future an async fn returns, without calling it.
-    fn future_size<A, B, C, Fut>(_: &impl Fn(A, B, C) -> Fut) -> usize {
+    fn future_size<A, B, C, D, Fut>(_: &impl Fn(A, B, C, D) -> Fut) -> usize {
         std::mem::size_of::<Fut>()
     }
 

@@ -259,6 +259,7 @@ where
             scheduler: scheduler.clone(),
             ledger,
             ttft_window: ttft_window.clone(),
+            reports: Arc::new(pipeline::Reports::new(budget::ledger::replica_id())),
         },
         lifecycle: lifecycle.clone(),
         open_streams: OpenStreams::default(),
@@ -360,6 +361,7 @@ where
     // reject large prompts before tollgate could answer them with a proper 413.
     let max_message = policy.counting.max_body_bytes + 64 * 1024;
     let ext_proc = ExtProcService::new(shared.clone(), max_message);
+    let access_log = extproc::AccessLogReports::server(shared.clone(), max_message);
     let grpc_stopping = {
         let mut lifecycle = lifecycle.clone();
         async move {
@@ -373,6 +375,7 @@ where
         .http2_adaptive_window(Some(true))
         .add_service(health_service)
         .add_service(ext_proc)
+        .add_service(access_log)
         .serve_with_incoming_shutdown(grpc_incoming, grpc_stopping);
     let mut grpc_server = tokio::spawn(grpc_server);
 

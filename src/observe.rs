@@ -35,6 +35,7 @@ pub const STREAM_COMPLETIONS: &str = "tollgate_stream_completions_total";
 pub const HELD_STREAMS: &str = "tollgate_held_streams";
 pub const DECISION_DURATION: &str = "tollgate_decision_duration_seconds";
 pub const PROTOCOL_ERRORS: &str = "tollgate_protocol_errors_total";
+pub const RESPONSE_REPORTS: &str = "tollgate_response_reports_total";
 pub const CHAT_TEMPLATE_FALLBACKS: &str = "tollgate_chat_template_fallbacks_total";
 pub const INFLIGHT_LIMIT: &str = "tollgate_inflight_limit";
 pub const INFLIGHT: &str = "tollgate_inflight_requests";
@@ -399,6 +400,62 @@ impl LabelValue for ProtocolError {
     }
 }
 
+/// A report Envoy sends about a response outside the request's own stream, when the response
+/// body is not streamed to tollgate (`pipeline::reports`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResponseReport {
+    /// The first body chunk, on a stream of its own.
+    FirstToken,
+    /// Usage and status once the response is over (Envoy's access log).
+    Summary,
+}
+
+impl LabelValue for ResponseReport {
+    const ALL: &'static [ResponseReport] = &[ResponseReport::FirstToken, ResponseReport::Summary];
+
+    fn label(self) -> &'static str {
+        match self {
+            ResponseReport::FirstToken => "first_token",
+            ResponseReport::Summary => "summary",
+        }
+    }
+}
+
+/// What became of a report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReportOutcome {
+    /// It reached the request it was about.
+    Matched,
+    /// Its request was admitted by another replica (or an earlier run of this one).
+    OtherReplica,
+    /// No such request is open here: it ended before the report came, or the report repeats.
+    Unknown,
+    /// The request ended and no summary came within `response.summary_wait`.
+    Missing,
+    /// The report named no request: not one tollgate admitted.
+    Untagged,
+}
+
+impl LabelValue for ReportOutcome {
+    const ALL: &'static [ReportOutcome] = &[
+        ReportOutcome::Matched,
+        ReportOutcome::OtherReplica,
+        ReportOutcome::Unknown,
+        ReportOutcome::Missing,
+        ReportOutcome::Untagged,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            ReportOutcome::Matched => "matched",
+            ReportOutcome::OtherReplica => "other_replica",
+            ReportOutcome::Unknown => "unknown",
+            ReportOutcome::Missing => "missing",
+            ReportOutcome::Untagged => "untagged",
+        }
+    }
+}
+
 /// Label value for rejections that happen before a tier is known (e.g. no identity).
 const NO_TIER: &str = "none";
 
@@ -419,6 +476,8 @@ struct Inner {
     held_streams: Gauge,
     decision_duration: Histogram,
     protocol_errors: Vec<Counter>,
+    /// By `ResponseReport`, then `ReportOutcome`.
+    response_reports: Vec<Vec<Counter>>,
     chat_template_fallbacks: Counter,
     inflight_limit: Gauge,
     inflight: Gauge,
@@ -567,6 +626,11 @@ impl Metrics {
             PROTOCOL_ERRORS,
             Unit::Count,
             "ext_proc message sequences that broke the protocol, by kind.",
+        );
+        r.describe_counter(
+            RESPONSE_REPORTS,
+            Unit::Count,
+            "Reports about responses that came outside their request's stream, by report and outcome.",
         );
         r.describe_counter(
             CHAT_TEMPLATE_FALLBACKS,
@@ -781,6 +845,20 @@ impl Metrics {
                 .iter()
                 .map(|k| r.counter(PROTOCOL_ERRORS, &[("kind", k.label())]))
                 .collect(),
+            response_reports: ResponseReport::ALL
+                .iter()
+                .map(|report| {
+                    ReportOutcome::ALL
+                        .iter()
+                        .map(|outcome| {
+                            r.counter(
+                                RESPONSE_REPORTS,
+                                &[("report", report.label()), ("outcome", outcome.label())],
+                            )
+                        })
+                        .collect()
+                })
+                .collect(),
             inflight_limit: r.gauge(INFLIGHT_LIMIT, &[]),
             inflight: r.gauge(INFLIGHT, &[]),
             queued_body_bytes: r.gauge(QUEUED_BODY_BYTES, &[]),
@@ -946,6 +1024,10 @@ impl Metrics {
 
     pub fn protocol_error(&self, kind: ProtocolError) {
         self.inner.protocol_errors[kind.index()].increment(1);
+    }
+
+    pub fn response_report(&self, report: ResponseReport, outcome: ReportOutcome) {
+        self.inner.response_reports[report.index()][outcome.index()].increment(1);
     }
 
     /// Publishes the scheduler's budget, in-flight count and limit.

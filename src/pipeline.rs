@@ -32,8 +32,11 @@ use crate::reply::{self, LocalReply, Reason};
 use crate::request::{self, HeadVerdict, Header, InferenceHead};
 use crate::scheduler::{Admit, FlowClass, Permit, Scheduler, Ticket};
 
+mod reports;
 #[cfg(test)]
 mod tests;
+
+pub use reports::{FirstToken, Registration, Reports, Summary};
 
 /// Bodies above this size are parsed and counted on the blocking pool, so a multi-megabyte
 /// prompt never stalls the async workers that every other stream shares.
@@ -53,6 +56,8 @@ pub struct Pipeline {
     pub ledger: Arc<Ledger>,
     /// Time to first token over the controller's window, fed by every admitted response.
     pub ttft_window: Arc<Mutex<LatencyWindow>>,
+    /// Requests whose response is reported on rather than streamed (`reports`).
+    pub reports: Arc<Reports>,
 }
 
 /// What the request headers lead to.
@@ -93,6 +98,9 @@ pub struct Forward<'a> {
     pub budget_headers: &'a [(&'static str, String)],
     /// The rewritten body, if the admission changed it.
     pub body: Option<Vec<u8>>,
+    /// The tag reports on the response name the request by, when they are expected
+    /// (`RequestLife::expect_reports`).
+    pub report_tag: Option<&'a str>,
 }
 
 /// How a wait in the queue ended.
@@ -170,6 +178,8 @@ pub struct RequestLife<'p> {
     /// as no for waiting on a first token, where waiting for one that never comes would read as
     /// an ever slower request.
     response_body_shown: Option<bool>,
+    /// Whether the response is reported on outside this stream (`reports`) instead of shown.
+    reports_expected: bool,
 }
 
 #[derive(Default)]
@@ -214,6 +224,8 @@ struct Watched {
     permit: Option<Permit>,
     /// The request's budgets, settled with actual usage when the request ends.
     hold: Hold,
+    /// Its place among the requests reports may name, when its response is reported on.
+    reports: Option<Registration>,
     /// Budget headers for the client's response (lent to what went upstream).
     budget_headers: Vec<(&'static str, String)>,
 }
@@ -233,6 +245,7 @@ impl<'p> RequestLife<'p> {
             rules: pipeline.rules.borrow().clone(),
             state: State::Start,
             response_body_shown: None,
+            reports_expected: false,
         }
     }
 
@@ -250,6 +263,12 @@ impl<'p> RequestLife<'p> {
     /// Records whether the protocol will show this request's response body.
     pub fn set_response_body_shown(&mut self, shown: bool) {
         self.response_body_shown = Some(shown);
+    }
+
+    /// The response will not be shown on this stream but reported on (`reports`): a first
+    /// token and a summary, naming the request by the tag its admission gives it.
+    pub fn expect_reports(&mut self) {
+        self.reports_expected = true;
     }
 
     fn out_of_order(&self) -> OutOfOrder {
@@ -693,15 +712,28 @@ impl<'p> RequestLife<'p> {
         // A request let through without a slot (shadow mode) is load the budget does not
         // count: its latency must not steer the controller that sizes the budget.
         let feeds_controller = permit.is_some();
-        // Only when the protocol has said it will show the response body: otherwise there may
-        // be no first token to wait for, and the request's age would read as a latency.
-        let awaiting_first_token = (feeds_controller && self.response_body_shown == Some(true))
-            .then(|| {
-                Pending::start(
-                    &pipeline.ttft_window,
-                    control_started(rules, arrived, dispatched),
-                )
+        // Only when a first token will be seen, on this stream or in a report: otherwise there
+        // may be none to wait for, and the request's age would read as a latency.
+        let first_token_expected = self.reports_expected || self.response_body_shown == Some(true);
+        let awaiting_first_token = (feeds_controller && first_token_expected).then(|| {
+            Pending::start(
+                &pipeline.ttft_window,
+                control_started(rules, arrived, dispatched),
+            )
+        });
+        let (awaiting_first_token, reports) = if self.reports_expected {
+            let registration = pipeline.reports.register(FirstToken {
+                rules: rules.clone(),
+                tier,
+                arrived,
+                dispatched,
+                pending: awaiting_first_token,
+                feeds_controller,
             });
+            (None, Some(registration))
+        } else {
+            (awaiting_first_token, None)
+        };
         self.state = State::Admitted(Box::new(Watched {
             admission,
             arrived,
@@ -711,6 +743,7 @@ impl<'p> RequestLife<'p> {
             feeds_controller,
             permit,
             hold: grant.hold,
+            reports,
             budget_headers,
         }));
         let State::Admitted(watched) = &self.state else {
@@ -720,6 +753,7 @@ impl<'p> RequestLife<'p> {
             headers,
             budget_headers: &watched.budget_headers,
             body,
+            report_tag: watched.reports.as_ref().map(Registration::tag),
         }
     }
 
@@ -740,7 +774,8 @@ impl<'p> RequestLife<'p> {
     /// really cost, freeing its slot. Runs exactly once per request (it takes `self`), whatever
     /// way the request ended: success, client gone, upstream error, shutdown.
     pub async fn finish(self) {
-        let output_observed = self.response_body_shown != Some(false);
+        // A reported-on response's output is known from its summary's usage or not at all.
+        let output_observed = self.response_body_shown != Some(false) && !self.reports_expected;
         let pipeline = self.pipeline;
         let rules = &self.rules;
         match self.state {
@@ -771,7 +806,7 @@ impl Watched {
     fn on_response_body(
         &mut self,
         pipeline: &Pipeline,
-        rules: &Rules,
+        rules: &Arc<Rules>,
         chunk: &[u8],
         end: bool,
         now: Instant,
@@ -784,21 +819,15 @@ impl Watched {
                 .counting_output(encoding)
         });
         if observer.on_chunk(chunk, end) {
-            let metrics = &rules.metrics;
-            let tier = self.admission.identity.tier;
-            let ttft = now.duration_since(self.arrived).as_secs_f64();
-            let upstream_ttft = now.duration_since(self.dispatched).as_secs_f64();
-            metrics.time_to_first_token(tier, ttft);
-            metrics.upstream_time_to_first_token(tier, upstream_ttft);
-            let started = control_started(rules, self.arrived, self.dispatched);
-            let seconds = now.duration_since(started).as_secs_f64();
-            match self.awaiting_first_token.take() {
-                Some(pending) => pending.answered(now, seconds),
-                None if self.feeds_controller => {
-                    window::lock(&pipeline.ttft_window).record_started(now, started, seconds)
-                }
-                None => {}
-            }
+            let first_token = FirstToken {
+                rules: rules.clone(),
+                tier: self.admission.identity.tier,
+                arrived: self.arrived,
+                dispatched: self.dispatched,
+                pending: self.awaiting_first_token.take(),
+                feeds_controller: self.feeds_controller,
+            };
+            record_first_token(&pipeline.ttft_window, first_token, now);
         }
         if end {
             // The upstream is done with this request: its slot is free for the next one.
@@ -814,6 +843,7 @@ impl Watched {
             response,
             permit,
             hold,
+            reports,
             ..
         } = self;
         drop(permit);
@@ -821,14 +851,26 @@ impl Watched {
         drop(awaiting_first_token);
         let tier = admission.identity.tier;
         let metrics = &rules.metrics;
-        let end = response
-            .as_ref()
-            .map_or(ResponseEnd::NoResponse, ResponseObserver::end);
+        let (end, usage) = match reports {
+            // The slot is free already; only the settlement waits for Envoy's summary.
+            Some(registration) => {
+                let summary = pipeline
+                    .reports
+                    .summary_of(metrics, registration, rules.policy.summary_wait)
+                    .await;
+                reported_end(response.as_ref(), summary)
+            }
+            None => (
+                response
+                    .as_ref()
+                    .map_or(ResponseEnd::NoResponse, ResponseObserver::end),
+                response.as_ref().and_then(ResponseObserver::usage),
+            ),
+        };
         metrics.stream_completion(end);
         if end == ResponseEnd::Complete {
             metrics.request_duration(tier, arrived.elapsed().as_secs_f64());
         }
-        let usage = response.as_ref().and_then(ResponseObserver::usage);
         if let Some(usage) = usage {
             metrics.usage(tier, usage.prompt_tokens, usage.completion_tokens);
         }
@@ -871,6 +913,61 @@ fn shadow_refusal(rules: &Rules, admission: &mut Admission, reply: &LocalReply, 
         "x-tollgate-shadow-refusal",
         reply.reason.as_str().to_owned(),
     ));
+}
+
+/// Records a request's first token at `now`: its time to first token, and the controller's
+/// window (ending its pending entry, if it had one).
+fn record_first_token(window: &Arc<Mutex<LatencyWindow>>, first_token: FirstToken, now: Instant) {
+    let FirstToken {
+        rules,
+        tier,
+        arrived,
+        dispatched,
+        pending,
+        feeds_controller,
+    } = first_token;
+    let metrics = &rules.metrics;
+    metrics.time_to_first_token(tier, now.duration_since(arrived).as_secs_f64());
+    metrics.upstream_time_to_first_token(tier, now.duration_since(dispatched).as_secs_f64());
+    let started = control_started(&rules, arrived, dispatched);
+    let seconds = now.duration_since(started).as_secs_f64();
+    match pending {
+        Some(pending) => pending.answered(now, seconds),
+        None if feeds_controller => window::lock(window).record_started(now, started, seconds),
+        None => {}
+    }
+}
+
+/// How a reported-on response ended, and the usage to charge. The upstream's own status, when
+/// its response headers came on the request's stream, decides an upstream error; otherwise the
+/// summary says whether the body ended properly (complete) or not (truncated), and its usage is
+/// charged either way when there is one. With no summary the end cannot be known: truncated,
+/// charged as reserved (`spent_tokens`). Without response headers the summary's status stands
+/// in for them.
+fn reported_end(
+    response: Option<&ResponseObserver>,
+    summary: Option<Summary>,
+) -> (ResponseEnd, Option<Usage>) {
+    let ok = |status: u16| (200..300).contains(&status);
+    match (response.map(ResponseObserver::end), summary) {
+        (Some(ResponseEnd::UpstreamError), _) => (ResponseEnd::UpstreamError, None),
+        (None, None | Some(Summary { status: 0, .. })) => (ResponseEnd::NoResponse, None),
+        (None, Some(Summary { status, .. })) if !ok(status) => (ResponseEnd::UpstreamError, None),
+        (_, None) => (ResponseEnd::Truncated, None),
+        (
+            _,
+            Some(Summary {
+                usage, finished, ..
+            }),
+        ) => {
+            let end = if finished {
+                ResponseEnd::Complete
+            } else {
+                ResponseEnd::Truncated
+            };
+            (end, usage)
+        }
+    }
 }
 
 /// Where the controller's time to first token starts for a request (`control.signal`).

@@ -35,6 +35,8 @@ pub struct Policy {
     pub counting: CountingPolicy,
     pub inject_stream_usage: bool,
     pub max_buffered_json_bytes: usize,
+    /// How long a request's end waits for Envoy's summary of its response.
+    pub summary_wait: Duration,
     pub scheduling: SchedulingPolicy,
     pub control: ControlConfig,
     /// Tenant → every tier with the tenant's override applied, indexed like `tiers`.
@@ -317,6 +319,10 @@ impl Policy {
         if config.response.max_buffered_json_bytes == 0 {
             problems.push("response.max_buffered_json_bytes: must be positive".to_owned());
         }
+        // Longer would hold a finished request's budget open for minutes on a lost report.
+        if !(1..=60_000).contains(&config.response.summary_wait_ms) {
+            problems.push("response.summary_wait_ms: must be between 1 and 60000".to_owned());
+        }
         for (field, addr) in [
             ("listen.grpc_addr", &config.listen.grpc_addr),
             ("listen.admin_addr", &config.listen.admin_addr),
@@ -390,6 +396,7 @@ impl Policy {
             },
             inject_stream_usage: config.response.inject_stream_usage,
             max_buffered_json_bytes: config.response.max_buffered_json_bytes,
+            summary_wait: Duration::from_millis(config.response.summary_wait_ms),
             scheduling: SchedulingPolicy {
                 initial_limit: scheduler.initial_limit,
                 cost: scheduler.cost,

@@ -409,8 +409,9 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// A prefix that keeps lease ids of different replicas (and restarts) apart.
-fn replica_id() -> String {
+/// A prefix that keeps lease ids (and report tags, `pipeline::reports`) of different replicas
+/// and restarts apart.
+pub(crate) fn replica_id() -> String {
     use std::hash::{BuildHasher, RandomState};
     let random = RandomState::new().hash_one(std::process::id());
     format!("{:x}-{:x}", std::process::id(), random & 0xffff_ffff)

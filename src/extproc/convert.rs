@@ -17,6 +17,11 @@ use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
 
+use envoy_types::pb::envoy::config::core::v3::Metadata;
+pub use envoy_types::pb::envoy::service::accesslog::v3::StreamAccessLogsMessage;
+use envoy_types::pb::envoy::service::accesslog::v3::stream_access_logs_message::LogEntries;
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+
 use crate::pipeline::Forward;
 use crate::reply::LocalReply;
 use crate::request::Header;
@@ -91,6 +96,103 @@ pub fn inbound(message: ProcessingRequest) -> (Inbound, Option<bool>) {
         None => Inbound::Empty,
     };
     (inbound, sends_response_body)
+}
+
+/// The dynamic-metadata namespace reports on a response travel in (`pipeline::reports`): the
+/// admission sets `tag` there, and Envoy's Lua and json_to_metadata filters write the upstream's
+/// `prompt_tokens` and `completion_tokens`, and `done` for a proper end
+/// (envoy/front-proxy-reports.yaml).
+pub const REPORTS_NAMESPACE: &str = "tollgate";
+const TAG_KEY: &str = "tag";
+
+/// The report tag Envoy forwarded with a message (the first-token filter's
+/// `forwarding_namespaces`).
+fn forwarded_tag(message: &ProcessingRequest) -> Option<String> {
+    let namespace = message
+        .metadata_context
+        .as_ref()?
+        .filter_metadata
+        .get(REPORTS_NAMESPACE)?;
+    string_field(namespace, TAG_KEY).map(str::to_owned)
+}
+
+/// A message on the first-token filter's stream: the message, whether Envoy sent it in
+/// observability mode (no answer wanted), and the report tag it forwarded.
+pub fn first_token_message(message: ProcessingRequest) -> (Inbound, bool, Option<String>) {
+    let observing = message.observability_mode;
+    let tag = forwarded_tag(&message);
+    (inbound(message).0, observing, tag)
+}
+
+/// What the HTTP entries of one of Envoy's access log messages say about their responses: each
+/// one's report tag, status and usage. TCP entries carry no HTTP response: none.
+pub fn summaries(
+    message: StreamAccessLogsMessage,
+) -> Vec<(Option<String>, crate::pipeline::Summary)> {
+    let Some(LogEntries::HttpLogs(entries)) = message.log_entries else {
+        return Vec::new();
+    };
+    entries
+        .log_entry
+        .iter()
+        .map(|entry| {
+            let metadata = entry
+                .common_properties
+                .as_ref()
+                .and_then(|common| common.metadata.as_ref());
+            let status = entry
+                .response
+                .as_ref()
+                .and_then(|response| response.response_code)
+                .map(|code| code.value);
+            summary_of(metadata, status)
+        })
+        .collect()
+}
+
+/// What an access log entry's metadata and status say about a response.
+fn summary_of(
+    metadata: Option<&Metadata>,
+    status: Option<u32>,
+) -> (Option<String>, crate::pipeline::Summary) {
+    let namespace = metadata.and_then(|m| m.filter_metadata.get(REPORTS_NAMESPACE));
+    let tag = namespace.and_then(|n| string_field(n, TAG_KEY).map(str::to_owned));
+    let usage = namespace.and_then(|n| {
+        Some(crate::observe::response::Usage {
+            prompt_tokens: count_field(n, "prompt_tokens")?,
+            completion_tokens: count_field(n, "completion_tokens")?,
+        })
+    });
+    let finished = namespace
+        .and_then(|n| n.fields.get("done")?.kind.as_ref())
+        .is_some_and(|kind| matches!(kind, Kind::BoolValue(true)));
+    let status = status.and_then(|s| u16::try_from(s).ok()).unwrap_or(0);
+    (
+        tag,
+        crate::pipeline::Summary {
+            status,
+            usage,
+            finished,
+        },
+    )
+}
+
+fn string_field<'a>(fields: &'a Struct, key: &str) -> Option<&'a str> {
+    match fields.fields.get(key)?.kind.as_ref()? {
+        Kind::StringValue(value) => Some(value),
+        _ => None,
+    }
+}
+
+/// A token count Envoy wrote as a number (or, by a parser's `STRING` type, as its text); None
+/// for anything that is not a whole, non-negative count.
+fn count_field(fields: &Struct, key: &str) -> Option<u64> {
+    let number = match fields.fields.get(key)?.kind.as_ref()? {
+        Kind::NumberValue(number) => *number,
+        Kind::StringValue(text) => text.trim().parse().ok()?,
+        _ => return None,
+    };
+    (number >= 0.0 && number.fract() == 0.0 && number <= u64::MAX as f64).then_some(number as u64)
 }
 
 /// Envoy's header map, read through tollgate's `Header`.
@@ -197,16 +299,41 @@ pub fn request_body_admit(forward: Forward<'_>) -> ProcessingResponse {
             mutation: Some(body_mutation::Mutation::Body(body)),
         }
     });
-    respond(Response::RequestBody(BodyResponse {
-        response: Some(CommonResponse {
-            header_mutation: Some(HeaderMutation {
-                set_headers,
-                remove_headers: Vec::new(),
+    // The tag goes into the stream's dynamic metadata, where the first-token filter and the
+    // access log read it back (the filter's `receiving_namespaces` must list the namespace).
+    let dynamic_metadata = forward.report_tag.map(|tag| {
+        let tagged = Struct {
+            fields: [(TAG_KEY.to_owned(), string_value(tag))].into(),
+        };
+        Struct {
+            fields: [(
+                REPORTS_NAMESPACE.to_owned(),
+                Value {
+                    kind: Some(Kind::StructValue(tagged)),
+                },
+            )]
+            .into(),
+        }
+    });
+    ProcessingResponse {
+        dynamic_metadata,
+        ..respond(Response::RequestBody(BodyResponse {
+            response: Some(CommonResponse {
+                header_mutation: Some(HeaderMutation {
+                    set_headers,
+                    remove_headers: Vec::new(),
+                }),
+                body_mutation,
+                ..CommonResponse::default()
             }),
-            body_mutation,
-            ..CommonResponse::default()
-        }),
-    }))
+        }))
+    }
+}
+
+fn string_value(text: &str) -> Value {
+    Value {
+        kind: Some(Kind::StringValue(text.to_owned())),
+    }
 }
 
 /// CONTINUE on the response headers, adding `headers` for the client.

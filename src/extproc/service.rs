@@ -114,7 +114,13 @@ impl StreamingService<ProcessingRequest> for Process {
     type Future = std::future::Ready<Result<tonic::Response<Answers>, Status>>;
 
     fn call(&mut self, request: tonic::Request<Streaming<ProcessingRequest>>) -> Self::Future {
-        let answers = super::open_stream(self.0.clone(), request.into_inner());
+        let role = super::StreamRole::of(
+            request
+                .metadata()
+                .get(super::STREAM_ROLE_HEADER)
+                .map(|value| value.as_bytes()),
+        );
+        let answers = super::open_stream(self.0.clone(), request.into_inner(), role);
         std::future::ready(Ok(tonic::Response::new(answers)))
     }
 }

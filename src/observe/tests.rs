@@ -102,6 +102,7 @@ const METRICS: &[(&str, &str)] = &[
     (HELD_STREAMS, "gauge"),
     (DECISION_DURATION, "histogram"),
     (PROTOCOL_ERRORS, "counter"),
+    (RESPONSE_REPORTS, "counter"),
     (INFLIGHT_LIMIT, "gauge"),
     (INFLIGHT, "gauge"),
     (QUEUED, "gauge"),
@@ -176,6 +177,18 @@ fn every_counter_series_exists_at_zero_before_any_event() {
     }
     for kind in ["out_of_order", "empty_message"] {
         assert_eq!(value(&scraped, PROTOCOL_ERRORS, &[("kind", kind)]), 0.0);
+    }
+    for report in ["first_token", "summary"] {
+        for outcome in ["matched", "other_replica", "unknown", "missing", "untagged"] {
+            assert_eq!(
+                value(
+                    &scraped,
+                    RESPONSE_REPORTS,
+                    &[("report", report), ("outcome", outcome)]
+                ),
+                0.0
+            );
+        }
     }
     for gauge in [
         HELD_STREAMS,
@@ -677,6 +690,8 @@ fn labels_are_bounded_sets_never_a_user() {
         "mode",
         // FleetStanding: four values.
         "standing",
+        // ResponseReport: two values.
+        "report",
         "le",
     ]
     .into_iter()

@@ -8,6 +8,7 @@ use super::*;
 use crate::budget::Store;
 use crate::budget::memory::MemoryStore;
 use crate::config::{Config, TierConfig};
+use crate::observe::ReportOutcome;
 
 const TENANT: &str = "alice";
 const QUEUE_DEADLINE: Duration = Duration::from_millis(1000);
@@ -57,6 +58,7 @@ fn pipeline_and_rules(edit: impl FnOnce(&mut Config)) -> (Pipeline, watch::Sende
         scheduler,
         ledger,
         ttft_window,
+        reports: Arc::new(Reports::new("test-replica".to_owned())),
     };
     (pipeline, rules_tx)
 }
@@ -960,4 +962,260 @@ async fn a_request_keeps_the_policy_it_began_under() {
     );
     third.finish().await;
     drop(first);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Responses reported on (`reports`)
+
+/// A request of alice admitted with its response reported on; its report tag.
+async fn admitted_with_reports(pipeline: &Pipeline, max_tokens: u32) -> (RequestLife<'_>, String) {
+    let mut life = RequestLife::new(pipeline);
+    life.set_response_body_shown(false);
+    life.expect_reports();
+    let tag = match submit(&mut life, TENANT, max_tokens).await {
+        BodyDecision::Admit(forward) => forward.report_tag.expect("a tag").to_owned(),
+        other => panic!("expected an admission, got {other:?}"),
+    };
+    (life, tag)
+}
+
+fn reports_counted(pipeline: &Pipeline, report: &str, outcome: &str) -> f64 {
+    metric(
+        pipeline,
+        crate::observe::RESPONSE_REPORTS,
+        &[
+            &format!("report=\"{report}\""),
+            &format!("outcome=\"{outcome}\""),
+        ],
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reported_response_is_timed_by_its_first_token_and_settled_by_its_summary() {
+    let pipeline = pipeline();
+    let (mut life, tag) = admitted_with_reports(&pipeline, 40).await;
+    assert_eq!(in_flight(&pipeline), 1);
+    assert_eq!(pipeline.reports.open_count(), 1);
+    life.response_headers(200, Some(SSE), false).unwrap();
+
+    let first = Instant::now() + Duration::from_millis(300);
+    let report = |tag: Option<&str>| {
+        pipeline
+            .reports
+            .first_token(&pipeline.metrics, &pipeline.ttft_window, tag, first)
+    };
+    assert_eq!(report(Some(&tag)), ReportOutcome::Matched);
+    assert_eq!(report(Some(&tag)), ReportOutcome::Unknown, "once only");
+    assert_eq!(
+        metric(&pipeline, &format!("{}_count", crate::observe::TTFT), &[]),
+        1.0,
+        "timed from the report"
+    );
+    assert_eq!(
+        window::lock(&pipeline.ttft_window).count(first),
+        1,
+        "in the controller's window"
+    );
+
+    let summary = Summary {
+        status: 200,
+        usage: Some(Usage {
+            prompt_tokens: 7,
+            completion_tokens: 3,
+        }),
+        finished: true,
+    };
+    // The summary may come before the request's own stream ends, or after: it waits.
+    assert_eq!(
+        pipeline
+            .reports
+            .summary(&pipeline.metrics, Some(&tag), summary),
+        ReportOutcome::Matched
+    );
+    life.finish().await;
+    assert_eq!(in_flight(&pipeline), 0);
+    assert_eq!(budget(&pipeline).await, (10, 0), "settled to the usage");
+    assert_eq!(
+        metric(&pipeline, crate::observe::STREAM_COMPLETIONS, &["complete"]),
+        1.0
+    );
+    assert_eq!(pipeline.reports.open_count(), 0);
+    assert_eq!(
+        pipeline
+            .reports
+            .summary(&pipeline.metrics, Some(&tag), summary),
+        ReportOutcome::Unknown,
+        "a repeat changes nothing"
+    );
+    assert_eq!(budget(&pipeline).await, (10, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_summary_that_comes_after_the_request_ended_still_settles_it() {
+    let pipeline = pipeline();
+    let (mut life, tag) = admitted_with_reports(&pipeline, 40).await;
+    life.response_headers(200, Some(SSE), false).unwrap();
+    let summary = Summary {
+        status: 200,
+        usage: Some(Usage {
+            prompt_tokens: 7,
+            completion_tokens: 3,
+        }),
+        finished: true,
+    };
+    // The request's stream ends first; Envoy's access log comes 150 ms later.
+    let report = async {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(in_flight(&pipeline), 0, "the slot was freed at the end");
+        pipeline
+            .reports
+            .summary(&pipeline.metrics, Some(&tag), summary)
+    };
+    let ((), outcome) = tokio::join!(life.finish(), report);
+    assert_eq!(outcome, ReportOutcome::Matched);
+    assert_eq!(budget(&pipeline).await, (10, 0), "settled to the usage");
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_summary_the_reserved_output_is_charged_after_the_wait() {
+    let pipeline = pipeline();
+    let (mut life, tag) = admitted_with_reports(&pipeline, 40).await;
+    let (reserved, _) = budget(&pipeline).await;
+    life.response_headers(200, Some(SSE), false).unwrap();
+    let started = Instant::now();
+    life.finish().await;
+    let wait = pipeline.rules.borrow().policy.summary_wait;
+    assert_eq!(
+        started.elapsed(),
+        wait,
+        "waited response.summary_wait_ms, no longer"
+    );
+    assert_eq!(budget(&pipeline).await, (reserved, 0));
+    assert_eq!(reports_counted(&pipeline, "summary", "missing"), 1.0);
+    assert_eq!(
+        metric(
+            &pipeline,
+            crate::observe::STREAM_COMPLETIONS,
+            &["truncated"]
+        ),
+        1.0,
+        "an end nobody reported cannot count as complete"
+    );
+    // The report that comes later finds nobody.
+    let late = Summary {
+        status: 200,
+        usage: None,
+        finished: true,
+    };
+    assert_eq!(
+        pipeline
+            .reports
+            .summary(&pipeline.metrics, Some(&tag), late),
+        ReportOutcome::Unknown
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn reports_for_nobody_here_change_nothing() {
+    let pipeline = pipeline();
+    let (life, tag) = admitted_with_reports(&pipeline, 40).await;
+    let (reserved, leases) = budget(&pipeline).await;
+    let id = tag.rsplit_once('.').unwrap().1;
+    let elsewhere = format!("another-replica.{id}");
+    let summary = Summary {
+        status: 200,
+        usage: None,
+        finished: true,
+    };
+    let now = Instant::now();
+    let reports = &pipeline.reports;
+    let metrics = &pipeline.metrics;
+    let window = &pipeline.ttft_window;
+    for (tag, outcome) in [
+        (Some(elsewhere.as_str()), ReportOutcome::OtherReplica),
+        (None, ReportOutcome::Untagged),
+        (Some("no dot"), ReportOutcome::Untagged),
+        (Some("test-replica.x"), ReportOutcome::Untagged),
+        (Some("test-replica.999"), ReportOutcome::Unknown),
+    ] {
+        assert_eq!(reports.summary(metrics, tag, summary), outcome, "{tag:?}");
+        assert_eq!(
+            reports.first_token(metrics, window, tag, now),
+            outcome,
+            "{tag:?}"
+        );
+    }
+    assert_eq!(budget(&pipeline).await, (reserved, leases));
+    assert_eq!(
+        metric(&pipeline, &format!("{}_count", crate::observe::TTFT), &[]),
+        0.0
+    );
+    drop(life);
+}
+
+#[test]
+fn how_a_reported_response_ended() {
+    let usage = Usage {
+        prompt_tokens: 9,
+        completion_tokens: 4,
+    };
+    let summary = |status, usage, finished| {
+        Some(Summary {
+            status,
+            usage,
+            finished,
+        })
+    };
+    let ok = ResponseObserver::new(200, Some(SSE), 1024);
+    let failed = ResponseObserver::new(503, Some(SSE), 1024);
+    let (complete, truncated) = (ResponseEnd::Complete, ResponseEnd::Truncated);
+    let table = [
+        (
+            Some(&ok),
+            summary(200, Some(usage), true),
+            complete,
+            Some(usage),
+        ),
+        // A proper end without usage: complete; the output is charged as reserved.
+        (Some(&ok), summary(200, None, true), complete, None),
+        // Cut off after the usage chunk: truncated, and the usage is what it cost.
+        (
+            Some(&ok),
+            summary(200, Some(usage), false),
+            truncated,
+            Some(usage),
+        ),
+        (Some(&ok), summary(200, None, false), truncated, None),
+        // After the upstream's 200, a reset Envoy answered the client itself: truncated, as
+        // on the streamed path, not the upstream's error.
+        (Some(&ok), summary(502, None, false), truncated, None),
+        (
+            Some(&failed),
+            summary(200, Some(usage), true),
+            ResponseEnd::UpstreamError,
+            None,
+        ),
+        (Some(&failed), None, ResponseEnd::UpstreamError, None),
+        // The client left before any response.
+        (None, summary(0, None, false), ResponseEnd::NoResponse, None),
+        (None, None, ResponseEnd::NoResponse, None),
+        // No response headers on the request's stream: the summary's status stands in.
+        (
+            None,
+            summary(503, None, false),
+            ResponseEnd::UpstreamError,
+            None,
+        ),
+        (None, summary(200, Some(usage), true), complete, Some(usage)),
+        // No summary came: the end is unknown, and cannot count as complete.
+        (Some(&ok), None, truncated, None),
+    ];
+    for (seen, summary, end, charged) in table {
+        assert_eq!(
+            reported_end(seen, summary),
+            (end, charged),
+            "{:?} {summary:?}",
+            seen.map(ResponseObserver::end)
+        );
+    }
 }

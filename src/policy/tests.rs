@@ -329,6 +329,14 @@ fn sizes_and_encoding_patterns_must_be_usable() {
         &["response.max_buffered_json_bytes: must be positive"],
     );
     check_problems(
+        |c| c.response.summary_wait_ms = 0,
+        &["response.summary_wait_ms: must be between 1 and 60000"],
+    );
+    check_problems(
+        |c| c.response.summary_wait_ms = 60_001,
+        &["response.summary_wait_ms: must be between 1 and 60000"],
+    );
+    check_problems(
         |c| c.tokens.encodings = vec![EncodingRule::builtin("", Encoding::O200kBase)],
         &["tokens.encodings[0].pattern: must not be empty"],
     );

@@ -661,3 +661,340 @@ async fn a_token_window_429_through_envoy_carries_every_rate_limit_header() {
     let error: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(error["error"]["code"], "rate_limit_exceeded");
 }
+
+// ---------------------------------------------------------------------------------------------
+// envoy/front-proxy-reports.yaml: the response reported on instead of streamed through tollgate
+
+/// Client → Envoy with envoy/front-proxy-reports.yaml → the example upstream, on the suite's
+/// Envoy (the matrix runs it on 1.36.4, 1.38.3 and 1.40.0).
+async fn reports_stack() -> Stack {
+    let version = crate::support::envoy::e2e_envoy_version();
+    Stack::start_with("front-proxy-reports.yaml", &version, DEFAULTS, &[], |_| {}).await
+}
+
+/// Proves: with the response reported on, a streamed answer reaches the client
+/// whole although tollgate closes the first-token stream after its first chunk; tollgate times
+/// the first token from that report, settles the budget with the usage Envoy's Lua script read
+/// from the last chunk, counts the stream complete, and frees the slot. A JSON answer's usage comes through
+/// json_to_metadata the same way. Envoy's own counters show the cost: the decision's three
+/// messages and one chunk per response, not one per token.
+#[tokio::test]
+async fn reported_responses_are_timed_and_settled_with_their_usage() {
+    let stack = reports_stack().await;
+    let tokens = 12;
+    let body = serde_json::to_vec(&chat(json!({"stream": true, "max_tokens": tokens}))).unwrap();
+    let (status, headers, text) = send(&stack, "/v1/chat/completions", &USER, body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(header(&headers, "x-upstream-include-usage"), Some("true"));
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.last(), Some(&"data: [DONE]"), "{text}");
+    let content: String = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e.trim_start_matches("data: ")).ok())
+        .filter_map(|chunk| {
+            chunk["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(
+        content.split_whitespace().count(),
+        tokens,
+        "every token arrived after the first-token stream closed: {content:?}"
+    );
+
+    let m = stack
+        .tollgate
+        .wait_for_metrics(|m| {
+            let complete = m.value(
+                "tollgate_stream_completions_total",
+                &["result=\"complete\""],
+            );
+            (complete == 1.0)
+                .then_some(())
+                .ok_or(format!("complete: {complete}"))
+        })
+        .await;
+    let report = |report: &str, outcome: &str| {
+        m.value(
+            "tollgate_response_reports_total",
+            &[
+                &format!("report=\"{report}\""),
+                &format!("outcome=\"{outcome}\""),
+            ],
+        )
+    };
+    assert_eq!(report("first_token", "matched"), 1.0);
+    assert_eq!(report("summary", "matched"), 1.0);
+    assert_eq!(report("summary", "missing"), 0.0);
+    assert_eq!(
+        m.value(
+            "tollgate_time_to_first_token_seconds_count",
+            &["tier=\"free\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        m.value(
+            "tollgate_usage_tokens_total",
+            &["tier=\"free\"", "kind=\"completion\""]
+        ),
+        tokens as f64
+    );
+    assert_eq!(
+        m.value(
+            "tollgate_budget_tokens_total",
+            &["tier=\"free\"", "kind=\"output\"", "stage=\"settled\""]
+        ),
+        tokens as f64
+    );
+    assert_eq!(m.value("tollgate_inflight_requests", &[]), 0.0);
+
+    // A JSON answer: its usage read by json_to_metadata; the client gets the body unchanged.
+    let body = serde_json::to_vec(&chat(json!({"max_tokens": 5}))).unwrap();
+    let (status, _, text) = send(&stack, "/v1/chat/completions", &USER, body).await;
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text).expect("the JSON answer, whole");
+    assert_eq!(answer["usage"]["completion_tokens"], 5);
+    stack
+        .tollgate
+        .wait_for_metric(
+            "tollgate_stream_completions_total",
+            &["result=\"complete\""],
+            2.0,
+        )
+        .await;
+    let m = stack.tollgate.metrics().await;
+    assert_eq!(
+        m.value(
+            "tollgate_usage_tokens_total",
+            &["tier=\"free\"", "kind=\"completion\""]
+        ),
+        (tokens + 5) as f64
+    );
+
+    // Per response: the decision's request headers, body and response headers, and the chunks
+    // Envoy sent before tollgate's close reached it: here the upstream sends its whole answer
+    // at once, so that is the body and its end, two. Not one per token (17 tokens in all).
+    let stats = stack
+        .envoy
+        .stats(r"^http\.ingress\.ext_proc\.stream_msgs_sent$")
+        .await
+        .expect("Envoy's stats");
+    let sent = stats["http.ingress.ext_proc.stream_msgs_sent"];
+    assert!((8..=10).contains(&sent), "{stats:?}");
+}
+
+/// Proves: with the response reported on, a stream the upstream cuts off is
+/// counted truncated (its summary has no usage) and charged its reserved output; a client that
+/// leaves mid-stream the same; an upstream error refunds the request. Each frees its slot.
+#[tokio::test]
+async fn reported_responses_that_end_badly_are_told_apart() {
+    let stack = reports_stack().await;
+    let max_tokens = 10;
+    let stream = || serde_json::to_vec(&chat(json!({"stream": true, "max_tokens": max_tokens})));
+    // Paced, so the response headers reach the client before the upstream aborts.
+    let truncate: [(&str, &str); 4] = [
+        USER[0],
+        USER[1],
+        ("x-upstream-truncate-after", "3"),
+        ("x-upstream-itl-ms", "20"),
+    ];
+    let response = stack
+        .client
+        .post(stack.url("/v1/chat/completions"))
+        .headers(
+            truncate
+                .iter()
+                .map(|(k, v)| (k.parse().unwrap(), v.parse().unwrap()))
+                .collect(),
+        )
+        .body(stream().unwrap())
+        .send()
+        .await
+        .expect("Envoy answers");
+    assert_eq!(response.status(), 200);
+    // The body ends in an error: the upstream aborted the connection.
+    let _ = response.text().await;
+    stack
+        .tollgate
+        .wait_for_metric(
+            "tollgate_stream_completions_total",
+            &["result=\"truncated\""],
+            1.0,
+        )
+        .await;
+    let m = stack.tollgate.metrics().await;
+    assert_eq!(
+        m.value(
+            "tollgate_budget_tokens_total",
+            &["tier=\"free\"", "kind=\"output\"", "stage=\"settled\""]
+        ),
+        f64::from(max_tokens),
+        "a truncated stream is charged its reserved output"
+    );
+
+    // A client that goes away after the first token.
+    let slow: [(&str, &str); 3] = [USER[0], USER[1], ("x-upstream-itl-ms", "200")];
+    let response = stack
+        .client
+        .post(stack.url("/v1/chat/completions"))
+        .headers(
+            slow.iter()
+                .map(|(k, v)| (k.parse().unwrap(), v.parse().unwrap()))
+                .collect(),
+        )
+        .body(stream().unwrap())
+        .send()
+        .await
+        .expect("Envoy answers");
+    let mut body = response.bytes_stream();
+    body.next()
+        .await
+        .expect("a first chunk")
+        .expect("its bytes");
+    drop(body);
+    stack
+        .tollgate
+        .wait_for_metric(
+            "tollgate_stream_completions_total",
+            &["result=\"truncated\""],
+            2.0,
+        )
+        .await;
+
+    // An upstream error: the request is refunded.
+    let failing: [(&str, &str); 3] = [USER[0], USER[1], ("x-upstream-status", "500")];
+    let (status, _, _) = send(&stack, "/v1/chat/completions", &failing, stream().unwrap()).await;
+    assert_eq!(status, 500);
+    let m = stack
+        .tollgate
+        .wait_for_metrics(|m| {
+            let failed = m.value(
+                "tollgate_stream_completions_total",
+                &["result=\"upstream_error\""],
+            );
+            (failed == 1.0)
+                .then_some(())
+                .ok_or(format!("upstream_error: {failed}"))
+        })
+        .await;
+    let report = |outcome: &str| {
+        m.value(
+            "tollgate_response_reports_total",
+            &["report=\"summary\"", &format!("outcome=\"{outcome}\"")],
+        )
+    };
+    assert_eq!(report("matched"), 3.0);
+    assert_eq!(report("missing"), 0.0);
+    assert_eq!(m.value("tollgate_inflight_requests", &[]), 0.0);
+    assert_eq!(m.value("tollgate_held_streams", &[]), 0.0);
+}
+
+/// Proves: the Lua filter of front-proxy-reports.yaml reads a usage chunk that reaches Envoy in
+/// two pieces (the upstream writes it in halves, 50 ms apart), and one whose numbers are split
+/// between the pieces, so the request is settled with that usage, not its reserved output.
+#[tokio::test]
+async fn reported_usage_split_across_chunks_is_read_whole() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use crate::support::envoy::{Envoy, EnvoyPorts};
+    use crate::support::process::Tollgate;
+
+    // An upstream that answers every request with one token, then the usage event cut inside
+    // `"completion_tokens":37` (after "completion_tok" and after "3").
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_port = listener.local_addr().unwrap().port();
+    let cuts: &'static [&'static str] = &["\"completion_tok", "\"completion_tokens\":3"];
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let served = served.clone();
+            // Envoy keeps the connection for the next request: serve requests until it closes.
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                loop {
+                    // The request: headers, then a body of its content-length (or chunked).
+                    let mut request = Vec::new();
+                    loop {
+                        let n = socket.read(&mut buf).await.unwrap_or(0);
+                        if n == 0 {
+                            return;
+                        }
+                        request.extend_from_slice(&buf[..n]);
+                        let text = String::from_utf8_lossy(&request).to_lowercase();
+                        let Some(end) = text.find("\r\n\r\n") else {
+                            continue;
+                        };
+                        let length = text
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok());
+                        let whole = match length {
+                            Some(length) => request.len() >= end + 4 + length,
+                            None => text.ends_with("0\r\n\r\n"),
+                        };
+                        if whole {
+                            break;
+                        }
+                    }
+                    let cut = cuts
+                        [served.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % cuts.len()];
+                    let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":11,\"completion_tokens\":37,\"total_tokens\":48}}\n\n";
+                    let at = usage.find(cut).unwrap() + cut.len();
+                    let chunk = |text: &str| format!("{:x}\r\n{text}\r\n", text.len());
+                    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+                    let token =
+                        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
+                    let pieces = [
+                        format!("{head}{}", chunk(token)),
+                        chunk(&usage[..at]),
+                        format!(
+                            "{}{}0\r\n\r\n",
+                            chunk(&usage[at..]),
+                            chunk("data: [DONE]\n\n")
+                        ),
+                    ];
+                    for piece in pieces {
+                        if socket.write_all(piece.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            });
+        }
+    });
+
+    let tollgate = Tollgate::start(DEFAULTS).await;
+    let config = crate::envoy_config::envoy_dir().join("front-proxy-reports.yaml");
+    let ports = EnvoyPorts::free(upstream_port, tollgate.grpc.port());
+    let envoy = Envoy::start(&crate::support::envoy::e2e_envoy_version(), &config, ports).await;
+    let client = reqwest::Client::new();
+    for _ in cuts {
+        let body = serde_json::to_vec(&chat(json!({"stream": true, "max_tokens": 100}))).unwrap();
+        let mut request = client
+            .post(format!("http://{}/v1/chat/completions", envoy.listen))
+            .body(body);
+        for (k, v) in USER {
+            request = request.header(k, v);
+        }
+        let text = request.send().await.unwrap().text().await.unwrap();
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    }
+    tollgate
+        .wait_for_metric(
+            "tollgate_stream_completions_total",
+            &["result=\"complete\""],
+            cuts.len() as f64,
+        )
+        .await;
+    let m = tollgate.metrics().await;
+    assert_eq!(
+        m.value(
+            "tollgate_usage_tokens_total",
+            &["tier=\"free\"", "kind=\"completion\""]
+        ),
+        37.0 * cuts.len() as f64
+    );
+}

@@ -641,3 +641,165 @@ async fn grpc_health_serves_until_shutdown_begins() {
     assert_eq!(status, ServingStatus::NotServing as i32);
     server.stop().await.unwrap();
 }
+
+/// The dynamic metadata a request body answer sets in namespace `tollgate`: its report tag.
+fn report_tag(answer: &ProcessingResponse) -> String {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let namespace = answer
+        .dynamic_metadata
+        .as_ref()
+        .and_then(|m| m.fields.get("tollgate"))
+        .and_then(|v| v.kind.as_ref());
+    let Some(Kind::StructValue(fields)) = namespace else {
+        panic!("no `tollgate` dynamic metadata in {answer:?}");
+    };
+    match fields.fields.get("tag").and_then(|v| v.kind.as_ref()) {
+        Some(Kind::StringValue(tag)) => tag.clone(),
+        other => panic!("no tag: {other:?}"),
+    }
+}
+
+/// The `tollgate` metadata namespace with these fields, as Envoy forwards or logs it.
+fn tollgate_metadata(
+    fields: &[(&str, envoy_types::pb::google::protobuf::value::Kind)],
+) -> envoy_types::pb::envoy::config::core::v3::Metadata {
+    use envoy_types::pb::google::protobuf::{Struct, Value};
+    let namespace = Struct {
+        fields: fields
+            .iter()
+            .map(|(k, v)| {
+                (
+                    (*k).to_owned(),
+                    Value {
+                        kind: Some(v.clone()),
+                    },
+                )
+            })
+            .collect(),
+    };
+    envoy_types::pb::envoy::config::core::v3::Metadata {
+        filter_metadata: [("tollgate".to_owned(), namespace)].into(),
+        ..Default::default()
+    }
+}
+
+/// Proves, at the gRPC level: a decision stream marked `reports` is shown no response body;
+/// its admission tags the request in Envoy's dynamic metadata; the first-token stream that
+/// forwards the tag gets no answer in observability mode and is closed with OK after its
+/// first chunk; the access log entry that carries the tag, status and usage settles the
+/// request with that usage once its own stream has ended.
+#[tokio::test]
+async fn responses_reported_on_are_timed_and_settled_by_their_reports() {
+    use envoy_types::pb::envoy::data::accesslog::v3::{
+        AccessLogCommon, HttpAccessLogEntry, HttpResponseProperties,
+    };
+    use envoy_types::pb::envoy::service::accesslog::v3::access_log_service_client::AccessLogServiceClient;
+    use envoy_types::pb::envoy::service::accesslog::v3::{
+        StreamAccessLogsMessage,
+        stream_access_logs_message::{HttpAccessLogEntries, LogEntries},
+    };
+    use envoy_types::pb::google::protobuf::value::Kind;
+
+    let server = TestServer::start(Config::default()).await;
+    let mut decision = server.stream_as("reports").await;
+    decision.exchange(chat_headers("alice")).await;
+    let admitted = decision
+        .exchange(request_body(&chat_body(
+            serde_json::json!({"stream": true, "max_tokens": 20}),
+        )))
+        .await;
+    let tag = report_tag(&admitted);
+    decision
+        .exchange(response_headers(200, "text/event-stream"))
+        .await;
+
+    // The first token, on a stream of its own.
+    let mut first = server.stream_as("first-token").await;
+    let mut chunk = response_body(b"data: {\"choices\":[]}\n\n", false);
+    chunk.observability_mode = true;
+    chunk.metadata_context = Some(tollgate_metadata(&[(
+        "tag",
+        Kind::StringValue(tag.clone()),
+    )]));
+    first.send(chunk).await;
+    assert!(
+        matches!(first.recv().await, Ok(None)),
+        "closed with OK after the first chunk, without an answer"
+    );
+    server
+        .wait_for_metric(
+            "tollgate_response_reports_total",
+            &["report=\"first_token\"", "outcome=\"matched\""],
+            1.0,
+        )
+        .await;
+
+    // The response ends: the request's stream closes, and the access log reports.
+    decision.close();
+    let entry = HttpAccessLogEntry {
+        common_properties: Some(AccessLogCommon {
+            metadata: Some(tollgate_metadata(&[
+                ("tag", Kind::StringValue(tag)),
+                ("prompt_tokens", Kind::NumberValue(13.0)),
+                ("completion_tokens", Kind::NumberValue(9.0)),
+                ("done", Kind::BoolValue(true)),
+            ])),
+            ..Default::default()
+        }),
+        response: Some(HttpResponseProperties {
+            response_code: Some(envoy_types::pb::google::protobuf::UInt32Value { value: 200 }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let message = StreamAccessLogsMessage {
+        log_entries: Some(LogEntries::HttpLogs(HttpAccessLogEntries {
+            log_entry: vec![entry],
+        })),
+        ..Default::default()
+    };
+    let mut access_log = AccessLogServiceClient::connect(format!("http://{}", server.grpc))
+        .await
+        .expect("the access log service answers");
+    access_log
+        .stream_access_logs(tokio_stream::iter([message]))
+        .await
+        .expect("the entries are taken");
+
+    let m = server
+        .wait_for_metric(
+            "tollgate_stream_completions_total",
+            &["result=\"complete\""],
+            1.0,
+        )
+        .await;
+    assert_eq!(
+        m.value(
+            "tollgate_response_reports_total",
+            &["report=\"summary\"", "outcome=\"matched\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        m.value(
+            "tollgate_usage_tokens_total",
+            &["tier=\"free\"", "kind=\"completion\""]
+        ),
+        9.0
+    );
+    assert_eq!(
+        m.value(
+            "tollgate_budget_tokens_total",
+            &["tier=\"free\"", "kind=\"output\"", "stage=\"settled\""]
+        ),
+        9.0
+    );
+    assert_eq!(
+        m.value(
+            "tollgate_time_to_first_token_seconds_count",
+            &["tier=\"free\""]
+        ),
+        1.0
+    );
+    assert_eq!(m.value("tollgate_inflight_requests", &[]), 0.0);
+}

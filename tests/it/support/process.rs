@@ -98,6 +98,15 @@ impl Tollgate {
         or_panic(self.process.wait_for_metric(name, labels, want).await);
     }
 
+    /// Polls until `ready` accepts a scrape, and returns that scrape; panics with its last
+    /// complaint otherwise.
+    pub async fn wait_for_metrics(
+        &self,
+        ready: impl Fn(&Metrics) -> Result<(), String>,
+    ) -> Metrics {
+        or_panic(tollgate_testkit::metrics::wait_for_metrics(self.process.admin, ready).await)
+    }
+
     /// Sends SIGTERM, as Kubernetes does.
     pub fn terminate(&self) {
         or_panic(self.process.proc().terminate());
@@ -135,12 +144,33 @@ impl Stack {
         upstream_args: &[&str],
         choose: impl FnOnce(&mut EnvoyPorts),
     ) -> Stack {
+        let version = e2e_envoy_version();
+        Stack::start_with(
+            "front-proxy.yaml",
+            &version,
+            tollgate_config,
+            upstream_args,
+            choose,
+        )
+        .await
+    }
+
+    /// [`Stack::start`] with `envoy_config` (a file under `envoy/`) on Envoy `version`.
+    pub async fn start_with(
+        envoy_config: &str,
+        version: &str,
+        tollgate_config: &str,
+        upstream_args: &[&str],
+        choose: impl FnOnce(&mut EnvoyPorts),
+    ) -> Stack {
         let upstream = Upstream::start(upstream_args);
         let tollgate = Tollgate::start(tollgate_config).await;
-        let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/front-proxy.yaml");
+        let config = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("envoy")
+            .join(envoy_config);
         let mut ports = EnvoyPorts::free(upstream.addr.port(), tollgate.grpc.port());
         choose(&mut ports);
-        let envoy = Envoy::start(&e2e_envoy_version(), &config, ports).await;
+        let envoy = Envoy::start(version, &config, ports).await;
         Stack {
             envoy,
             tollgate,

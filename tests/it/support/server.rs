@@ -62,6 +62,26 @@ impl TestServer {
         ExtProcStream::open(&mut self.client().await).await
     }
 
+    /// Opens one ext_proc stream whose filter names its role in `x-tollgate-stream`, as
+    /// envoy/front-proxy-reports.yaml's filters do (`reports`, `first-token`).
+    pub async fn stream_as(&self, role: &str) -> ExtProcStream {
+        let (tx, rx) = mpsc::channel(16);
+        let mut request = tonic::Request::new(ReceiverStream::new(rx));
+        request
+            .metadata_mut()
+            .insert("x-tollgate-stream", role.parse().expect("an ASCII role"));
+        let response = self
+            .client()
+            .await
+            .process(request)
+            .await
+            .expect("stream opens");
+        ExtProcStream {
+            tx: Some(tx),
+            rx: response.into_inner(),
+        }
+    }
+
     pub async fn metrics(&self) -> Metrics {
         self.try_metrics()
             .await
