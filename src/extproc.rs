@@ -118,55 +118,55 @@ fn open_stream(
     Answers(rx)
 }
 
-/// The first-token filter's stream: reports the first response body chunk's arrival
-/// (`Reports::first_token`) and then ends the stream with OK, on which Envoy sends nothing more
-/// on it. The filter runs in `observability_mode` (envoy/front-proxy-reports.yaml): Envoy does
-/// not wait for answers, so the chunk is not delayed, and none is sent, as the protocol asks.
-/// A filter not in that mode is answered CONTINUE for each message, so a different
-/// configuration still passes the response through unchanged.
+/// The first-token filter's stream: reports the first non-empty response body chunk's arrival
+/// (`Reports::first_token`). The filter runs in `observability_mode`
+/// (envoy/front-proxy-reports.yaml): Envoy does not wait for answers, so the chunk is not
+/// delayed, and none is sent, as the protocol asks; tollgate then ends the stream with OK, on
+/// which Envoy sends nothing more on it. A filter not in that mode is answered CONTINUE for
+/// every message and its stream is left open: closing it while Envoy still held a chunk for it
+/// lost the response body (Envoy 1.38 and 1.40), so that misconfiguration only costs a round
+/// trip per chunk.
 async fn serve_first_token(
     shared: Arc<Shared>,
     mut inbound: Streaming<ProcessingRequest>,
     tx: mpsc::Sender<service::Answer>,
 ) {
     let _held = StreamGuard::new(&shared);
+    let mut reported = false;
     while let Ok(Some(message)) = inbound.message().await {
         let (message, observing, tag) = convert::first_token_message(message);
-        let (answer, last) = match message {
-            Inbound::ResponseBody { .. } => {
-                let pipeline = &shared.pipeline;
-                pipeline.reports.first_token(
-                    &pipeline.metrics,
-                    &pipeline.ttft_window,
-                    tag.as_deref(),
-                    Instant::now(),
-                );
-                (Ok(convert::continue_unchanged(Answer::ResponseBody)), true)
+        let answer = match message {
+            Inbound::ResponseBody { body, .. } => {
+                if !reported && !body.is_empty() {
+                    reported = true;
+                    let pipeline = &shared.pipeline;
+                    pipeline.reports.first_token(
+                        &pipeline.metrics,
+                        &pipeline.ttft_window,
+                        tag.as_deref(),
+                        Instant::now(),
+                    );
+                }
+                Ok(convert::continue_unchanged(Answer::ResponseBody))
             }
-            Inbound::RequestHeaders { .. } => {
-                (Ok(convert::request_headers_continue(Vec::new())), false)
-            }
-            Inbound::RequestBody { .. } => {
-                (Ok(convert::continue_unchanged(Answer::RequestBody)), false)
-            }
-            Inbound::RequestTrailers => (
-                Ok(convert::continue_unchanged(Answer::RequestTrailers)),
-                false,
-            ),
-            Inbound::ResponseHeaders { .. } => (Ok(convert::response_headers_continue(&[])), false),
-            Inbound::ResponseTrailers => (
-                Ok(convert::continue_unchanged(Answer::ResponseTrailers)),
-                true,
-            ),
-            Inbound::Empty => (
-                Err(Status::invalid_argument(
-                    "ProcessingRequest carries no request_headers/request_body/... message",
-                )),
-                true,
-            ),
+            Inbound::RequestHeaders { .. } => Ok(convert::request_headers_continue(Vec::new())),
+            Inbound::RequestBody { .. } => Ok(convert::continue_unchanged(Answer::RequestBody)),
+            Inbound::RequestTrailers => Ok(convert::continue_unchanged(Answer::RequestTrailers)),
+            Inbound::ResponseHeaders { .. } => Ok(convert::response_headers_continue(&[])),
+            Inbound::ResponseTrailers => Ok(convert::continue_unchanged(Answer::ResponseTrailers)),
+            Inbound::Empty => Err(Status::invalid_argument(
+                "ProcessingRequest carries no request_headers/request_body/... message",
+            )),
         };
-        let sent = observing || send(&tx, answer).await;
-        if !sent || last {
+        if observing {
+            // Nothing to answer; once the first token is in, nothing more to see.
+            if reported {
+                break;
+            }
+            continue;
+        }
+        let stop = answer.is_err();
+        if !send(&tx, answer).await || stop {
             break;
         }
     }

@@ -430,7 +430,8 @@ pub enum ReportOutcome {
     OtherReplica,
     /// No such request is open here: it ended before the report came, or the report repeats.
     Unknown,
-    /// The request ended and no summary came within `response.summary_wait`.
+    /// The request closed to reports without this one: no summary within
+    /// `response.summary_wait`, or no first token (a response without a body, a client gone).
     Missing,
     /// The report named no request: not one tollgate admitted.
     Untagged,

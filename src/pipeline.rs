@@ -854,9 +854,8 @@ impl Watched {
         let (end, usage) = match reports {
             // The slot is free already; only the settlement waits for Envoy's summary.
             Some(registration) => {
-                let summary = pipeline
-                    .reports
-                    .summary_of(metrics, registration, rules.policy.summary_wait)
+                let summary = registration
+                    .summary(metrics, rules.policy.summary_wait)
                     .await;
                 reported_end(response.as_ref(), summary)
             }

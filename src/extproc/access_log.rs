@@ -16,6 +16,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::Shared;
 use super::convert::{self, StreamAccessLogsMessage};
+use crate::lifecycle::{Lifecycle, reached};
 
 /// The access log service that takes Envoy's response summaries.
 #[derive(Clone)]
@@ -50,10 +51,20 @@ impl AccessLogService for AccessLogReports {
         request: Request<Streaming<StreamAccessLogsMessage>>,
     ) -> Result<Response<StreamAccessLogsResponse>, Status> {
         let mut messages = request.into_inner();
+        let mut lifecycle = self.shared.lifecycle.clone();
         // Until Envoy ends the stream (or it breaks: the entries in flight are lost, and the
-        // requests they were about settle without a summary after `response.summary_wait`).
-        while let Ok(Some(message)) = messages.message().await {
-            self.take(message);
+        // requests they were about settle without a summary after `response.summary_wait`),
+        // or the server closes: Envoy never ends it, and the gRPC server waits for every open
+        // stream before it stops. Draining streams still get their summaries until then.
+        loop {
+            let message = tokio::select! {
+                message = messages.message() => message,
+                () = reached(&mut lifecycle, Lifecycle::Closing) => break,
+            };
+            match message {
+                Ok(Some(message)) => self.take(message),
+                Ok(None) | Err(_) => break,
+            }
         }
         Ok(Response::new(StreamAccessLogsResponse {}))
     }

@@ -6,13 +6,17 @@
 //! the admission gave it (Envoy carries the tag as dynamic metadata):
 //! - the **first token**: a second ext_proc filter shows tollgate the first body chunk on a
 //!   stream of its own, which tollgate then closes, so Envoy sends no further chunk;
-//! - the **summary**: once the response is over, Envoy's access log brings its status and the
-//!   usage that Envoy's `sse_to_metadata` / `json_to_metadata` filters read from the body.
+//! - the **summary**: once the response is over, Envoy's access log brings its status, and the
+//!   usage and proper end that Envoy's Lua and `json_to_metadata` filters read from the body.
 //!
 //! The request's own stream still ends with the HTTP request, so its slot is freed then, as
 //! before; only the settlement waits for the summary (`response.summary_wait` at most). A report
 //! whose request is not open here (another replica admitted it, or it ended before the report
 //! came) changes nothing and is counted.
+//!
+//! A first token never reported stays pending in the controller's window until the request
+//! closes to reports: when its summary comes (typically the access log's flush interval after
+//! the end), or `response.summary_wait` at most.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,7 +26,7 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::control::window::Pending;
+use crate::control::window::{LatencyWindow, Pending};
 use crate::live::Rules;
 use crate::observe::response::Usage;
 use crate::observe::{Metrics, ReportOutcome, ResponseReport};
@@ -64,18 +68,56 @@ struct Open {
     summary: Option<oneshot::Sender<Summary>>,
 }
 
-/// An admitted request's place in `Reports`: its tag, and where its summary arrives. Given back
-/// with `Reports::summary_of` when the request ends.
+/// An admitted request's place in `Reports`: its tag, and where its summary arrives. Closed to
+/// reports when it drops, however the request ended (`summary` waits for the summary first).
 pub struct Registration {
+    reports: Arc<Reports>,
     id: u64,
     tag: String,
-    summary: oneshot::Receiver<Summary>,
+    summary: Option<oneshot::Receiver<Summary>>,
 }
 
 impl Registration {
     /// The tag reports name the request by.
     pub fn tag(&self) -> &str {
         &self.tag
+    }
+
+    /// The request ended: waits up to `wait` for its summary, then closes it to reports. None
+    /// (counted `Missing`) when no summary came in time.
+    pub async fn summary(mut self, metrics: &Metrics, wait: Duration) -> Option<Summary> {
+        let summary = match self.summary.take() {
+            Some(receiver) => tokio::time::timeout(wait, receiver)
+                .await
+                .ok()
+                .and_then(Result::ok),
+            None => None,
+        };
+        if summary.is_none() {
+            metrics.response_report(ResponseReport::Summary, ReportOutcome::Missing);
+        }
+        summary
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        // A request dropped without finishing (a panic) closes here too, so no entry outlives
+        // its request.
+        let closed = self.reports.lock().remove(&self.id);
+        // Dropped outside the lock: a first token never reported ends its pending entry in the
+        // controller's window, which takes that window's lock.
+        if let Some(Open {
+            first_token: Some(first_token),
+            ..
+        }) = closed
+        {
+            first_token
+                .rules
+                .metrics
+                .response_report(ResponseReport::FirstToken, ReportOutcome::Missing);
+            drop(first_token);
+        }
     }
 }
 
@@ -96,8 +138,8 @@ impl Reports {
     }
 
     /// Opens a request to reports: they may name it by the returned registration's tag until
-    /// `summary_of` takes it back.
-    pub fn register(&self, first_token: FirstToken) -> Registration {
+    /// the registration drops.
+    pub fn register(self: &Arc<Self>, first_token: FirstToken) -> Registration {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.lock().insert(
@@ -108,9 +150,10 @@ impl Reports {
             },
         );
         Registration {
+            reports: self.clone(),
             id,
             tag: format!("{}.{id}", self.prefix),
-            summary: rx,
+            summary: Some(rx),
         }
     }
 
@@ -119,7 +162,7 @@ impl Reports {
     pub fn first_token(
         &self,
         metrics: &Metrics,
-        window: &Arc<Mutex<crate::control::window::LatencyWindow>>,
+        window: &Arc<Mutex<LatencyWindow>>,
         tag: Option<&str>,
         now: Instant,
     ) -> ReportOutcome {
@@ -164,29 +207,6 @@ impl Reports {
         };
         metrics.response_report(ResponseReport::Summary, outcome);
         outcome
-    }
-
-    /// The request ended: waits up to `wait` for its summary, then closes it to reports. None
-    /// (counted `Missing`) when no summary came in time.
-    pub async fn summary_of(
-        &self,
-        metrics: &Metrics,
-        registration: Registration,
-        wait: Duration,
-    ) -> Option<Summary> {
-        let Registration { id, summary, .. } = registration;
-        let summary = tokio::time::timeout(wait, summary)
-            .await
-            .ok()
-            .and_then(Result::ok);
-        // Dropped outside the lock: a first token never reported ends its pending entry in the
-        // controller's window, which takes that window's lock.
-        let closed = self.lock().remove(&id);
-        drop(closed);
-        if summary.is_none() {
-            metrics.response_report(ResponseReport::Summary, ReportOutcome::Missing);
-        }
-        summary
     }
 
     /// Requests open to reports.

@@ -1219,3 +1219,20 @@ fn how_a_reported_response_ended() {
         );
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_reported_life_dropped_without_finishing_closes_its_registration() {
+    let pipeline = pipeline();
+    let (life, tag) = admitted_with_reports(&pipeline, 40).await;
+    assert_eq!(pipeline.reports.open_count(), 1);
+    // A panic mid-request drops the life without `finish`: no entry may outlive it (its
+    // pending first token would read as an ever slower request).
+    drop(life);
+    assert_eq!(pipeline.reports.open_count(), 0);
+    let now = Instant::now();
+    let outcome =
+        pipeline
+            .reports
+            .first_token(&pipeline.metrics, &pipeline.ttft_window, Some(&tag), now);
+    assert_eq!(outcome, ReportOutcome::Unknown);
+}

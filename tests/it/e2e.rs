@@ -791,6 +791,12 @@ async fn reported_responses_are_timed_and_settled_with_their_usage() {
 #[tokio::test]
 async fn reported_responses_that_end_badly_are_told_apart() {
     let stack = reports_stack().await;
+    // A refusal: not admitted, so no tag; the access log sends nothing for it, and the
+    // first-token filter skips its body.
+    let no_identity = [("content-type", "application/json")];
+    let refused = serde_json::to_vec(&chat(json!({"stream": true}))).unwrap();
+    let (status, _, _) = send(&stack, "/v1/chat/completions", &no_identity, refused).await;
+    assert_eq!(status, 401);
     let max_tokens = 10;
     let stream = || serde_json::to_vec(&chat(json!({"stream": true, "max_tokens": max_tokens})));
     // Paced, so the response headers reach the client before the upstream aborts.
@@ -887,6 +893,15 @@ async fn reported_responses_that_end_badly_are_told_apart() {
     };
     assert_eq!(report("matched"), 3.0);
     assert_eq!(report("missing"), 0.0);
+    assert_eq!(report("untagged"), 0.0, "only admitted requests are logged");
+    assert_eq!(
+        m.value(
+            "tollgate_response_reports_total",
+            &["report=\"first_token\"", "outcome=\"untagged\""]
+        ),
+        0.0,
+        "a refusal's body opens no first-token stream (the filter skips x-tollgate-reason)"
+    );
     assert_eq!(m.value("tollgate_inflight_requests", &[]), 0.0);
     assert_eq!(m.value("tollgate_held_streams", &[]), 0.0);
 }

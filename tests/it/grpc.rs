@@ -683,8 +683,8 @@ fn tollgate_metadata(
     }
 }
 
-/// Proves, at the gRPC level: a decision stream marked `reports` is shown no response body;
-/// its admission tags the request in Envoy's dynamic metadata; the first-token stream that
+/// Proves, at the gRPC level: the admission on a decision stream marked `reports` tags the
+/// request in Envoy's dynamic metadata; the first-token stream that
 /// forwards the tag gets no answer in observability mode and is closed with OK after its
 /// first chunk; the access log entry that carries the tag, status and usage settles the
 /// request with that usage once its own stream has ended.
