@@ -1236,3 +1236,46 @@ async fn a_reported_life_dropped_without_finishing_closes_its_registration() {
             .first_token(&pipeline.metrics, &pipeline.ttft_window, Some(&tag), now);
     assert_eq!(outcome, ReportOutcome::Unknown);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_queued_request_reported_on_is_tagged_when_it_gets_its_slot() {
+    let pipeline = pipeline();
+    let (first, _) = admitted_with_reports(&pipeline, 40).await;
+    let mut second = RequestLife::new(&pipeline);
+    second.set_response_body_shown(false);
+    second.expect_reports();
+    let decision = submit(&mut second, TENANT, 40).await;
+    assert!(
+        matches!(decision, BodyDecision::Wait { .. }),
+        "{decision:?}"
+    );
+    assert_eq!(
+        pipeline.reports.open_count(),
+        1,
+        "a queued request is not open to reports yet"
+    );
+    let (_lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
+    let first_ends = async {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        first.finish().await;
+    };
+    let (waited, ()) = tokio::join!(
+        second.wait(
+            client_leaving_after(Duration::from_secs(60)),
+            &mut lifecycle
+        ),
+        first_ends
+    );
+    match waited.unwrap() {
+        Waited::Admit(forward) => assert!(forward.report_tag.is_some(), "tagged on admission"),
+        other => panic!("expected an admission, got {other:?}"),
+    }
+    assert_eq!(
+        pipeline.reports.open_count(),
+        1,
+        "the first closed, the second opened"
+    );
+    second.finish().await;
+    assert_eq!(pipeline.reports.open_count(), 0);
+    assert_eq!(in_flight(&pipeline), 0);
+}

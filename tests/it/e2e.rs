@@ -57,6 +57,19 @@ fn stable(mut response: Value) -> Value {
     response
 }
 
+/// The text a stream's SSE events carried, their `delta.content`s joined.
+fn streamed_text(events: &[&str]) -> String {
+    events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e.trim_start_matches("data: ")).ok())
+        .filter_map(|chunk| {
+            chunk["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect()
+}
+
 #[tokio::test]
 async fn chat_json_passes_and_reaches_the_client_unchanged() {
     let stack = Stack::start(DEFAULTS, &[]).await;
@@ -135,15 +148,7 @@ async fn streamed_chat_passes_with_usage_requested_and_observed() {
     let usage: Value =
         serde_json::from_str(events[events.len() - 2].trim_start_matches("data: ")).unwrap();
     assert_eq!(usage["usage"]["completion_tokens"], 5);
-    let content: String = events
-        .iter()
-        .filter_map(|e| serde_json::from_str::<Value>(e.trim_start_matches("data: ")).ok())
-        .filter_map(|chunk| {
-            chunk["choices"][0]["delta"]["content"]
-                .as_str()
-                .map(str::to_owned)
-        })
-        .collect();
+    let content = streamed_text(&events);
     assert_eq!(
         content.split_whitespace().count(),
         5,
@@ -672,6 +677,44 @@ async fn reports_stack() -> Stack {
     Stack::start_with("front-proxy-reports.yaml", &version, DEFAULTS, &[], |_| {}).await
 }
 
+/// tollgate's metrics once `want` responses have ended as `result`.
+async fn once_ended(stack: &Stack, result: &str, want: f64) -> tollgate_testkit::metrics::Metrics {
+    let label = format!("result=\"{result}\"");
+    stack
+        .tollgate
+        .wait_for_metrics(|m| {
+            let ended = m.value("tollgate_stream_completions_total", &[&label]);
+            (ended == want)
+                .then_some(())
+                .ok_or(format!("{result}: {ended}"))
+        })
+        .await
+}
+
+/// `tollgate_response_reports_total{report, outcome}`.
+fn reports_of(m: &tollgate_testkit::metrics::Metrics, report: &str, outcome: &str) -> f64 {
+    m.value(
+        "tollgate_response_reports_total",
+        &[
+            &format!("report=\"{report}\""),
+            &format!("outcome=\"{outcome}\""),
+        ],
+    )
+}
+
+/// A streamed chat of `max_tokens` sent with `headers`, its response not read yet.
+async fn stream_with(stack: &Stack, headers: Headers<'_>, max_tokens: u32) -> reqwest::Response {
+    let body = serde_json::to_vec(&chat(json!({"stream": true, "max_tokens": max_tokens})));
+    let mut request = stack
+        .client
+        .post(stack.url("/v1/chat/completions"))
+        .body(body.unwrap());
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    request.send().await.expect("Envoy answers")
+}
+
 /// Proves: with the response reported on, a streamed answer reaches the client
 /// whole although tollgate closes the first-token stream after its first chunk; tollgate times
 /// the first token from that report, settles the budget with the usage Envoy's Lua script read
@@ -688,45 +731,17 @@ async fn reported_responses_are_timed_and_settled_with_their_usage() {
     assert_eq!(header(&headers, "x-upstream-include-usage"), Some("true"));
     let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
     assert_eq!(events.last(), Some(&"data: [DONE]"), "{text}");
-    let content: String = events
-        .iter()
-        .filter_map(|e| serde_json::from_str::<Value>(e.trim_start_matches("data: ")).ok())
-        .filter_map(|chunk| {
-            chunk["choices"][0]["delta"]["content"]
-                .as_str()
-                .map(str::to_owned)
-        })
-        .collect();
+    let content = streamed_text(&events);
     assert_eq!(
         content.split_whitespace().count(),
         tokens,
         "every token arrived after the first-token stream closed: {content:?}"
     );
 
-    let m = stack
-        .tollgate
-        .wait_for_metrics(|m| {
-            let complete = m.value(
-                "tollgate_stream_completions_total",
-                &["result=\"complete\""],
-            );
-            (complete == 1.0)
-                .then_some(())
-                .ok_or(format!("complete: {complete}"))
-        })
-        .await;
-    let report = |report: &str, outcome: &str| {
-        m.value(
-            "tollgate_response_reports_total",
-            &[
-                &format!("report=\"{report}\""),
-                &format!("outcome=\"{outcome}\""),
-            ],
-        )
-    };
-    assert_eq!(report("first_token", "matched"), 1.0);
-    assert_eq!(report("summary", "matched"), 1.0);
-    assert_eq!(report("summary", "missing"), 0.0);
+    let m = once_ended(&stack, "complete", 1.0).await;
+    assert_eq!(reports_of(&m, "first_token", "matched"), 1.0);
+    assert_eq!(reports_of(&m, "summary", "matched"), 1.0);
+    assert_eq!(reports_of(&m, "summary", "missing"), 0.0);
     assert_eq!(
         m.value(
             "tollgate_time_to_first_token_seconds_count",
@@ -798,39 +813,18 @@ async fn reported_responses_that_end_badly_are_told_apart() {
     let (status, _, _) = send(&stack, "/v1/chat/completions", &no_identity, refused).await;
     assert_eq!(status, 401);
     let max_tokens = 10;
-    let stream = || serde_json::to_vec(&chat(json!({"stream": true, "max_tokens": max_tokens})));
     // Paced, so the response headers reach the client before the upstream aborts.
-    let truncate: [(&str, &str); 4] = [
+    let truncate = [
         USER[0],
         USER[1],
         ("x-upstream-truncate-after", "3"),
         ("x-upstream-itl-ms", "20"),
     ];
-    let response = stack
-        .client
-        .post(stack.url("/v1/chat/completions"))
-        .headers(
-            truncate
-                .iter()
-                .map(|(k, v)| (k.parse().unwrap(), v.parse().unwrap()))
-                .collect(),
-        )
-        .body(stream().unwrap())
-        .send()
-        .await
-        .expect("Envoy answers");
+    let response = stream_with(&stack, &truncate, max_tokens).await;
     assert_eq!(response.status(), 200);
     // The body ends in an error: the upstream aborted the connection.
     let _ = response.text().await;
-    stack
-        .tollgate
-        .wait_for_metric(
-            "tollgate_stream_completions_total",
-            &["result=\"truncated\""],
-            1.0,
-        )
-        .await;
-    let m = stack.tollgate.metrics().await;
+    let m = once_ended(&stack, "truncated", 1.0).await;
     assert_eq!(
         m.value(
             "tollgate_budget_tokens_total",
@@ -841,64 +835,31 @@ async fn reported_responses_that_end_badly_are_told_apart() {
     );
 
     // A client that goes away after the first token.
-    let slow: [(&str, &str); 3] = [USER[0], USER[1], ("x-upstream-itl-ms", "200")];
-    let response = stack
-        .client
-        .post(stack.url("/v1/chat/completions"))
-        .headers(
-            slow.iter()
-                .map(|(k, v)| (k.parse().unwrap(), v.parse().unwrap()))
-                .collect(),
-        )
-        .body(stream().unwrap())
-        .send()
-        .await
-        .expect("Envoy answers");
-    let mut body = response.bytes_stream();
+    let slow = [USER[0], USER[1], ("x-upstream-itl-ms", "200")];
+    let mut body = stream_with(&stack, &slow, max_tokens).await.bytes_stream();
     body.next()
         .await
         .expect("a first chunk")
         .expect("its bytes");
     drop(body);
-    stack
-        .tollgate
-        .wait_for_metric(
-            "tollgate_stream_completions_total",
-            &["result=\"truncated\""],
-            2.0,
-        )
-        .await;
+    once_ended(&stack, "truncated", 2.0).await;
 
     // An upstream error: the request is refunded.
-    let failing: [(&str, &str); 3] = [USER[0], USER[1], ("x-upstream-status", "500")];
-    let (status, _, _) = send(&stack, "/v1/chat/completions", &failing, stream().unwrap()).await;
-    assert_eq!(status, 500);
-    let m = stack
-        .tollgate
-        .wait_for_metrics(|m| {
-            let failed = m.value(
-                "tollgate_stream_completions_total",
-                &["result=\"upstream_error\""],
-            );
-            (failed == 1.0)
-                .then_some(())
-                .ok_or(format!("upstream_error: {failed}"))
-        })
-        .await;
-    let report = |outcome: &str| {
-        m.value(
-            "tollgate_response_reports_total",
-            &["report=\"summary\"", &format!("outcome=\"{outcome}\"")],
-        )
-    };
-    assert_eq!(report("matched"), 3.0);
-    assert_eq!(report("missing"), 0.0);
-    assert_eq!(report("untagged"), 0.0, "only admitted requests are logged");
+    let failing = [USER[0], USER[1], ("x-upstream-status", "500")];
     assert_eq!(
-        m.value(
-            "tollgate_response_reports_total",
-            &["report=\"first_token\"", "outcome=\"untagged\""]
-        ),
+        stream_with(&stack, &failing, max_tokens).await.status(),
+        500
+    );
+    let m = once_ended(&stack, "upstream_error", 1.0).await;
+    assert_eq!(reports_of(&m, "summary", "matched"), 3.0);
+    assert_eq!(reports_of(&m, "summary", "missing"), 0.0);
+    assert_eq!(
+        reports_of(&m, "summary", "untagged"),
+        0.0,
+        "only admitted requests are logged"
+    );
+    assert_eq!(
+        reports_of(&m, "first_token", "untagged"),
         0.0,
         "a refusal's body opens no first-token stream (the filter skips x-tollgate-reason)"
     );
