@@ -132,8 +132,18 @@ async fn serve_first_token(
     tx: mpsc::Sender<service::Answer>,
 ) {
     let _held = StreamGuard::new(&shared);
+    let mut lifecycle = shared.lifecycle.clone();
     let mut reported = false;
-    while let Ok(Some(message)) = inbound.message().await {
+    loop {
+        let message = tokio::select! {
+            message = inbound.message() => message,
+            // A timing, not a decision: closing with OK lets Envoy go on without it, and the
+            // gRPC server stops only once every stream has ended.
+            () = reached(&mut lifecycle, Lifecycle::Closing) => break,
+        };
+        let Ok(Some(message)) = message else {
+            break;
+        };
         let (message, observing, tag) = convert::first_token_message(message);
         let answer = match message {
             Inbound::ResponseBody { body, .. } => {

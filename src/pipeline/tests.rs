@@ -1040,6 +1040,7 @@ async fn a_reported_response_is_timed_by_its_first_token_and_settled_by_its_summ
         1.0
     );
     assert_eq!(pipeline.reports.open_count(), 0);
+    assert_eq!(reports_counted(&pipeline, "first_token", "missing"), 0.0);
     assert_eq!(
         pipeline
             .reports
@@ -1092,6 +1093,7 @@ async fn without_a_summary_the_reserved_output_is_charged_after_the_wait() {
     );
     assert_eq!(budget(&pipeline).await, (reserved, 0));
     assert_eq!(reports_counted(&pipeline, "summary", "missing"), 1.0);
+    assert_eq!(reports_counted(&pipeline, "first_token", "missing"), 1.0);
     assert_eq!(
         metric(
             &pipeline,
@@ -1229,6 +1231,13 @@ async fn a_reported_life_dropped_without_finishing_closes_its_registration() {
     // pending first token would read as an ever slower request).
     drop(life);
     assert_eq!(pipeline.reports.open_count(), 0);
+    assert_eq!(reports_counted(&pipeline, "first_token", "missing"), 1.0);
+    // Nothing left pending in the controller's window: no overdue request counted.
+    let later = Instant::now() + Duration::from_secs(5);
+    let mut window = window::lock(&pipeline.ttft_window);
+    let (_, counted) = window.quantile_counting_overdue(later, 0.99, Duration::from_millis(1));
+    assert_eq!(counted, window.count(later), "no pending first token left");
+    drop(window);
     let now = Instant::now();
     let outcome =
         pipeline

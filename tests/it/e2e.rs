@@ -867,9 +867,11 @@ async fn reported_responses_that_end_badly_are_told_apart() {
     assert_eq!(m.value("tollgate_held_streams", &[]), 0.0);
 }
 
-/// Proves: the Lua filter of front-proxy-reports.yaml reads a usage chunk that reaches Envoy in
-/// two pieces (the upstream writes it in halves, 50 ms apart), and one whose numbers are split
-/// between the pieces, so the request is settled with that usage, not its reserved output.
+/// Proves: the Lua filter of front-proxy-reports.yaml reads a usage event that reaches Envoy in
+/// pieces (the upstream writes them 50 ms apart): cut inside a key, inside a number, and in
+/// three pieces followed by `data:[DONE]` without its space under a capitalised content type.
+/// Each request is settled with that usage and counted complete, not charged its reserved
+/// output.
 #[tokio::test]
 async fn reported_usage_split_across_chunks_is_read_whole() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -881,7 +883,13 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
     // `"completion_tokens":37` (after "completion_tok" and after "3").
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream_port = listener.local_addr().unwrap().port();
-    let cuts: &'static [&'static str] = &["\"completion_tok", "\"completion_tokens\":3"];
+    // Where the usage event is cut: inside a key, inside a number, and in three pieces with
+    // `data:[DONE]` (no space) on its own and the content type in capitals.
+    const CASES: [&[&str]; 3] = [
+        &["\"completion_tok"],
+        &["\"completion_tokens\":3"],
+        &["\"prompt_tok", "\"completion_tokens\":3"],
+    ];
     let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     tokio::spawn(async move {
         while let Ok((mut socket, _)) = listener.accept().await {
@@ -914,23 +922,30 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
                             break;
                         }
                     }
-                    let cut = cuts
-                        [served.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % cuts.len()];
+                    let case = served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":11,\"completion_tokens\":37,\"total_tokens\":48}}\n\n";
-                    let at = usage.find(cut).unwrap() + cut.len();
                     let chunk = |text: &str| format!("{:x}\r\n{text}\r\n", text.len());
-                    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
                     let token =
                         "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
-                    let pieces = [
-                        format!("{head}{}", chunk(token)),
-                        chunk(&usage[..at]),
-                        format!(
-                            "{}{}0\r\n\r\n",
-                            chunk(&usage[at..]),
-                            chunk("data: [DONE]\n\n")
-                        ),
-                    ];
+                    let cuts = CASES[case % CASES.len()];
+                    let (content_type, done) = if case % CASES.len() == CASES.len() - 1 {
+                        ("Text/Event-Stream; charset=utf-8", "data:[DONE]\n\n")
+                    } else {
+                        ("text/event-stream", "data: [DONE]\n\n")
+                    };
+                    let mut pieces = vec![format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n{}",
+                        chunk(token)
+                    )];
+                    // The usage event in pieces, cut after each of `cuts`.
+                    let mut from = 0;
+                    for cut in cuts {
+                        let at = usage.find(cut).unwrap() + cut.len();
+                        pieces.push(chunk(&usage[from..at]));
+                        from = at;
+                    }
+                    pieces.push(chunk(&usage[from..]));
+                    pieces.push(format!("{}0\r\n\r\n", chunk(done)));
                     for piece in pieces {
                         if socket.write_all(piece.as_bytes()).await.is_err() {
                             return;
@@ -947,7 +962,7 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
     let ports = EnvoyPorts::free(upstream_port, tollgate.grpc.port());
     let envoy = Envoy::start(&crate::support::envoy::e2e_envoy_version(), &config, ports).await;
     let client = reqwest::Client::new();
-    for _ in cuts {
+    for _ in CASES {
         let body = serde_json::to_vec(&chat(json!({"stream": true, "max_tokens": 100}))).unwrap();
         let mut request = client
             .post(format!("http://{}/v1/chat/completions", envoy.listen))
@@ -956,13 +971,13 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
             request = request.header(k, v);
         }
         let text = request.send().await.unwrap().text().await.unwrap();
-        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        assert!(text.ends_with("[DONE]\n\n"), "{text}");
     }
     tollgate
         .wait_for_metric(
             "tollgate_stream_completions_total",
             &["result=\"complete\""],
-            cuts.len() as f64,
+            CASES.len() as f64,
         )
         .await;
     let m = tollgate.metrics().await;
@@ -971,6 +986,6 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
             "tollgate_usage_tokens_total",
             &["tier=\"free\"", "kind=\"completion\""]
         ),
-        37.0 * cuts.len() as f64
+        37.0 * CASES.len() as f64
     );
 }
