@@ -866,10 +866,6 @@ impl Watched {
                 response.as_ref().and_then(ResponseObserver::usage),
             ),
         };
-        metrics.stream_completion(end);
-        if end == ResponseEnd::Complete {
-            metrics.request_duration(tier, arrived.elapsed().as_secs_f64());
-        }
         if let Some(usage) = usage {
             metrics.usage(tier, usage.prompt_tokens, usage.completion_tokens);
         }
@@ -886,6 +882,12 @@ impl Watched {
                 TokenStage::Refunded,
                 reserved.saturating_sub(actual),
             );
+        }
+        // Counted after the usage and the budget's figures: whoever sees the ending counted
+        // (a scrape is not atomic across series) sees what it cost too, sooner or later.
+        metrics.stream_completion(end);
+        if end == ResponseEnd::Complete {
+            metrics.request_duration(tier, arrived.elapsed().as_secs_f64());
         }
         pipeline
             .ledger

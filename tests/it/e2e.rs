@@ -738,30 +738,28 @@ async fn reported_responses_are_timed_and_settled_with_their_usage() {
         "every token arrived after the first-token stream closed: {content:?}"
     );
 
-    let m = once_ended(&stack, "complete", 1.0).await;
+    once_ended(&stack, "complete", 1.0).await;
+    // A scrape is not atomic across series: each figure is awaited, not read once.
+    let settled = ["tier=\"free\"", "kind=\"output\"", "stage=\"settled\""];
+    let completion = ["tier=\"free\"", "kind=\"completion\""];
+    let tollgate = &stack.tollgate;
+    tollgate
+        .wait_for_metric("tollgate_usage_tokens_total", &completion, tokens as f64)
+        .await;
+    tollgate
+        .wait_for_metric("tollgate_budget_tokens_total", &settled, tokens as f64)
+        .await;
+    let m = tollgate.metrics().await;
     assert_eq!(reports_of(&m, "first_token", "matched"), 1.0);
     assert_eq!(reports_of(&m, "summary", "matched"), 1.0);
     assert_eq!(reports_of(&m, "summary", "missing"), 0.0);
+    assert_eq!(reports_of(&m, "first_token", "missing"), 0.0);
     assert_eq!(
         m.value(
             "tollgate_time_to_first_token_seconds_count",
             &["tier=\"free\""]
         ),
         1.0
-    );
-    assert_eq!(
-        m.value(
-            "tollgate_usage_tokens_total",
-            &["tier=\"free\"", "kind=\"completion\""]
-        ),
-        tokens as f64
-    );
-    assert_eq!(
-        m.value(
-            "tollgate_budget_tokens_total",
-            &["tier=\"free\"", "kind=\"output\"", "stage=\"settled\""]
-        ),
-        tokens as f64
     );
     assert_eq!(m.value("tollgate_inflight_requests", &[]), 0.0);
 
@@ -771,22 +769,14 @@ async fn reported_responses_are_timed_and_settled_with_their_usage() {
     assert_eq!(status, 200, "{text}");
     let answer: Value = serde_json::from_str(&text).expect("the JSON answer, whole");
     assert_eq!(answer["usage"]["completion_tokens"], 5);
-    stack
-        .tollgate
+    once_ended(&stack, "complete", 2.0).await;
+    tollgate
         .wait_for_metric(
-            "tollgate_stream_completions_total",
-            &["result=\"complete\""],
-            2.0,
+            "tollgate_usage_tokens_total",
+            &completion,
+            (tokens + 5) as f64,
         )
         .await;
-    let m = stack.tollgate.metrics().await;
-    assert_eq!(
-        m.value(
-            "tollgate_usage_tokens_total",
-            &["tier=\"free\"", "kind=\"completion\""]
-        ),
-        (tokens + 5) as f64
-    );
 
     // Per response: the decision's request headers, body and response headers, and the chunks
     // Envoy sent before tollgate's close reached it: here the upstream sends its whole answer
@@ -824,15 +814,17 @@ async fn reported_responses_that_end_badly_are_told_apart() {
     assert_eq!(response.status(), 200);
     // The body ends in an error: the upstream aborted the connection.
     let _ = response.text().await;
-    let m = once_ended(&stack, "truncated", 1.0).await;
-    assert_eq!(
-        m.value(
+    once_ended(&stack, "truncated", 1.0).await;
+    // A truncated stream is charged its reserved output.
+    let settled = ["tier=\"free\"", "kind=\"output\"", "stage=\"settled\""];
+    stack
+        .tollgate
+        .wait_for_metric(
             "tollgate_budget_tokens_total",
-            &["tier=\"free\"", "kind=\"output\"", "stage=\"settled\""]
-        ),
-        f64::from(max_tokens),
-        "a truncated stream is charged its reserved output"
-    );
+            &settled,
+            f64::from(max_tokens),
+        )
+        .await;
 
     // A client that goes away after the first token.
     let slow = [USER[0], USER[1], ("x-upstream-itl-ms", "200")];
@@ -980,12 +972,11 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
             CASES.len() as f64,
         )
         .await;
-    let m = tollgate.metrics().await;
-    assert_eq!(
-        m.value(
+    tollgate
+        .wait_for_metric(
             "tollgate_usage_tokens_total",
-            &["tier=\"free\"", "kind=\"completion\""]
-        ),
-        37.0 * CASES.len() as f64
-    );
+            &["tier=\"free\"", "kind=\"completion\""],
+            37.0 * CASES.len() as f64,
+        )
+        .await;
 }
