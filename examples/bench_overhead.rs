@@ -1402,32 +1402,29 @@ async fn sanity_check(target: &Target, stack: &Stack) -> Result<()> {
     if target.config == Config::P {
         // A reports deployment whose reports go nowhere would still answer every request, and
         // would look cheap: its first request must be timed and settled by its reports.
-        let matched = |m: &metrics::Metrics, report: &str| {
-            m.find(
-                "tollgate_response_reports_total",
-                &[&format!("report=\"{report}\""), "outcome=\"matched\""],
-            )
-            .unwrap_or(0.0)
-        };
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let text = stack
-                .tollgate_metrics(target.config)
-                .await
-                .unwrap_or_default();
-            let m = metrics::Metrics(text);
-            if matched(&m, "first_token") >= 1.0 && matched(&m, "summary") >= 1.0 {
-                break;
+        let tollgate = stack
+            .tollgate
+            .as_ref()
+            .context("P runs without B's tollgate")?;
+        metrics::wait_for_metrics(tollgate.admin, |m| {
+            for report in ["first_token", "summary"] {
+                let report_label = format!("report=\"{report}\"");
+                let labels = [report_label.as_str(), "outcome=\"matched\""];
+                let matched = m.find("tollgate_response_reports_total", &labels);
+                if matched.unwrap_or(0.0) < 1.0 {
+                    return Err(format!("{report} matched: {matched:?}"));
+                }
             }
-            ensure!(
-                Instant::now() < deadline,
-                "{}: tollgate got no first-token report or no summary for the first request \
-                 (tollgate_response_reports_total):\n{}",
+            Ok(())
+        })
+        .await
+        .with_context(|| {
+            format!(
+                "{}: tollgate got no first-token report or no summary for the first request\n{}",
                 target.config.label(),
                 stack.log_tails()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+            )
+        })?;
     }
     if target.config.uses_tollgate() {
         ensure!(
@@ -2108,12 +2105,9 @@ impl RateSummary {
         let c = self.gateway_cpu_per_round(Config::C);
         let deciding: Vec<f64> = c.iter().zip(&a).map(|(c, a)| c - a).collect();
         let us = |values: &[f64]| {
-            let low = values.iter().copied().fold(f64::INFINITY, f64::min);
-            let high = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            format!(
-                "{:.0} us (rounds {low:.0} to {high:.0})",
-                median(&mut values.to_vec())
-            )
+            let rounds = PerRound::new(values.to_vec());
+            let (low, high) = rounds.range();
+            format!("{:.0} us (rounds {low:.0} to {high:.0})", rounds.median)
         };
         let _ = writeln!(
             w,
@@ -2133,18 +2127,13 @@ impl RateSummary {
                 .map(|(o, d)| o / d)
                 .collect();
             let ratio = PerRound::new(ratios);
+            let (low, high) = ratio.range();
             let within = ratio.values.iter().filter(|&&r| r <= 1.0).count();
             let mut line = format!(
-                "OBSERVING {} - C: {}, {:.2}x deciding (rounds {:.2} to {:.2}) [<= 1x: {}, {within}/{} rounds]",
+                "OBSERVING {} - C: {}, {:.2}x deciding (rounds {low:.2} to {high:.2}) [<= 1x: {}, {within}/{} rounds]",
                 config.name(),
                 us(&observing),
                 ratio.median,
-                ratio.values.iter().copied().fold(f64::INFINITY, f64::min),
-                ratio
-                    .values
-                    .iter()
-                    .copied()
-                    .fold(f64::NEG_INFINITY, f64::max),
                 if ratio.median <= 1.0 {
                     "met"
                 } else {
@@ -2411,13 +2400,19 @@ impl PerRound {
 
     /// The median with the range it was taken from: `+0.300 ms (rounds +0.250 to +0.380)`.
     fn spread(&self) -> String {
+        let (low, high) = self.range();
+        format!("{:+.3} ms (rounds {low:+.3} to {high:+.3})", self.median)
+    }
+
+    /// The lowest and the highest round.
+    fn range(&self) -> (f64, f64) {
         let low = self.values.iter().copied().fold(f64::INFINITY, f64::min);
         let high = self
             .values
             .iter()
             .copied()
             .fold(f64::NEG_INFINITY, f64::max);
-        format!("{:+.3} ms (rounds {low:+.3} to {high:+.3})", self.median)
+        (low, high)
     }
 
     /// Held to `< target` ms: the median's verdict, and in how many rounds it held.

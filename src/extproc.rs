@@ -145,20 +145,28 @@ async fn serve_first_token(
             break;
         };
         let (message, observing, tag) = convert::first_token_message(message);
-        let answer = match message {
-            Inbound::ResponseBody { body, .. } => {
-                if !reported && !body.is_empty() {
-                    reported = true;
-                    let pipeline = &shared.pipeline;
-                    pipeline.reports.first_token(
-                        &pipeline.metrics,
-                        &pipeline.ttft_window,
-                        tag.as_deref(),
-                        Instant::now(),
-                    );
-                }
-                Ok(convert::continue_unchanged(Answer::ResponseBody))
+        if let Inbound::ResponseBody { body, .. } = &message
+            && !reported
+            && !body.is_empty()
+        {
+            reported = true;
+            let pipeline = &shared.pipeline;
+            pipeline.reports.first_token(
+                &pipeline.metrics,
+                &pipeline.ttft_window,
+                tag.as_deref(),
+                Instant::now(),
+            );
+        }
+        if observing {
+            // Nothing to answer; once the first token is in, nothing more to see.
+            if reported {
+                break;
             }
+            continue;
+        }
+        let answer = match message {
+            Inbound::ResponseBody { .. } => Ok(convert::continue_unchanged(Answer::ResponseBody)),
             Inbound::RequestHeaders { .. } => Ok(convert::request_headers_continue(Vec::new())),
             Inbound::RequestBody { .. } => Ok(convert::continue_unchanged(Answer::RequestBody)),
             Inbound::RequestTrailers => Ok(convert::continue_unchanged(Answer::RequestTrailers)),
@@ -168,13 +176,6 @@ async fn serve_first_token(
                 "ProcessingRequest carries no request_headers/request_body/... message",
             )),
         };
-        if observing {
-            // Nothing to answer; once the first token is in, nothing more to see.
-            if reported {
-                break;
-            }
-            continue;
-        }
         let stop = answer.is_err();
         if !send(&tx, answer).await || stop {
             break;

@@ -855,7 +855,7 @@ impl Watched {
             // The slot is free already; only the settlement waits for Envoy's summary.
             Some(registration) => {
                 let summary = registration
-                    .summary(metrics, rules.policy.summary_wait)
+                    .wait_for_summary(metrics, rules.policy.summary_wait)
                     .await;
                 reported_end(response.as_ref(), summary)
             }

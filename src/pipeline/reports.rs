@@ -85,7 +85,7 @@ impl Registration {
 
     /// The request ended: waits up to `wait` for its summary, then closes it to reports. None
     /// (counted `Missing`) when no summary came in time.
-    pub async fn summary(mut self, metrics: &Metrics, wait: Duration) -> Option<Summary> {
+    pub async fn wait_for_summary(mut self, metrics: &Metrics, wait: Duration) -> Option<Summary> {
         let summary = match self.summary.take() {
             Some(receiver) => tokio::time::timeout(wait, receiver)
                 .await
@@ -210,6 +210,7 @@ impl Reports {
     }
 
     /// Requests open to reports.
+    #[cfg(test)]
     pub fn open_count(&self) -> usize {
         self.lock().len()
     }

@@ -866,7 +866,7 @@ async fn reported_responses_that_end_badly_are_told_apart() {
 /// output.
 #[tokio::test]
 async fn reported_usage_split_across_chunks_is_read_whole() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
 
     use crate::support::envoy::{Envoy, EnvoyPorts};
     use crate::support::process::Tollgate;
@@ -888,31 +888,12 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
             let served = served.clone();
             // Envoy keeps the connection for the next request: serve requests until it closes.
             tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
                 loop {
-                    // The request: headers, then a body of its content-length (or chunked).
-                    let mut request = Vec::new();
-                    loop {
-                        let n = socket.read(&mut buf).await.unwrap_or(0);
-                        if n == 0 {
-                            return;
-                        }
-                        request.extend_from_slice(&buf[..n]);
-                        let text = String::from_utf8_lossy(&request).to_lowercase();
-                        let Some(end) = text.find("\r\n\r\n") else {
-                            continue;
-                        };
-                        let length = text
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse::<usize>().ok());
-                        let whole = match length {
-                            Some(length) => request.len() >= end + 4 + length,
-                            None => text.ends_with("0\r\n\r\n"),
-                        };
-                        if whole {
-                            break;
-                        }
+                    if crate::envoy_config::read_request(&mut socket)
+                        .await
+                        .is_err()
+                    {
+                        return;
                     }
                     let case = served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":11,\"completion_tokens\":37,\"total_tokens\":48}}\n\n";

@@ -401,12 +401,26 @@ impl Upstream {
 }
 
 async fn serve_one(mut stream: TcpStream, record: impl FnOnce(usize)) -> std::io::Result<()> {
+    record(read_request(&mut stream).await?);
+    let reply = r#"{"ok":true}"#;
+    let response = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         connection: close\r\n\r\n{reply}",
+        reply.len()
+    );
+    stream.write_all(response.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+/// Reads one HTTP/1.1 request from `stream`, its body by content-length or chunked; returns the
+/// body's length.
+pub(crate) async fn read_request(stream: &mut TcpStream) -> std::io::Result<usize> {
     let mut buf = Vec::new();
     let head_end = loop {
         if let Some(pos) = buf.windows(4).position(|window| window == b"\r\n\r\n") {
             break pos + 4;
         }
-        read_more(&mut stream, &mut buf).await?;
+        read_more(stream, &mut buf).await?;
     };
     let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
     let header = |name: &str| {
@@ -417,23 +431,15 @@ async fn serve_one(mut stream: TcpStream, record: impl FnOnce(usize)) -> std::io
     let body_len = if let Some(len) = header("content-length") {
         let len: usize = len.parse().map_err(std::io::Error::other)?;
         while buf.len() < head_end + len {
-            read_more(&mut stream, &mut buf).await?;
+            read_more(stream, &mut buf).await?;
         }
         len
     } else if header("transfer-encoding").is_some_and(|te| te.contains("chunked")) {
-        read_chunked(&mut stream, &mut buf, head_end).await?
+        read_chunked(stream, &mut buf, head_end).await?
     } else {
         0
     };
-    record(body_len);
-    let reply = r#"{"ok":true}"#;
-    let response = format!(
-        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
-         connection: close\r\n\r\n{reply}",
-        reply.len()
-    );
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await
+    Ok(body_len)
 }
 
 /// Decodes a chunked body starting at `pos` in `buf`; returns its decoded length.

@@ -65,21 +65,7 @@ impl TestServer {
     /// Opens one ext_proc stream whose filter names its role in `x-tollgate-stream`, as
     /// envoy/front-proxy-reports.yaml's filters do (`reports`, `first-token`).
     pub async fn stream_as(&self, role: &str) -> ExtProcStream {
-        let (tx, rx) = mpsc::channel(16);
-        let mut request = tonic::Request::new(ReceiverStream::new(rx));
-        request
-            .metadata_mut()
-            .insert("x-tollgate-stream", role.parse().expect("an ASCII role"));
-        let response = self
-            .client()
-            .await
-            .process(request)
-            .await
-            .expect("stream opens");
-        ExtProcStream {
-            tx: Some(tx),
-            rx: response.into_inner(),
-        }
+        ExtProcStream::open_as(&mut self.client().await, Some(role)).await
     }
 
     pub async fn metrics(&self) -> Metrics {
@@ -133,11 +119,23 @@ pub struct ExtProcStream {
 
 impl ExtProcStream {
     pub async fn open(client: &mut ExternalProcessorClient<tonic::transport::Channel>) -> Self {
+        ExtProcStream::open_as(client, None).await
+    }
+
+    /// Opens a stream with `x-tollgate-stream: role`, if given, as a filter's
+    /// `initial_metadata` sets it.
+    pub async fn open_as(
+        client: &mut ExternalProcessorClient<tonic::transport::Channel>,
+        role: Option<&str>,
+    ) -> Self {
         let (tx, rx) = mpsc::channel(16);
-        let response = client
-            .process(ReceiverStream::new(rx))
-            .await
-            .expect("stream opens");
+        let mut request = tonic::Request::new(ReceiverStream::new(rx));
+        if let Some(role) = role {
+            request
+                .metadata_mut()
+                .insert("x-tollgate-stream", role.parse().expect("an ASCII role"));
+        }
+        let response = client.process(request).await.expect("stream opens");
         ExtProcStream {
             tx: Some(tx),
             rx: response.into_inner(),
