@@ -343,7 +343,8 @@ pub struct ResponseConfig {
     /// (envoy/front-proxy-reports.yaml): how long a request's end waits for Envoy's summary of
     /// the response (usage and status, sent with its access log) before it settles without one,
     /// charging the reserved output. The slot is freed at the end either way; only the
-    /// settlement waits. Above the access log's `buffer_flush_interval`.
+    /// settlement waits. Envoy sends the summary as the response ends (the file's access log
+    /// is not batched), so this bounds a lost or delayed one.
     pub summary_wait_ms: u64,
 }
 

@@ -851,19 +851,20 @@ impl Watched {
         drop(awaiting_first_token);
         let tier = admission.identity.tier;
         let metrics = &rules.metrics;
-        let (end, usage) = match reports {
+        let (end, usage, reported) = match reports {
             // The slot is free already; only the settlement waits for Envoy's summary.
-            Some(registration) => {
-                let summary = registration
-                    .wait_for_summary(metrics, rules.policy.summary_wait)
-                    .await;
-                reported_end(response.as_ref(), summary)
+            Some(mut registration) => {
+                let deadline = Instant::now() + rules.policy.summary_wait;
+                let summary = registration.wait_for_summary(metrics, deadline).await;
+                let (end, usage) = reported_end(response.as_ref(), summary);
+                (end, usage, Some((registration, summary, deadline)))
             }
             None => (
                 response
                     .as_ref()
                     .map_or(ResponseEnd::NoResponse, ResponseObserver::end),
                 response.as_ref().and_then(ResponseObserver::usage),
+                None,
             ),
         };
         if let Some(usage) = usage {
@@ -893,6 +894,10 @@ impl Watched {
             .ledger
             .settle(hold, spent.input + spent.output, spent.refund_request)
             .await;
+        // After the settlement, which a late first token must not hold up.
+        if let Some((registration, summary, deadline)) = reported {
+            registration.close(summary.as_ref(), deadline).await;
+        }
     }
 }
 

@@ -104,6 +104,9 @@ pub fn inbound(message: ProcessingRequest) -> (Inbound, Option<bool>) {
 /// (envoy/front-proxy-reports.yaml).
 pub const REPORTS_NAMESPACE: &str = "tollgate";
 const TAG_KEY: &str = "tag";
+/// The dynamic-metadata namespace an admitted request's budget headers travel in when its
+/// response is reported on, keyed by header name, for Envoy to add to the client's response.
+pub const RESPONSE_HEADERS_NAMESPACE: &str = "tollgate.response_headers";
 
 /// The report tag Envoy forwarded with a message (the first-token filter's
 /// `forwarding_namespaces`).
@@ -140,20 +143,21 @@ pub fn summaries(
                 .common_properties
                 .as_ref()
                 .and_then(|common| common.metadata.as_ref());
-            let status = entry
-                .response
-                .as_ref()
+            let response = entry.response.as_ref();
+            let status = response
                 .and_then(|response| response.response_code)
                 .map(|code| code.value);
-            summary_of(metadata, status)
+            let body_bytes = response.map_or(0, |response| response.response_body_bytes);
+            summary_of(metadata, status, body_bytes)
         })
         .collect()
 }
 
-/// What an access log entry's metadata and status say about a response.
+/// What an access log entry's metadata, status and body size say about a response.
 fn summary_of(
     metadata: Option<&Metadata>,
     status: Option<u32>,
+    body_bytes: u64,
 ) -> (Option<String>, crate::pipeline::Summary) {
     let namespace = metadata.and_then(|m| m.filter_metadata.get(REPORTS_NAMESPACE));
     let tag = namespace.and_then(|n| string_field(n, TAG_KEY).map(str::to_owned));
@@ -173,6 +177,7 @@ fn summary_of(
             status,
             usage,
             finished,
+            body_bytes,
         },
     )
 }
@@ -301,19 +306,29 @@ pub fn request_body_admit(forward: Forward<'_>) -> ProcessingResponse {
     });
     // The tag goes into the stream's dynamic metadata, where the first-token filter and the
     // access log read it back (the filter's `receiving_namespaces` must list the namespace).
+    // So do the budget headers: a reported-on response's headers are not shown to tollgate, so
+    // Envoy adds them to the client's response itself, from this namespace
+    // (`response_headers_to_add`). A namespace of their own: the first-token filter forwards
+    // `REPORTS_NAMESPACE` only, and need not carry them.
     let dynamic_metadata = forward.report_tag.map(|tag| {
-        let tagged = Struct {
-            fields: [(TAG_KEY.to_owned(), string_value(tag))].into(),
+        let namespace = |fields| Value {
+            kind: Some(Kind::StructValue(Struct { fields })),
         };
-        Struct {
-            fields: [(
-                REPORTS_NAMESPACE.to_owned(),
-                Value {
-                    kind: Some(Kind::StructValue(tagged)),
-                },
-            )]
-            .into(),
+        let tagged = [(TAG_KEY.to_owned(), string_value(tag))].into();
+        let mut namespaces = Struct {
+            fields: [(REPORTS_NAMESPACE.to_owned(), namespace(tagged))].into(),
+        };
+        if !forward.budget_headers.is_empty() {
+            let headers = forward
+                .budget_headers
+                .iter()
+                .map(|(name, value)| ((*name).to_owned(), string_value(value)))
+                .collect();
+            namespaces
+                .fields
+                .insert(RESPONSE_HEADERS_NAMESPACE.to_owned(), namespace(headers));
         }
+        namespaces
     });
     ProcessingResponse {
         dynamic_metadata,

@@ -14,14 +14,16 @@
 //! whose request is not open here (another replica admitted it, or it ended before the report
 //! came) changes nothing and is counted.
 //!
-//! A first token never reported stays pending in the controller's window until the request
-//! closes to reports: when its summary comes (typically the access log's flush interval after
-//! the end), or `response.summary_wait` at most.
+//! The two reports travel on different streams, so they may arrive in either order: a short
+//! body's end, and so its summary, can overtake its first token. A request whose summary says
+//! its response had a body stays open to its first token after settling, until the same
+//! deadline. A first token never reported stays pending in the controller's window until the
+//! request closes to reports: when its summary comes (Envoy sends it as the response ends)
+//! for a response without a body, or `response.summary_wait` at most.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -41,6 +43,8 @@ pub struct Summary {
     pub usage: Option<Usage>,
     /// Whether the body ended properly (`data: [DONE]`, or a whole JSON body).
     pub finished: bool,
+    /// The body bytes sent to the client: without any, there is no first token to wait for.
+    pub body_bytes: u64,
 }
 
 /// What a request's first token is recorded with.
@@ -65,16 +69,20 @@ pub struct Reports {
 
 struct Open {
     first_token: Option<FirstToken>,
+    /// Told when the first token is recorded.
+    first_token_seen: Option<oneshot::Sender<()>>,
     summary: Option<oneshot::Sender<Summary>>,
 }
 
-/// An admitted request's place in `Reports`: its tag, and where its summary arrives. Closed to
-/// reports when it drops, however the request ended (`summary` waits for the summary first).
+/// An admitted request's place in `Reports`: its tag, and where its summary and the news of
+/// its first token arrive. Closed to reports by `close`, or when it drops, however the request
+/// ended.
 pub struct Registration {
     reports: Arc<Reports>,
     id: u64,
     tag: String,
     summary: Option<oneshot::Receiver<Summary>>,
+    first_token_seen: Option<oneshot::Receiver<()>>,
 }
 
 impl Registration {
@@ -83,11 +91,15 @@ impl Registration {
         &self.tag
     }
 
-    /// The request ended: waits up to `wait` for its summary, then closes it to reports. None
-    /// (counted `Missing`) when no summary came in time.
-    pub async fn wait_for_summary(mut self, metrics: &Metrics, wait: Duration) -> Option<Summary> {
+    /// The request ended: waits until `deadline` for its summary. None (counted `Missing`)
+    /// when no summary came in time.
+    pub async fn wait_for_summary(
+        &mut self,
+        metrics: &Metrics,
+        deadline: Instant,
+    ) -> Option<Summary> {
         let summary = match self.summary.take() {
-            Some(receiver) => tokio::time::timeout(wait, receiver)
+            Some(receiver) => tokio::time::timeout_at(deadline, receiver)
                 .await
                 .ok()
                 .and_then(Result::ok),
@@ -97,6 +109,20 @@ impl Registration {
             metrics.response_report(ResponseReport::Summary, ReportOutcome::Missing);
         }
         summary
+    }
+
+    /// Closes the request to reports. A response that had a body (by its `summary`) and whose
+    /// first token is not reported yet gets until `deadline` for it: Envoy sends the first
+    /// token on a stream of its own as the body goes by, and a short body's summary can
+    /// overtake it.
+    pub async fn close(mut self, summary: Option<&Summary>, deadline: Instant) {
+        let had_body = summary.is_some_and(|summary| summary.body_bytes > 0);
+        if let Some(seen) = self.first_token_seen.take()
+            && had_body
+        {
+            // Either way: told (recorded), the sender gone (recorded, or closed), or too late.
+            let _ = tokio::time::timeout_at(deadline, seen).await;
+        }
     }
 }
 
@@ -141,19 +167,22 @@ impl Reports {
     /// the registration drops.
     pub fn register(self: &Arc<Self>, first_token: FirstToken) -> Registration {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
+        let (summary_tx, summary_rx) = oneshot::channel();
+        let (seen_tx, seen_rx) = oneshot::channel();
         self.lock().insert(
             id,
             Open {
                 first_token: Some(first_token),
-                summary: Some(tx),
+                first_token_seen: Some(seen_tx),
+                summary: Some(summary_tx),
             },
         );
         Registration {
             reports: self.clone(),
             id,
             tag: format!("{}.{id}", self.prefix),
-            summary: Some(rx),
+            summary: Some(summary_rx),
+            first_token_seen: Some(seen_rx),
         }
     }
 
@@ -170,13 +199,17 @@ impl Reports {
             None => ReportOutcome::Untagged,
             Some(Addressee::OtherReplica) => ReportOutcome::OtherReplica,
             Some(Addressee::Here(id)) => {
-                let first_token = self
-                    .lock()
-                    .get_mut(&id)
-                    .and_then(|open| open.first_token.take());
-                match first_token {
-                    Some(first_token) => {
+                let taken = self.lock().get_mut(&id).and_then(|open| {
+                    let first_token = open.first_token.take()?;
+                    Some((first_token, open.first_token_seen.take()))
+                });
+                match taken {
+                    Some((first_token, seen)) => {
                         super::record_first_token(window, first_token, now);
+                        if let Some(seen) = seen {
+                            // Nobody waiting (the summary has not come) is fine.
+                            let _ = seen.send(());
+                        }
                         ReportOutcome::Matched
                     }
                     None => ReportOutcome::Unknown,

@@ -1024,6 +1024,7 @@ async fn a_reported_response_is_timed_by_its_first_token_and_settled_by_its_summ
             completion_tokens: 3,
         }),
         finished: true,
+        body_bytes: 200,
     };
     // The summary may come before the request's own stream ends, or after: it waits.
     assert_eq!(
@@ -1063,6 +1064,7 @@ async fn a_summary_that_comes_after_the_request_ended_still_settles_it() {
             completion_tokens: 3,
         }),
         finished: true,
+        body_bytes: 200,
     };
     // The request's stream ends first; Envoy's access log comes 150 ms later.
     let report = async {
@@ -1075,6 +1077,78 @@ async fn a_summary_that_comes_after_the_request_ended_still_settles_it() {
     let ((), outcome) = tokio::join!(life.finish(), report);
     assert_eq!(outcome, ReportOutcome::Matched);
     assert_eq!(budget(&pipeline).await, (10, 0), "settled to the usage");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_first_token_overtaken_by_its_summary_is_still_recorded_after_the_settlement() {
+    let pipeline = pipeline();
+    // As the shipped file has it: the request's stream is shown no response headers.
+    let (life, tag) = admitted_with_reports(&pipeline, 40).await;
+    let summary = Summary {
+        status: 200,
+        usage: Some(Usage {
+            prompt_tokens: 7,
+            completion_tokens: 3,
+        }),
+        finished: true,
+        body_bytes: 120,
+    };
+    // A short body: its end, and so its summary, reach tollgate before its first token.
+    assert_eq!(
+        pipeline
+            .reports
+            .summary(&pipeline.metrics, Some(&tag), summary),
+        ReportOutcome::Matched
+    );
+    let started = Instant::now();
+    let first_token = async {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(
+            budget(&pipeline).await,
+            (10, 0),
+            "settled without waiting for the first token"
+        );
+        let now = Instant::now();
+        pipeline
+            .reports
+            .first_token(&pipeline.metrics, &pipeline.ttft_window, Some(&tag), now)
+    };
+    let ((), outcome) = tokio::join!(life.finish(), first_token);
+    assert_eq!(outcome, ReportOutcome::Matched);
+    assert_eq!(started.elapsed(), Duration::from_millis(5), "no longer");
+    assert_eq!(
+        metric(&pipeline, &format!("{}_count", crate::observe::TTFT), &[]),
+        1.0
+    );
+    assert_eq!(reports_counted(&pipeline, "first_token", "missing"), 0.0);
+    assert_eq!(pipeline.reports.open_count(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_response_without_a_body_closes_at_its_summary() {
+    let pipeline = pipeline();
+    let (life, tag) = admitted_with_reports(&pipeline, 40).await;
+    let summary = Summary {
+        status: 200,
+        usage: None,
+        finished: false,
+        body_bytes: 0,
+    };
+    assert_eq!(
+        pipeline
+            .reports
+            .summary(&pipeline.metrics, Some(&tag), summary),
+        ReportOutcome::Matched
+    );
+    let started = Instant::now();
+    life.finish().await;
+    assert_eq!(
+        started.elapsed(),
+        Duration::ZERO,
+        "no first token to wait for"
+    );
+    assert_eq!(reports_counted(&pipeline, "first_token", "missing"), 1.0);
+    assert_eq!(pipeline.reports.open_count(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1108,6 +1182,7 @@ async fn without_a_summary_the_reserved_output_is_charged_after_the_wait() {
         status: 200,
         usage: None,
         finished: true,
+        body_bytes: 200,
     };
     assert_eq!(
         pipeline
@@ -1128,6 +1203,7 @@ async fn reports_for_nobody_here_change_nothing() {
         status: 200,
         usage: None,
         finished: true,
+        body_bytes: 200,
     };
     let now = Instant::now();
     let reports = &pipeline.reports;
@@ -1166,6 +1242,7 @@ fn how_a_reported_response_ended() {
             status,
             usage,
             finished,
+            body_bytes: 200,
         })
     };
     let ok = ResponseObserver::new(200, Some(SSE), 1024);

@@ -2,6 +2,7 @@
 //! Envoy). Each test plays one HTTP request's stream the way Envoy would, or breaks the rules
 //! on purpose.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -642,21 +643,31 @@ async fn grpc_health_serves_until_shutdown_begins() {
     server.stop().await.unwrap();
 }
 
-/// The dynamic metadata a request body answer sets in namespace `tollgate`: its report tag.
-fn report_tag(answer: &ProcessingResponse) -> String {
+/// The string fields a request body answer sets in one dynamic-metadata namespace.
+fn answer_metadata(answer: &ProcessingResponse, namespace: &str) -> BTreeMap<String, String> {
     use envoy_types::pb::google::protobuf::value::Kind;
-    let namespace = answer
+    let fields = answer
         .dynamic_metadata
         .as_ref()
-        .and_then(|m| m.fields.get("tollgate"))
+        .and_then(|m| m.fields.get(namespace))
         .and_then(|v| v.kind.as_ref());
-    let Some(Kind::StructValue(fields)) = namespace else {
-        panic!("no `tollgate` dynamic metadata in {answer:?}");
+    let Some(Kind::StructValue(fields)) = fields else {
+        panic!("no `{namespace}` dynamic metadata in {answer:?}");
     };
-    match fields.fields.get("tag").and_then(|v| v.kind.as_ref()) {
-        Some(Kind::StringValue(tag)) => tag.clone(),
-        other => panic!("no tag: {other:?}"),
-    }
+    fields
+        .fields
+        .iter()
+        .map(|(key, value)| match value.kind.as_ref() {
+            Some(Kind::StringValue(text)) => (key.clone(), text.clone()),
+            other => panic!("{namespace}.{key} is not a string: {other:?}"),
+        })
+        .collect()
+}
+
+/// The dynamic metadata a request body answer sets in namespace `tollgate`: its report tag.
+fn report_tag(answer: &ProcessingResponse) -> String {
+    let fields = answer_metadata(answer, "tollgate");
+    fields.get("tag").cloned().expect("a report tag")
 }
 
 /// The `tollgate` metadata namespace with these fields, as Envoy forwards or logs it.
@@ -684,7 +695,8 @@ fn tollgate_metadata(
 }
 
 /// Proves, at the gRPC level: the admission on a decision stream marked `reports` tags the
-/// request in Envoy's dynamic metadata; the first-token stream that
+/// request in Envoy's dynamic metadata, with the client's budget headers beside it (the
+/// stream is shown no response headers); the first-token stream that
 /// forwards the tag gets no answer in observability mode and is closed with OK after its
 /// first chunk; the access log entry that carries the tag, status and usage settles the
 /// request with that usage once its own stream has ended.
@@ -709,9 +721,20 @@ async fn responses_reported_on_are_timed_and_settled_by_their_reports() {
         )))
         .await;
     let tag = report_tag(&admitted);
-    decision
-        .exchange(response_headers(200, "text/event-stream"))
-        .await;
+    // The client's budget headers, for Envoy to add to the response it is not shown.
+    let headers = answer_metadata(&admitted, "tollgate.response_headers");
+    assert_eq!(
+        headers.get("x-ratelimit-limit-tokens").map(String::as_str),
+        Some("100000"),
+        "{headers:?}"
+    );
+    for name in [
+        "x-ratelimit-remaining-tokens",
+        "ratelimit-policy",
+        "ratelimit",
+    ] {
+        assert!(headers.contains_key(name), "{name} in {headers:?}");
+    }
 
     // The first token, on a stream of its own.
     let mut first = server.stream_as("first-token").await;
