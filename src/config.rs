@@ -344,7 +344,8 @@ pub struct ResponseConfig {
     /// the response (usage and status, sent with its access log) before it settles without one,
     /// charging the reserved output. The slot is freed at the end either way; only the
     /// settlement waits. Envoy sends the summary as the response ends (the file's access log
-    /// is not batched), so this bounds a lost or delayed one.
+    /// is not batched), so this bounds a lost or delayed one. It also bounds how long a first
+    /// token the summary overtook (a short body) may still come, after the settlement.
     pub summary_wait_ms: u64,
 }
 

@@ -894,9 +894,12 @@ impl Watched {
             .ledger
             .settle(hold, spent.input + spent.output, spent.refund_request)
             .await;
-        // After the settlement, which a late first token must not hold up.
-        if let Some((registration, summary, deadline)) = reported {
-            registration.close(summary.as_ref(), deadline).await;
+        // After the settlement, which a late first token must not hold up; detached, so that
+        // nothing of the request (its stream, its body) waits with it.
+        if let Some((registration, summary, deadline)) = reported
+            && registration.first_token_overdue(summary.as_ref())
+        {
+            tokio::spawn(registration.await_late_first_token(deadline));
         }
     }
 }

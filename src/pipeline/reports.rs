@@ -16,10 +16,10 @@
 //!
 //! The two reports travel on different streams, so they may arrive in either order: a short
 //! body's end, and so its summary, can overtake its first token. A request whose summary says
-//! its response had a body stays open to its first token after settling, until the same
-//! deadline. A first token never reported stays pending in the controller's window until the
-//! request closes to reports: when its summary comes (Envoy sends it as the response ends)
-//! for a response without a body, or `response.summary_wait` at most.
+//! its response had a body, and whose first token has not come, stays open to it after
+//! settling, until the same deadline, on a task of its own. A first token not yet reported
+//! stays pending in the controller's window until the summary comes (Envoy sends it as the
+//! response ends), or `response.summary_wait` at most.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -111,17 +111,40 @@ impl Registration {
         summary
     }
 
-    /// Closes the request to reports. A response that had a body (by its `summary`) and whose
-    /// first token is not reported yet gets until `deadline` for it: Envoy sends the first
-    /// token on a stream of its own as the body goes by, and a short body's summary can
-    /// overtake it.
-    pub async fn close(mut self, summary: Option<&Summary>, deadline: Instant) {
-        let had_body = summary.is_some_and(|summary| summary.body_bytes > 0);
-        if let Some(seen) = self.first_token_seen.take()
-            && had_body
-        {
-            // Either way: told (recorded), the sender gone (recorded, or closed), or too late.
-            let _ = tokio::time::timeout_at(deadline, seen).await;
+    /// Whether the response (by its `summary`) had a first token that has not been reported
+    /// yet: Envoy sends it on a stream of its own as the body goes by, and a short body's
+    /// summary can overtake it.
+    pub fn first_token_overdue(&self, summary: Option<&Summary>) -> bool {
+        summary.is_some_and(|summary| summary.body_bytes > 0)
+            && self
+                .reports
+                .lock()
+                .get(&self.id)
+                .is_some_and(|open| open.first_token.is_some())
+    }
+
+    /// Keeps the request open to its overdue first token until `deadline`, then closes it. The
+    /// response is over, so its entry in the controller's window ends now: waiting, it would
+    /// age as if the first token were still to come. A first token reported later still
+    /// records its time to first token, and its sample in the window (`record_first_token`).
+    pub fn await_late_first_token(
+        mut self,
+        deadline: Instant,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let pending = self
+            .reports
+            .lock()
+            .get_mut(&self.id)
+            .and_then(|open| open.first_token.as_mut()?.pending.take());
+        // Outside the lock: ending it takes the window's lock.
+        drop(pending);
+        let seen = self.first_token_seen.take();
+        async move {
+            if let Some(seen) = seen {
+                // Told (recorded), the sender gone (recorded), or too late: closed either way.
+                let _ = tokio::time::timeout_at(deadline, seen).await;
+            }
+            drop(self);
         }
     }
 }

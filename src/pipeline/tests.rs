@@ -1079,11 +1079,8 @@ async fn a_summary_that_comes_after_the_request_ended_still_settles_it() {
     assert_eq!(budget(&pipeline).await, (10, 0), "settled to the usage");
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_first_token_overtaken_by_its_summary_is_still_recorded_after_the_settlement() {
-    let pipeline = pipeline();
-    // As the shipped file has it: the request's stream is shown no response headers.
-    let (life, tag) = admitted_with_reports(&pipeline, 40).await;
+/// The summary of a response with a body, reported before the request's end.
+fn summary_with_body(pipeline: &Pipeline, tag: &str) {
     let summary = Summary {
         status: 200,
         usage: Some(Usage {
@@ -1093,35 +1090,86 @@ async fn a_first_token_overtaken_by_its_summary_is_still_recorded_after_the_sett
         finished: true,
         body_bytes: 120,
     };
-    // A short body: its end, and so its summary, reach tollgate before its first token.
     assert_eq!(
         pipeline
             .reports
-            .summary(&pipeline.metrics, Some(&tag), summary),
+            .summary(&pipeline.metrics, Some(tag), summary),
         ReportOutcome::Matched
     );
+}
+
+/// How many first tokens the controller's window still waits for, seen from `at`.
+fn pending_in_window(pipeline: &Pipeline, at: Instant) -> u64 {
+    let mut window = window::lock(&pipeline.ttft_window);
+    let (_, counted) = window.quantile_counting_overdue(at, 0.99, Duration::from_millis(1));
+    counted - window.count(at)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_first_token_overtaken_by_its_summary_is_still_recorded_after_the_settlement() {
+    let pipeline = pipeline();
+    // As the shipped file has it: the request's stream is shown no response headers.
+    let (life, tag) = admitted_with_reports(&pipeline, 40).await;
+    // A short body: its end, and so its summary, reach tollgate before its first token.
+    summary_with_body(&pipeline, &tag);
     let started = Instant::now();
-    let first_token = async {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        assert_eq!(
-            budget(&pipeline).await,
-            (10, 0),
-            "settled without waiting for the first token"
-        );
-        let now = Instant::now();
+    life.finish().await;
+    assert_eq!(
+        started.elapsed(),
+        Duration::ZERO,
+        "no wait for the first token"
+    );
+    assert_eq!(budget(&pipeline).await, (10, 0), "settled to the usage");
+    assert_eq!(pipeline.reports.open_count(), 1, "open to its first token");
+    let later = Instant::now() + Duration::from_secs(1);
+    assert_eq!(
+        pending_in_window(&pipeline, later),
+        0,
+        "the response is over"
+    );
+
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let now = Instant::now();
+    let outcome =
         pipeline
             .reports
-            .first_token(&pipeline.metrics, &pipeline.ttft_window, Some(&tag), now)
-    };
-    let ((), outcome) = tokio::join!(life.finish(), first_token);
+            .first_token(&pipeline.metrics, &pipeline.ttft_window, Some(&tag), now);
     assert_eq!(outcome, ReportOutcome::Matched);
-    assert_eq!(started.elapsed(), Duration::from_millis(5), "no longer");
     assert_eq!(
         metric(&pipeline, &format!("{}_count", crate::observe::TTFT), &[]),
         1.0
     );
+    assert_eq!(
+        window::lock(&pipeline.ttft_window).count(now),
+        1,
+        "its sample in the controller's window"
+    );
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(pipeline.reports.open_count(), 0, "closed once it came");
     assert_eq!(reports_counted(&pipeline, "first_token", "missing"), 0.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_first_token_that_never_comes_is_given_up_at_the_deadline() {
+    let pipeline = pipeline();
+    let (life, tag) = admitted_with_reports(&pipeline, 40).await;
+    summary_with_body(&pipeline, &tag);
+    let deadline = Instant::now() + pipeline.rules.borrow().policy.summary_wait;
+    life.finish().await;
+    assert_eq!(budget(&pipeline).await, (10, 0), "settled without it");
+    tokio::time::sleep_until(deadline - Duration::from_millis(1)).await;
+    assert_eq!(pipeline.reports.open_count(), 1);
+    assert_eq!(pending_in_window(&pipeline, Instant::now()), 0);
+    tokio::time::sleep_until(deadline + Duration::from_millis(1)).await;
     assert_eq!(pipeline.reports.open_count(), 0);
+    assert_eq!(reports_counted(&pipeline, "first_token", "missing"), 1.0);
+    let outcome = pipeline.reports.first_token(
+        &pipeline.metrics,
+        &pipeline.ttft_window,
+        Some(&tag),
+        Instant::now(),
+    );
+    assert_eq!(outcome, ReportOutcome::Unknown, "too late");
 }
 
 #[tokio::test(start_paused = true)]

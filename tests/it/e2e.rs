@@ -719,7 +719,7 @@ async fn stream_with(stack: &Stack, headers: Headers<'_>, max_tokens: u32) -> re
 /// whole although tollgate closes the first-token stream after its first chunk; tollgate times
 /// the first token from that report, settles the budget with the usage Envoy's Lua script read
 /// from the last chunk, counts the stream complete, and frees the slot. A JSON answer's usage comes through
-/// json_to_metadata the same way. Envoy's own counters show the cost: the decision's three
+/// json_to_metadata the same way. Envoy's own counters show the cost: the decision's two
 /// messages and one chunk per response, not one per token.
 #[tokio::test]
 async fn reported_responses_are_timed_and_settled_with_their_usage() {
@@ -773,7 +773,10 @@ async fn reported_responses_are_timed_and_settled_with_their_usage() {
         ),
         1.0
     );
-    assert_eq!(m.value("tollgate_inflight_requests", &[]), 0.0);
+    // Published each control tick.
+    tollgate
+        .wait_for_metric("tollgate_inflight_requests", &[], 0.0)
+        .await;
 
     // A JSON answer: its usage read by json_to_metadata; the client gets the body unchanged.
     let body = serde_json::to_vec(&chat(json!({"max_tokens": 5}))).unwrap();
@@ -857,8 +860,11 @@ async fn reported_responses_that_end_badly_are_told_apart() {
     for _ in 0..2 {
         body.next().await.expect("a chunk").expect("its bytes");
     }
-    let m = stack.tollgate.metrics().await;
-    assert_eq!(m.value("tollgate_inflight_requests", &[]), 1.0);
+    // The gauge is published each control tick: awaited, not read once.
+    stack
+        .tollgate
+        .wait_for_metric("tollgate_inflight_requests", &[], 1.0)
+        .await;
     drop(body);
     once_ended(&stack, "truncated", 2.0).await;
 
@@ -881,8 +887,12 @@ async fn reported_responses_that_end_badly_are_told_apart() {
         0.0,
         "a response to a request not admitted opens no first-token stream (the filter skips it)"
     );
-    assert_eq!(m.value("tollgate_inflight_requests", &[]), 0.0);
-    assert_eq!(m.value("tollgate_held_streams", &[]), 0.0);
+    // Awaited: the in-flight gauge is published each control tick, and the summary comes as
+    // the response ends, so the last first-token stream may still be closing when the ending
+    // is counted.
+    for gauge in ["tollgate_inflight_requests", "tollgate_held_streams"] {
+        stack.tollgate.wait_for_metric(gauge, &[], 0.0).await;
+    }
 }
 
 /// Proves: with the response reported on, a refusal keeps its own rate-limit headers (the
@@ -891,9 +901,26 @@ async fn reported_responses_that_end_badly_are_told_apart() {
 #[tokio::test]
 async fn reported_responses_and_refusals_carry_their_own_rate_limit_headers() {
     let version = crate::support::envoy::e2e_envoy_version();
-    let one_at_a_time = "tiers:\n  free:\n    max_concurrent: 1\n    tokens_per_hour: 100000\n";
+    // A request's end waits up to 30 s for its summary here (2 s by default), so a lease held
+    // until a missing summary gave up would outlast this test's waits.
+    let one_at_a_time = "tiers:\n  free:\n    max_concurrent: 1\n    tokens_per_hour: 100000\n\
+                         response:\n  summary_wait_ms: 30000\n";
+    // The file as shipped but for its access log's flush interval, a minute here: a summary
+    // that waited for a flush would come after this test's waits give up.
+    let shipped =
+        std::fs::read_to_string(crate::envoy_config::envoy_dir().join("front-proxy-reports.yaml"))
+            .unwrap();
+    let flush = "buffer_flush_interval: 0.1s";
+    assert_eq!(shipped.matches(flush).count(), 1);
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("front-proxy-reports.yaml");
+    std::fs::write(
+        &config,
+        shipped.replace(flush, "buffer_flush_interval: 60s"),
+    )
+    .unwrap();
     let stack = Stack::start_with(
-        "front-proxy-reports.yaml",
+        config.to_str().unwrap(),
         &version,
         one_at_a_time,
         &[],
@@ -925,13 +952,16 @@ async fn reported_responses_and_refusals_carry_their_own_rate_limit_headers() {
     );
     assert_eq!(holder.await.unwrap(), 200);
     // Its lease ends when its summary comes, which Envoy sends as the response ends (the access
-    // log's buffer_size_bytes: 0; batched, it held the lease up to a flush interval longer, and
-    // a request sent at once was refused on all three versions). Awaited here: the client's
-    // next request can still race the settlement, as on front-proxy.yaml.
+    // log's buffer_size_bytes: 0), not at the next flush: a minute away here. Batched, it held
+    // the lease up to a flush interval longer, and a request sent at once was refused on all
+    // three versions. Awaited here: the client's next request can still race the settlement,
+    // as on front-proxy.yaml.
     stack
         .tollgate
         .wait_for_metric("tollgate_active_leases", &[], 0.0)
         .await;
+    let m = stack.tollgate.metrics().await;
+    assert_eq!(reports_of(&m, "summary", "matched"), 1.0);
 
     // Admitted now: the headers come from its admission (one slot, used by itself).
     let (status, headers, text) = send(&stack, "/v1/chat/completions", &holder_headers, body).await;

@@ -155,7 +155,8 @@ impl Stack {
         .await
     }
 
-    /// [`Stack::start`] with `envoy_config` (a file under `envoy/`) on Envoy `version`.
+    /// [`Stack::start`] with `envoy_config` (a file under `envoy/`, or an absolute path) on
+    /// Envoy `version`.
     pub async fn start_with(
         envoy_config: &str,
         version: &str,
