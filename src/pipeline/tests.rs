@@ -967,6 +967,19 @@ async fn a_request_keeps_the_policy_it_began_under() {
 // ---------------------------------------------------------------------------------------------
 // Responses reported on (`reports`)
 
+/// A streamed response's summary: complete, with a body and the upstream's usage (10 tokens).
+fn complete_summary() -> Summary {
+    Summary {
+        status: 200,
+        usage: Some(Usage {
+            prompt_tokens: 7,
+            completion_tokens: 3,
+        }),
+        finished: true,
+        body_bytes: 120,
+    }
+}
+
 /// A request of alice admitted with its response reported on; its report tag.
 async fn admitted_with_reports(pipeline: &Pipeline, max_tokens: u32) -> (RequestLife<'_>, String) {
     let mut life = RequestLife::new(pipeline);
@@ -1017,15 +1030,7 @@ async fn a_reported_response_is_timed_by_its_first_token_and_settled_by_its_summ
         "in the controller's window"
     );
 
-    let summary = Summary {
-        status: 200,
-        usage: Some(Usage {
-            prompt_tokens: 7,
-            completion_tokens: 3,
-        }),
-        finished: true,
-        body_bytes: 200,
-    };
+    let summary = complete_summary();
     // The summary may come before the request's own stream ends, or after: it waits.
     assert_eq!(
         pipeline
@@ -1057,15 +1062,7 @@ async fn a_summary_that_comes_after_the_request_ended_still_settles_it() {
     let pipeline = pipeline();
     let (mut life, tag) = admitted_with_reports(&pipeline, 40).await;
     life.response_headers(200, Some(SSE), false).unwrap();
-    let summary = Summary {
-        status: 200,
-        usage: Some(Usage {
-            prompt_tokens: 7,
-            completion_tokens: 3,
-        }),
-        finished: true,
-        body_bytes: 200,
-    };
+    let summary = complete_summary();
     // The request's stream ends first; Envoy's access log comes 150 ms later.
     let report = async {
         tokio::time::sleep(Duration::from_millis(150)).await;
@@ -1081,15 +1078,7 @@ async fn a_summary_that_comes_after_the_request_ended_still_settles_it() {
 
 /// The summary of a response with a body, reported before the request's end.
 fn summary_with_body(pipeline: &Pipeline, tag: &str) {
-    let summary = Summary {
-        status: 200,
-        usage: Some(Usage {
-            prompt_tokens: 7,
-            completion_tokens: 3,
-        }),
-        finished: true,
-        body_bytes: 120,
-    };
+    let summary = complete_summary();
     assert_eq!(
         pipeline
             .reports

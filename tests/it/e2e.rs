@@ -506,35 +506,45 @@ async fn a_queue_timeout_reaches_the_client_as_503_with_retry_after() {
     assert_eq!(holder.await.unwrap(), 200);
 }
 
-#[tokio::test]
-async fn a_429_carries_rate_limit_headers_and_a_client_honouring_retry_after_gets_through() {
-    // One request at a time per user; the first holds its lease for 1.5 s.
-    let stack = Stack::start(
-        "tiers:\n  free:\n    max_concurrent: 1\n    tokens_per_hour: 100000\n",
-        &[],
-    )
-    .await;
-    let holder = hold_the_slot(&stack, "1500").await;
-    let body = serde_json::to_vec(&chat(json!({}))).unwrap();
-    let holder_headers = [
-        ("content-type", "application/json"),
-        ("x-user-id", "holder"),
-    ];
+/// One request at a time per user, with a token window: the tier of the concurrency 429 tests.
+const ONE_AT_A_TIME: &str = "tiers:\n  free:\n    max_concurrent: 1\n    tokens_per_hour: 100000\n";
 
-    let (status, headers, text) = send(
-        &stack,
-        "/v1/chat/completions",
-        &holder_headers,
-        body.clone(),
-    )
-    .await;
+/// The user `hold_the_slot` sends as.
+const HOLDER: [(&str, &str); 2] = [
+    ("content-type", "application/json"),
+    ("x-user-id", "holder"),
+];
+
+/// A second request of the holder's while its first holds its one concurrent slot
+/// (`ONE_AT_A_TIME`): refused with a 429 that names its concurrency and its token window.
+/// Its headers and body.
+async fn refused_beside_the_holder(
+    stack: &Stack,
+    body: Vec<u8>,
+) -> (reqwest::header::HeaderMap, String) {
+    let (status, headers, text) = send(stack, "/v1/chat/completions", &HOLDER, body).await;
     assert_eq!(status, 429, "{text}");
     assert_eq!(
         header(&headers, "x-tollgate-reason"),
         Some("concurrency_limit_reached")
     );
-    assert_eq!(header(&headers, "retry-after"), Some("1"));
     assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some("100000"));
+    assert!(
+        header(&headers, "ratelimit").is_some_and(|r| r.contains("\"concurrency\";r=0")),
+        "no slot left: {headers:?}"
+    );
+    (headers, text)
+}
+
+#[tokio::test]
+async fn a_429_carries_rate_limit_headers_and_a_client_honouring_retry_after_gets_through() {
+    // The first request holds its lease for 1.5 s.
+    let stack = Stack::start(ONE_AT_A_TIME, &[]).await;
+    let holder = hold_the_slot(&stack, "1500").await;
+    let body = serde_json::to_vec(&chat(json!({}))).unwrap();
+
+    let (headers, text) = refused_beside_the_holder(&stack, body.clone()).await;
+    assert_eq!(header(&headers, "retry-after"), Some("1"));
     assert!(header(&headers, "x-ratelimit-remaining-tokens").is_some());
     assert!(header(&headers, "x-ratelimit-reset-tokens").is_some());
     for absent in [
@@ -553,24 +563,14 @@ async fn a_429_carries_rate_limit_headers_and_a_client_honouring_retry_after_get
             .unwrap()
             .contains("\"concurrency\";q=1")
     );
-    assert!(
-        header(&headers, "ratelimit")
-            .unwrap()
-            .contains("\"concurrency\";r=0")
-    );
     let error: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(error["error"]["code"], "rate_limit_exceeded");
 
     // A well-behaved client waits as told and tries again.
     let mut attempts = 1;
     let status = loop {
-        let (status, headers, _) = send(
-            &stack,
-            "/v1/chat/completions",
-            &holder_headers,
-            body.clone(),
-        )
-        .await;
+        let (status, headers, _) =
+            send(&stack, "/v1/chat/completions", &HOLDER, body.clone()).await;
         attempts += 1;
         if status != 429 || attempts > 10 {
             break status;
@@ -903,8 +903,7 @@ async fn reported_responses_and_refusals_carry_their_own_rate_limit_headers() {
     let version = crate::support::envoy::e2e_envoy_version();
     // A request's end waits up to 30 s for its summary here (2 s by default), so a lease held
     // until a missing summary gave up would outlast this test's waits.
-    let one_at_a_time = "tiers:\n  free:\n    max_concurrent: 1\n    tokens_per_hour: 100000\n\
-                         response:\n  summary_wait_ms: 30000\n";
+    let one_at_a_time = format!("{ONE_AT_A_TIME}response:\n  summary_wait_ms: 30000\n");
     // The file as shipped but for its access log's flush interval, a minute here: a summary
     // that waited for a flush would come after this test's waits give up.
     let shipped =
@@ -922,34 +921,15 @@ async fn reported_responses_and_refusals_carry_their_own_rate_limit_headers() {
     let stack = Stack::start_with(
         config.to_str().unwrap(),
         &version,
-        one_at_a_time,
+        &one_at_a_time,
         &[],
         |_| {},
     )
     .await;
     let holder = hold_the_slot(&stack, "1500").await;
     let body = serde_json::to_vec(&chat(json!({}))).unwrap();
-    let holder_headers = [
-        ("content-type", "application/json"),
-        ("x-user-id", "holder"),
-    ];
-    let (status, headers, text) = send(
-        &stack,
-        "/v1/chat/completions",
-        &holder_headers,
-        body.clone(),
-    )
-    .await;
-    assert_eq!(status, 429, "{text}");
-    assert_eq!(
-        header(&headers, "x-tollgate-reason"),
-        Some("concurrency_limit_reached")
-    );
-    assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some("100000"));
-    assert!(
-        header(&headers, "ratelimit").is_some_and(|r| r.contains("\"concurrency\";r=0")),
-        "the refusal's own, with no slot left: {headers:?}"
-    );
+    // The refusal's own headers, not blanked by the route's.
+    refused_beside_the_holder(&stack, body.clone()).await;
     assert_eq!(holder.await.unwrap(), 200);
     // Its lease ends when its summary comes, which Envoy sends as the response ends (the access
     // log's buffer_size_bytes: 0), not at the next flush: a minute away here. Batched, it held
@@ -964,7 +944,7 @@ async fn reported_responses_and_refusals_carry_their_own_rate_limit_headers() {
     assert_eq!(reports_of(&m, "summary", "matched"), 1.0);
 
     // Admitted now: the headers come from its admission (one slot, used by itself).
-    let (status, headers, text) = send(&stack, "/v1/chat/completions", &holder_headers, body).await;
+    let (status, headers, text) = send(&stack, "/v1/chat/completions", &HOLDER, body).await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(header(&headers, "x-tollgate-reason"), None);
     assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some("100000"));
