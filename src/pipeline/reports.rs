@@ -75,8 +75,8 @@ struct Open {
 }
 
 /// An admitted request's place in `Reports`: its tag, and where its summary and the news of
-/// its first token arrive. Closed to reports by `close`, or when it drops, however the request
-/// ended.
+/// its first token arrive. Closed to reports when it drops, however the request ended (after
+/// `await_late_first_token`, where its first token is overdue).
 pub struct Registration {
     reports: Arc<Reports>,
     id: u64,
