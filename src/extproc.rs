@@ -165,23 +165,20 @@ async fn serve_first_token(
             }
             continue;
         }
-        let answer = match message {
-            Inbound::ResponseBody { .. } => Ok(convert::continue_unchanged(Answer::ResponseBody)),
-            Inbound::RequestHeaders { .. } => Ok(convert::request_headers_continue(Vec::new())),
-            Inbound::RequestBody { .. } => Ok(convert::continue_unchanged(Answer::RequestBody)),
-            Inbound::RequestTrailers => Ok(convert::continue_unchanged(Answer::RequestTrailers)),
-            Inbound::ResponseHeaders { .. } => Ok(convert::response_headers_continue(&[])),
-            Inbound::ResponseTrailers => Ok(convert::continue_unchanged(Answer::ResponseTrailers)),
-            Inbound::Empty => Err(Status::invalid_argument(
-                "ProcessingRequest carries no request_headers/request_body/... message",
-            )),
-        };
+        let answer = convert::continue_as_is(&message).ok_or_else(empty_message);
         let stop = answer.is_err();
         if !send(&tx, answer).await || stop {
             break;
         }
     }
     // Dropping `tx` ends the answers, and tonic the stream, with OK.
+}
+
+/// The error a message without any of the protocol's phases ends its stream with.
+fn empty_message() -> Status {
+    Status::invalid_argument(
+        "ProcessingRequest carries no request_headers/request_body/... message",
+    )
 }
 
 /// Sends one answer to Envoy; `false` if the stream is gone.
@@ -297,9 +294,7 @@ async fn on_message(shared: &Shared, life: &mut RequestLife<'_>, message: Inboun
                 .pipeline
                 .metrics
                 .protocol_error(ProtocolError::EmptyMessage);
-            return Step::Answer(Err(Status::invalid_argument(
-                "ProcessingRequest carries no request_headers/request_body/... message",
-            )));
+            return Step::Answer(Err(empty_message()));
         }
         Inbound::RequestHeaders {
             headers,

@@ -896,7 +896,7 @@ impl Watched {
             .await;
         // After the settlement, which a late first token must not hold up; detached, so that
         // nothing of the request (its stream, its body) waits with it.
-        if let Some((registration, summary, deadline)) = reported
+        if let Some((mut registration, summary, deadline)) = reported
             && registration.first_token_overdue(summary.as_ref())
         {
             tokio::spawn(registration.await_late_first_token(deadline));

@@ -3,7 +3,8 @@
 //! and the usage Envoy read from the body are (`pipeline::reports`). Each entry is handed to
 //! `Reports::summary`; everything else in it is ignored.
 //!
-//! Envoy keeps one stream per worker open and sends entries in batches, so a summary costs no
+//! Envoy keeps one stream per worker open and sends each entry on it as its response ends
+//! (envoy/front-proxy-reports.yaml does not batch them), so a summary costs one message, not a
 //! stream of its own. The protocol has no answers: Envoy expects none until the stream ends.
 
 use std::sync::Arc;

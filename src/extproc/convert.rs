@@ -131,26 +131,23 @@ pub fn first_token_message(message: ProcessingRequest) -> (Inbound, bool, Option
 /// one's report tag, status and usage. TCP entries carry no HTTP response: none.
 pub fn summaries(
     message: StreamAccessLogsMessage,
-) -> Vec<(Option<String>, crate::pipeline::Summary)> {
-    let Some(LogEntries::HttpLogs(entries)) = message.log_entries else {
-        return Vec::new();
+) -> impl Iterator<Item = (Option<String>, crate::pipeline::Summary)> {
+    let entries = match message.log_entries {
+        Some(LogEntries::HttpLogs(entries)) => entries.log_entry,
+        _ => Vec::new(),
     };
-    entries
-        .log_entry
-        .iter()
-        .map(|entry| {
-            let metadata = entry
-                .common_properties
-                .as_ref()
-                .and_then(|common| common.metadata.as_ref());
-            let response = entry.response.as_ref();
-            let status = response
-                .and_then(|response| response.response_code)
-                .map(|code| code.value);
-            let body_bytes = response.map_or(0, |response| response.response_body_bytes);
-            summary_of(metadata, status, body_bytes)
-        })
-        .collect()
+    entries.into_iter().map(|entry| {
+        let metadata = entry
+            .common_properties
+            .as_ref()
+            .and_then(|common| common.metadata.as_ref());
+        let response = entry.response.as_ref();
+        let status = response
+            .and_then(|response| response.response_code)
+            .map(|code| code.value);
+        let body_bytes = response.map_or(0, |response| response.response_body_bytes);
+        summary_of(metadata, status, body_bytes)
+    })
 }
 
 /// What an access log entry's metadata, status and body size say about a response.
@@ -415,6 +412,20 @@ pub enum Phase {
     RequestTrailers,
     ResponseBody,
     ResponseTrailers,
+}
+
+/// An unmodified CONTINUE for whatever phase `message` is; None for an empty message, which
+/// has no phase to continue.
+pub fn continue_as_is(message: &Inbound) -> Option<ProcessingResponse> {
+    Some(match message {
+        Inbound::RequestHeaders { .. } => request_headers_continue(Vec::new()),
+        Inbound::RequestBody { .. } => continue_unchanged(Phase::RequestBody),
+        Inbound::RequestTrailers => continue_unchanged(Phase::RequestTrailers),
+        Inbound::ResponseHeaders { .. } => response_headers_continue(&[]),
+        Inbound::ResponseBody { .. } => continue_unchanged(Phase::ResponseBody),
+        Inbound::ResponseTrailers => continue_unchanged(Phase::ResponseTrailers),
+        Inbound::Empty => return None,
+    })
 }
 
 /// An unmodified CONTINUE for `phase`.

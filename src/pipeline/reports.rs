@@ -113,14 +113,12 @@ impl Registration {
 
     /// Whether the response (by its `summary`) had a first token that has not been reported
     /// yet: Envoy sends it on a stream of its own as the body goes by, and a short body's
-    /// summary can overtake it.
-    pub fn first_token_overdue(&self, summary: Option<&Summary>) -> bool {
+    /// summary can overtake it. Read from the news of it, without the registry's lock.
+    pub fn first_token_overdue(&mut self, summary: Option<&Summary>) -> bool {
         summary.is_some_and(|summary| summary.body_bytes > 0)
-            && self
-                .reports
-                .lock()
-                .get(&self.id)
-                .is_some_and(|open| open.first_token.is_some())
+            && self.first_token_seen.as_mut().is_some_and(|seen| {
+                matches!(seen.try_recv(), Err(oneshot::error::TryRecvError::Empty))
+            })
     }
 
     /// Keeps the request open to its overdue first token until `deadline`, then closes it. The
