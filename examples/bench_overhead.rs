@@ -59,7 +59,10 @@
 //! ext_proc (one round trip to tollgate per chunk) adds to inter-token latency.
 //!
 //! For each rate: a warm-up run of every configuration (discarded), then rounds of every
-//! configuration in turn (A, B, ..., A, B, ...). The headline is B − A at p50 and p99, taken per
+//! configuration in turn, each round starting one configuration later than the one before
+//! (A, B, C, then B, C, A, then C, A, B, ...), so that no configuration always runs right
+//! after the same one: a place in the round that favours one does not favour it every round.
+//! The headline is B − A at p50 and p99, taken per
 //! round (A and B of the same round are minutes apart at most, so slow drifts of the machine
 //! cancel) and then the median over rounds. CPU per request
 //! comes from `/proc/PID/stat` (utime + stime) of every process before and after each run.
@@ -87,7 +90,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 // The `bytes` crate through axum's re-export: reqwest takes it as a body without copying.
 use axum::body::Bytes;
 use clap::Parser;
@@ -164,12 +167,18 @@ struct Args {
     /// D no proxy (the client straight to the upstream), F Envoy with its `local_ratelimit`
     /// filter per user, L LiteLLM's proxy with per-key limits. O (an experiment): Q plus a
     /// second ext_proc filter in `observability_mode` for the response phases, to the echo. P:
-    /// B's tollgate behind envoy/front-proxy-reports.yaml (the response reported on).
+    /// B's tollgate behind envoy/front-proxy-reports.yaml (the response reported on). V (an
+    /// ablation): P with the file `--reports-variant` names instead, in the same rounds, so
+    /// that two reports files are compared against the same A and C.
     #[arg(long, value_delimiter = ',', default_values_t = vec![Config::A, Config::E, Config::B, Config::R])]
     configs: Vec<Config>,
     /// Also write the results as JSON to this file.
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
+    /// The reports file V runs (required with V): envoy/front-proxy-reports.yaml with
+    /// something changed or taken out.
+    #[arg(long, value_name = "FILE")]
+    reports_variant: Option<PathBuf>,
     /// The Envoy config B runs and A is derived from.
     #[arg(long, value_name = "FILE")]
     envoy_config: Option<PathBuf>,
@@ -249,7 +258,7 @@ async fn bench(args: &Args) -> Result<Verdict> {
     configs.dedup();
     ensure!(
         configs.len() > 1,
-        "--configs needs E, Q, O, B, C, P, R, F, L or D next to A"
+        "--configs needs E, Q, O, B, C, P, V, R, F, L or D next to A"
     );
     // P's file sits beside the front proxy B runs.
     let reports_path = front_proxy_path.with_file_name("front-proxy-reports.yaml");
@@ -259,10 +268,17 @@ async fn bench(args: &Args) -> Result<Verdict> {
     } else {
         String::new()
     };
+    let variant = match (&args.reports_variant, configs.contains(&Config::V)) {
+        (Some(path), true) => {
+            std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?
+        }
+        (None, true) => bail!("V runs the file --reports-variant names: give one"),
+        (_, false) => String::new(),
+    };
     let mut envoy_configs = Vec::new();
     for &config in &configs {
         let text = config
-            .envoy_config(&front_proxy, &reports)
+            .envoy_config(&front_proxy, &reports, &variant)
             .with_context(|| {
                 format!(
                     "derive config {} from {}",
@@ -342,8 +358,11 @@ async fn bench(args: &Args) -> Result<Verdict> {
         }
         let mut rounds = Vec::new();
         for round in 1..=args.rounds {
-            let mut runs = Vec::new();
-            for target in &targets {
+            // Run in a rotated order, kept in the configurations' order.
+            let mut runs: Vec<Option<RunSummary>> = targets.iter().map(|_| None).collect();
+            for turn in 0..targets.len() {
+                let index = (turn + round - 1) % targets.len();
+                let target = &targets[index];
                 let run = measure(target, &stack, rate, args, args.seconds, clock_ticks).await?;
                 eprintln!(
                     "  round {round} {}: p50 {:.3} ms  p99 {:.3} ms  {} errors",
@@ -352,10 +371,10 @@ async fn bench(args: &Args) -> Result<Verdict> {
                     run.latency.p99,
                     run.error_count()
                 );
-                runs.push(run);
+                runs[index] = Some(run);
                 tokio::time::sleep(PAUSE_BETWEEN_RUNS).await;
             }
-            rounds.push(runs);
+            rounds.push(runs.into_iter().flatten().collect());
         }
         let summary = RateSummary {
             rate,
@@ -501,7 +520,7 @@ impl Stack {
         let upstream_addr = upstream.addr;
 
         let needs = |wanted: &[Config]| configs.iter().any(|c| wanted.contains(c));
-        let tollgate = if needs(&[Config::B, Config::C, Config::P]) {
+        let tollgate = if needs(&[Config::B, Config::C, Config::P, Config::V]) {
             let name = "tollgate";
             Some(start_tollgate(binaries, tollgate_config, None, name, dir.path()).await?)
         } else {
@@ -550,7 +569,9 @@ impl Stack {
             let extproc = match config {
                 Config::A | Config::F | Config::L | Config::D => None,
                 Config::E | Config::Q | Config::O => echo.as_ref().map(|(_, addr)| addr.port()),
-                Config::B | Config::C | Config::P => tollgate.as_ref().map(|t| t.grpc.port()),
+                Config::B | Config::C | Config::P | Config::V => {
+                    tollgate.as_ref().map(|t| t.grpc.port())
+                }
                 Config::R => tollgate_redis.as_ref().map(|t| t.grpc.port()),
             };
             let ports = EnvoyPorts::free_with(upstream_addr.port(), extproc);
@@ -630,7 +651,7 @@ impl Stack {
     /// The metrics of the tollgate behind `config`, if one is.
     async fn tollgate_metrics(&self, config: Config) -> Option<String> {
         let tollgate = match config {
-            Config::B | Config::C | Config::P => self.tollgate.as_ref()?,
+            Config::B | Config::C | Config::P | Config::V => self.tollgate.as_ref()?,
             Config::R => self.tollgate_redis.as_ref()?,
             Config::A | Config::E | Config::Q | Config::O | Config::F | Config::L | Config::D => {
                 return None;
@@ -794,6 +815,8 @@ enum Config {
     C,
     /// B with the response reported on instead of streamed (envoy/front-proxy-reports.yaml).
     P,
+    /// Ablation: P with another reports file (`--reports-variant`).
+    V,
     /// Envoy + tollgate with its budgets in Redis.
     R,
     /// Peer floor: Envoy with its own `local_ratelimit` filter, a token bucket per user.
@@ -821,6 +844,7 @@ impl Config {
             Config::R => "R",
             Config::C => "C",
             Config::P => "P",
+            Config::V => "V",
             Config::F => "F",
             Config::L => "L",
             Config::D => "D",
@@ -837,6 +861,7 @@ impl Config {
             Config::R => "R  Envoy + tollgate+Redis",
             Config::C => "C  B, request only",
             Config::P => "P  B, response reported",
+            Config::V => "V  P, variant file",
             Config::F => "F  Envoy + local_ratelimit",
             Config::L => "L  LiteLLM + Redis",
             Config::D => "D  no proxy",
@@ -855,6 +880,7 @@ impl Config {
             Config::R => "envoy_r",
             Config::C => "envoy_c",
             Config::P => "envoy_p",
+            Config::V => "envoy_v",
             Config::F => "envoy_f",
             Config::L | Config::D => "no_envoy",
         }
@@ -866,7 +892,7 @@ impl Config {
         match self {
             Config::A | Config::F | Config::D => &[],
             Config::E | Config::Q | Config::O => &["echo"],
-            Config::B | Config::C | Config::P => &["tollgate"],
+            Config::B | Config::C | Config::P | Config::V => &["tollgate"],
             Config::R => &["tollgate_redis", "redis"],
             Config::L => &["litellm", "litellm_redis"],
         }
@@ -889,12 +915,27 @@ impl Config {
     fn has_ext_proc(self) -> bool {
         matches!(
             self,
-            Config::E | Config::Q | Config::O | Config::B | Config::C | Config::P | Config::R
+            Config::E
+                | Config::Q
+                | Config::O
+                | Config::B
+                | Config::C
+                | Config::P
+                | Config::V
+                | Config::R
         )
     }
 
+    /// P and V: the response reported on, by a first-token stream and the access log.
+    fn is_reported(self) -> bool {
+        matches!(self, Config::P | Config::V)
+    }
+
     fn uses_tollgate(self) -> bool {
-        matches!(self, Config::B | Config::R | Config::C | Config::P)
+        matches!(
+            self,
+            Config::B | Config::R | Config::C | Config::P | Config::V
+        )
     }
 
     /// The echo configuration with the same ext_proc phases: what a tollgate configuration
@@ -907,6 +948,7 @@ impl Config {
             | Config::Q
             | Config::O
             | Config::P
+            | Config::V
             | Config::F
             | Config::L
             | Config::D => None,
@@ -916,10 +958,17 @@ impl Config {
     }
 
     /// This configuration's Envoy config, derived from `front_proxy` (P's is `reports`, the
-    /// reports deployment's file as shipped); `None` for the two without an Envoy.
-    fn envoy_config(self, front_proxy: &str, reports: &str) -> Result<Option<String>> {
+    /// reports deployment's file as shipped, and V's `variant`); `None` for the two without an
+    /// Envoy.
+    fn envoy_config(
+        self,
+        front_proxy: &str,
+        reports: &str,
+        variant: &str,
+    ) -> Result<Option<String>> {
         Ok(Some(match self {
             Config::P => reports.to_owned(),
+            Config::V => variant.to_owned(),
             Config::A => without_ext_proc(front_proxy)?,
             Config::E | Config::B | Config::R => front_proxy.to_owned(),
             Config::Q | Config::C => request_phases_only(front_proxy)?,
@@ -1281,7 +1330,7 @@ async fn measure(
         _ => None,
     };
     let reports = match (&metrics_before, &metrics_after) {
-        (Some(before), Some(after)) if target.config == Config::P => {
+        (Some(before), Some(after)) if target.config.is_reported() => {
             counter_deltas(before, after, "tollgate_response_reports_total")
         }
         _ => BTreeMap::new(),
@@ -1401,7 +1450,8 @@ async fn sanity_check(target: &Target, stack: &Stack) -> Result<()> {
     }
     if target.config == Config::P {
         // A reports deployment whose reports go nowhere would still answer every request, and
-        // would look cheap: its first request must be timed and settled by its reports.
+        // would look cheap: its first request must be timed and settled by its reports. Not V:
+        // an ablation may leave a report out on purpose (its reports per request are printed).
         let tollgate = stack
             .tollgate
             .as_ref()
@@ -2087,28 +2137,41 @@ impl RateSummary {
             .collect()
     }
 
-    /// What observing the response costs, when C ran beside B or P (issue 17): per round, the
-    /// CPU (Envoy and tollgate) that deciding adds over Envoy alone (C − A) and that observing
-    /// adds over deciding (B − C streamed, P − C reported), with the ratio the issue holds to
-    /// at most 1; streamed runs add the inter-token p99 over A.
+    /// What observing the response costs, when C ran beside B, P or V (issue 17): per round,
+    /// the CPU (Envoy and tollgate) that deciding adds over Envoy alone (C − A) and that
+    /// observing adds over deciding (B − C streamed, P − C and V − C reported), with the ratio
+    /// the issue holds to at most 1; streamed runs add the inter-token p99 over A. With P and V,
+    /// also V − P per round, with or without C.
     fn observing(&self) -> String {
         let mut out = String::new();
         let w = &mut out;
-        let observers: Vec<Config> = [Config::B, Config::P]
+        let observers: Vec<Config> = [Config::B, Config::P, Config::V]
             .into_iter()
             .filter(|c| self.configs.contains(c))
             .collect();
+        let us = |values: &[f64]| {
+            let rounds = PerRound::new(values.to_vec());
+            let (low, high) = rounds.range();
+            format!("{:.0} us (rounds {low:.0} to {high:.0})", rounds.median)
+        };
+        if self.configs.contains(&Config::P) && self.configs.contains(&Config::V) {
+            // The two files against each other, round by round: steadier than either's
+            // difference with C, which carries C's own noise as well.
+            let p = self.gateway_cpu_per_round(Config::P);
+            let v = self.gateway_cpu_per_round(Config::V);
+            let variant: Vec<f64> = v.iter().zip(&p).map(|(v, p)| v - p).collect();
+            let _ = writeln!(
+                w,
+                "OBSERVING V - P (the variant file against the shipped one): {}",
+                us(&variant)
+            );
+        }
         if !self.configs.contains(&Config::C) || observers.is_empty() {
             return out;
         }
         let a = self.gateway_cpu_per_round(Config::A);
         let c = self.gateway_cpu_per_round(Config::C);
         let deciding: Vec<f64> = c.iter().zip(&a).map(|(c, a)| c - a).collect();
-        let us = |values: &[f64]| {
-            let rounds = PerRound::new(values.to_vec());
-            let (low, high) = rounds.range();
-            format!("{:.0} us (rounds {low:.0} to {high:.0})", rounds.median)
-        };
         let _ = writeln!(
             w,
             "OBSERVING: deciding (C - A) costs {} of Envoy + tollgate CPU per request",

@@ -12,6 +12,8 @@
 #             scripts/bench-overhead.sh --configs A,B,R,F,L,D --rates 50,200
 #                 (the peers: F Envoy's local_ratelimit, L LiteLLM's proxy, D no proxy; installs
 #                 LiteLLM into .tools/litellm first)
+#             scripts/bench-overhead.sh --configs A,C,P,V --reports-variant FILE --stream-tokens 64
+#                 (V: P with another reports file, in the same rounds: an ablation)
 #
 # Everything runs on 127.0.0.1 ports picked at start-up; the example kills every process it
 # started when it ends, also on error or Ctrl-C. Run it on an otherwise idle machine: it shares

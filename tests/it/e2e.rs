@@ -955,10 +955,13 @@ async fn reported_responses_and_refusals_carry_their_own_rate_limit_headers() {
 }
 
 /// Proves: the Lua filter of front-proxy-reports.yaml reads a usage event that reaches Envoy in
-/// pieces (the upstream writes them 50 ms apart): cut inside a key, inside a number, and in
-/// three pieces followed by `data:[DONE]` without its space under a capitalised content type.
-/// Each request is settled with that usage and counted complete, not charged its reserved
-/// output.
+/// pieces (the upstream writes them 50 ms apart) after three token chunks that end alike (all
+/// but the first skipped): cut inside a key, inside a number, in three pieces followed by
+/// `data:[DONE]` without its space under a capitalised content type, and with two pieces in a
+/// row that are the same digit, the rest and `[DONE]` in one chunk (only the blank-line test
+/// keeps the second digit: skipped as a chunk ending as the one before, the count read would
+/// be 7). Each request is settled with that usage and counted complete, not charged its
+/// reserved output.
 #[tokio::test]
 async fn reported_usage_split_across_chunks_is_read_whole() {
     use tokio::io::AsyncWriteExt;
@@ -966,17 +969,25 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
     use crate::support::envoy::{Envoy, EnvoyPorts};
     use crate::support::process::Tollgate;
 
-    // An upstream that answers every request with one token, then the usage event cut inside
-    // `"completion_tokens":37` (after "completion_tok" and after "3").
+    // An upstream that answers every request with three tokens, then the usage event cut inside
+    // `"completion_tokens":77`.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream_port = listener.local_addr().unwrap().port();
-    // Where the usage event is cut: inside a key, inside a number, and in three pieces with
-    // `data:[DONE]` (no space) on its own and the content type in capitals.
-    const CASES: [&[&str]; 3] = [
+    // Where the usage event is cut: inside a key, inside a number, in three pieces with
+    // `data:[DONE]` (no space) on its own and the content type in capitals, and into pieces
+    // `7` and `7`.
+    const CASES: [&[&str]; 4] = [
         &["\"completion_tok"],
-        &["\"completion_tokens\":3"],
-        &["\"prompt_tok", "\"completion_tokens\":3"],
+        &["\"completion_tokens\":7"],
+        &["\"prompt_tok", "\"completion_tokens\":7"],
+        &[
+            "\"completion_tokens\":",
+            "\"completion_tokens\":7",
+            "\"completion_tokens\":77",
+        ],
     ];
+    const MIXED_CASE: usize = 2;
+    const SAME_DIGITS: usize = 3;
     let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     tokio::spawn(async move {
         while let Ok((mut socket, _)) = listener.accept().await {
@@ -991,12 +1002,12 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
                         return;
                     }
                     let case = served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":11,\"completion_tokens\":37,\"total_tokens\":48}}\n\n";
+                    let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":11,\"completion_tokens\":77,\"total_tokens\":88}}\n\n";
                     let chunk = |text: &str| format!("{:x}\r\n{text}\r\n", text.len());
                     let token =
                         "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
-                    let cuts = CASES[case % CASES.len()];
-                    let (content_type, done) = if case % CASES.len() == CASES.len() - 1 {
+                    let case = case % CASES.len();
+                    let (content_type, done) = if case == MIXED_CASE {
                         ("Text/Event-Stream; charset=utf-8", "data:[DONE]\n\n")
                     } else {
                         ("text/event-stream", "data: [DONE]\n\n")
@@ -1005,15 +1016,25 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
                         "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n{}",
                         chunk(token)
                     )];
-                    // The usage event in pieces, cut after each of `cuts`.
+                    pieces.extend([chunk(token), chunk(token)]);
+                    // The usage event in pieces, cut after each of `CASES[case]`.
                     let mut from = 0;
-                    for cut in cuts {
+                    for cut in CASES[case] {
                         let at = usage.find(cut).unwrap() + cut.len();
                         pieces.push(chunk(&usage[from..at]));
                         from = at;
                     }
-                    pieces.push(chunk(&usage[from..]));
-                    pieces.push(format!("{}0\r\n\r\n", chunk(done)));
+                    if case == SAME_DIGITS {
+                        // In one chunk: four chunks of the usage and `[DONE]` would be more
+                        // than the four the script keeps.
+                        pieces.push(format!(
+                            "{}0\r\n\r\n",
+                            chunk(&format!("{}{done}", &usage[from..]))
+                        ));
+                    } else {
+                        pieces.push(chunk(&usage[from..]));
+                        pieces.push(format!("{}0\r\n\r\n", chunk(done)));
+                    }
                     for piece in pieces {
                         if socket.write_all(piece.as_bytes()).await.is_err() {
                             return;
@@ -1052,7 +1073,7 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
         .wait_for_metric(
             "tollgate_usage_tokens_total",
             &["tier=\"free\"", "kind=\"completion\""],
-            37.0 * CASES.len() as f64,
+            77.0 * CASES.len() as f64,
         )
         .await;
 }
