@@ -40,7 +40,9 @@
 //! and a summary through Envoy's access log (`pipeline::reports`). With C and B or P beside it
 //! (`--configs A,C,B,P --stream-tokens 64`), an OBSERVING line per observer prints what observing
 //! adds over deciding (B − C, P − C) as a ratio to what deciding adds over Envoy alone (C − A),
-//! the CPU of Envoy and tollgate per request, each round's and their median.
+//! the CPU of Envoy and tollgate per request, each round's and their median. **V** is an
+//! ablation: P with the file `--reports-variant` names (another version of the reports file, or
+//! one with a part taken out), in the same rounds, and a line with V − P round by round.
 //!
 //! Every Envoy runs `--concurrency 1 --disable-hot-restart`; everything listens on 127.0.0.1
 //! ports picked at start-up, and no request leaves the machine.

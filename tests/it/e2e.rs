@@ -960,8 +960,11 @@ async fn reported_responses_and_refusals_carry_their_own_rate_limit_headers() {
 /// `data:[DONE]` without its space under a capitalised content type, and with two pieces in a
 /// row that are the same digit, the rest and `[DONE]` in one chunk (only the blank-line test
 /// keeps the second digit: skipped as a chunk ending as the one before, the count read would
-/// be 7). Each request is settled with that usage and counted complete, not charged its
-/// reserved output.
+/// be 7). And usage in every event, as sglang's `continuous_usage_stats` sends it, ending alike
+/// in fields that do not change, the final usage in a chunk with the finish event: only the
+/// usage seen in the first chunk keeps the rest (skipped, the count read would be 1). Each
+/// request is settled with its final usage and counted complete, not charged its reserved
+/// output.
 #[tokio::test]
 async fn reported_usage_split_across_chunks_is_read_whole() {
     use tokio::io::AsyncWriteExt;
@@ -970,13 +973,13 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
     use crate::support::process::Tollgate;
 
     // An upstream that answers every request with three tokens, then the usage event cut inside
-    // `"completion_tokens":77`.
+    // `"completion_tokens":77`, or (the last case) with usage in every event.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream_port = listener.local_addr().unwrap().port();
     // Where the usage event is cut: inside a key, inside a number, in three pieces with
     // `data:[DONE]` (no space) on its own and the content type in capitals, and into pieces
-    // `7` and `7`.
-    const CASES: [&[&str]; 4] = [
+    // `7` and `7`; the last case's usage is in every event (below).
+    const CASES: [&[&str]; 5] = [
         &["\"completion_tok"],
         &["\"completion_tokens\":7"],
         &["\"prompt_tok", "\"completion_tokens\":7"],
@@ -985,9 +988,21 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
             "\"completion_tokens\":7",
             "\"completion_tokens\":77",
         ],
+        &[],
     ];
     const MIXED_CASE: usize = 2;
     const SAME_DIGITS: usize = 3;
+    const USAGE_IN_EVERY_EVENT: usize = 4;
+    // sglang's usage with `continuous_usage_stats`: in every event, ending in fields that do not
+    // change (more than the 32 bytes the script compares).
+    let usage_of = |choices: &str, completion: u32| {
+        format!(
+            "data: {{\"choices\":{choices},\"usage\":{{\"prompt_tokens\":11,\"total_tokens\":{},\
+             \"completion_tokens\":{completion},\"prompt_tokens_details\":null,\
+             \"reasoning_tokens\":0}}}}\n\n",
+            11 + completion
+        )
+    };
     let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     tokio::spawn(async move {
         while let Ok((mut socket, _)) = listener.accept().await {
@@ -1013,27 +1028,44 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
                         ("text/event-stream", "data: [DONE]\n\n")
                     };
                     let mut pieces = vec![format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n{}",
-                        chunk(token)
+                        "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n"
                     )];
-                    pieces.extend([chunk(token), chunk(token)]);
-                    // The usage event in pieces, cut after each of `CASES[case]`.
-                    let mut from = 0;
-                    for cut in CASES[case] {
-                        let at = usage.find(cut).unwrap() + cut.len();
-                        pieces.push(chunk(&usage[from..at]));
-                        from = at;
-                    }
-                    if case == SAME_DIGITS {
-                        // In one chunk: four chunks of the usage and `[DONE]` would be more
-                        // than the four the script keeps.
-                        pieces.push(format!(
-                            "{}0\r\n\r\n",
-                            chunk(&format!("{}{done}", &usage[from..]))
-                        ));
-                    } else {
-                        pieces.push(chunk(&usage[from..]));
+                    if case == USAGE_IN_EVERY_EVENT {
+                        // Three tokens with their usage so far, then the finish and the usage
+                        // event in one chunk, then `[DONE]`: all but the first end alike, and
+                        // only the usage seen in the first keeps them (read otherwise: 1).
+                        let token = "[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]";
+                        let finish = "[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]";
+                        for completion in 1..=3 {
+                            pieces.push(chunk(&usage_of(token, completion)));
+                        }
+                        pieces.push(chunk(&format!(
+                            "{}{}",
+                            usage_of(finish, 77),
+                            usage_of("[]", 77)
+                        )));
                         pieces.push(format!("{}0\r\n\r\n", chunk(done)));
+                    } else {
+                        // Three tokens that end alike, then the usage event in pieces, cut
+                        // after each of `CASES[case]`.
+                        pieces.extend([chunk(token), chunk(token), chunk(token)]);
+                        let mut from = 0;
+                        for cut in CASES[case] {
+                            let at = usage.find(cut).unwrap() + cut.len();
+                            pieces.push(chunk(&usage[from..at]));
+                            from = at;
+                        }
+                        if case == SAME_DIGITS {
+                            // In one chunk: four chunks of the usage and `[DONE]` would be more
+                            // than the four the script keeps.
+                            pieces.push(format!(
+                                "{}0\r\n\r\n",
+                                chunk(&format!("{}{done}", &usage[from..]))
+                            ));
+                        } else {
+                            pieces.push(chunk(&usage[from..]));
+                            pieces.push(format!("{}0\r\n\r\n", chunk(done)));
+                        }
                     }
                     for piece in pieces {
                         if socket.write_all(piece.as_bytes()).await.is_err() {
