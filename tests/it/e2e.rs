@@ -961,8 +961,9 @@ async fn reported_responses_and_refusals_carry_their_own_rate_limit_headers() {
 /// row that are the same digit, the rest and `[DONE]` in one chunk (only the blank-line test
 /// keeps the second digit: skipped as a chunk ending as the one before, the count read would
 /// be 7). And usage in every event, as sglang's `continuous_usage_stats` sends it, ending alike
-/// in fields that do not change, the final usage in a chunk with the finish event: only the
-/// usage seen in the first chunk keeps the rest (skipped, the count read would be 1). Each
+/// in fields that do not change, after a role event with `"usage":null`, the first usage's key
+/// cut in three and the final usage in a chunk with the finish event: only the usage key found
+/// across the pieces keeps the rest (skipped, the count read would be 1). Each
 /// request is settled with its final usage and counted complete, not charged its reserved
 /// output.
 #[tokio::test]
@@ -1031,12 +1032,22 @@ async fn reported_usage_split_across_chunks_is_read_whole() {
                         "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n"
                     )];
                     if case == USAGE_IN_EVERY_EVENT {
-                        // Three tokens with their usage so far, then the finish and the usage
-                        // event in one chunk, then `[DONE]`: all but the first end alike, and
-                        // only the usage seen in the first keeps them (read otherwise: 1).
+                        // The role with `"usage":null`; three tokens with their usage so far,
+                        // the first cut in three inside its `"usage"` key; the finish and the
+                        // usage event in one chunk; `[DONE]`. All after the first token end
+                        // alike, and only its usage, seen across its three pieces, keeps them
+                        // (read otherwise: 1).
+                        let role = "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}],\"usage\":null}\n\n";
                         let token = "[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]";
                         let finish = "[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]";
-                        for completion in 1..=3 {
+                        pieces.push(chunk(role));
+                        let first = usage_of(token, 1);
+                        // Cut after `"us` and after `"usag`.
+                        let us = first.find("\"usage").unwrap() + 3;
+                        for piece in [&first[..us], &first[us..us + 2], &first[us + 2..]] {
+                            pieces.push(chunk(piece));
+                        }
+                        for completion in 2..=3 {
                             pieces.push(chunk(&usage_of(token, completion)));
                         }
                         pieces.push(chunk(&format!(
