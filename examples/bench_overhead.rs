@@ -2139,6 +2139,16 @@ impl RateSummary {
             .collect()
     }
 
+    /// What `config` adds over `baseline`, round by round (the same round's runs).
+    fn gateway_cpu_added_per_round(&self, config: Config, baseline: Config) -> Vec<f64> {
+        let baseline = self.gateway_cpu_per_round(baseline);
+        self.gateway_cpu_per_round(config)
+            .iter()
+            .zip(&baseline)
+            .map(|(x, b)| x - b)
+            .collect()
+    }
+
     /// What observing the response costs, when C ran beside B, P or V (issue 17): per round,
     /// the CPU (Envoy and tollgate) that deciding adds over Envoy alone (C − A) and that
     /// observing adds over deciding (B − C streamed, P − C and V − C reported), with the ratio
@@ -2159,9 +2169,7 @@ impl RateSummary {
         if self.configs.contains(&Config::P) && self.configs.contains(&Config::V) {
             // The two files against each other, round by round: steadier than either's
             // difference with C, which carries C's own noise as well.
-            let p = self.gateway_cpu_per_round(Config::P);
-            let v = self.gateway_cpu_per_round(Config::V);
-            let variant: Vec<f64> = v.iter().zip(&p).map(|(v, p)| v - p).collect();
+            let variant = self.gateway_cpu_added_per_round(Config::V, Config::P);
             let _ = writeln!(
                 w,
                 "OBSERVING V - P (the variant file against the shipped one): {}",
@@ -2171,21 +2179,14 @@ impl RateSummary {
         if !self.configs.contains(&Config::C) || observers.is_empty() {
             return out;
         }
-        let a = self.gateway_cpu_per_round(Config::A);
-        let c = self.gateway_cpu_per_round(Config::C);
-        let deciding: Vec<f64> = c.iter().zip(&a).map(|(c, a)| c - a).collect();
+        let deciding = self.gateway_cpu_added_per_round(Config::C, Config::A);
         let _ = writeln!(
             w,
             "OBSERVING: deciding (C - A) costs {} of Envoy + tollgate CPU per request",
             us(&deciding)
         );
         for config in observers {
-            let observing: Vec<f64> = self
-                .gateway_cpu_per_round(config)
-                .iter()
-                .zip(&c)
-                .map(|(x, c)| x - c)
-                .collect();
+            let observing = self.gateway_cpu_added_per_round(config, Config::C);
             let ratios: Vec<f64> = observing
                 .iter()
                 .zip(&deciding)
