@@ -410,6 +410,11 @@ async fn bench(args: &Args) -> Result<Verdict> {
                 "client_threads": args.client_threads,
                 "envoy_config": front_proxy_path,
                 "tollgate_config": tollgate_config,
+                // The file itself: a variant is an edited copy that rarely outlives the run.
+                "reports_variant": configs.contains(&Config::V).then(|| json!({
+                    "path": args.reports_variant,
+                    "text": variant,
+                })),
                 "configs": configs.iter().map(|c| c.label()).collect::<Vec<_>>(),
             },
             "rates": rates_json,
