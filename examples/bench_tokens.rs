@@ -131,6 +131,8 @@ fn run(args: &Args) -> Result<(), String> {
     ];
 
     let mut throughput = Vec::new();
+    // tollgate's counter (the `bpe-openai` rows) on each kind of text alone.
+    let mut throughput_by_kind = Vec::new();
     for (&(encoding, name), reference) in encodings.iter().zip(&references) {
         encoding.warm_up();
         let (tokens, seconds) = best_time(THROUGHPUT_RUNS, || encoding.count(&corpus.text));
@@ -151,6 +153,17 @@ fn run(args: &Args) -> Result<(), String> {
             return Err(format!(
                 "{name}: tollgate::tokens counted {tokens} tokens, bpe-openai's Tokenizer                  {crate_tokens}, tiktoken-rs {reference_tokens}"
             ));
+        }
+        for (kind, text) in &corpus.text_by_kind {
+            let (tokens, seconds) = best_time(THROUGHPUT_RUNS, || encoding.count(text));
+            throughput_by_kind.push(json!({
+                "encoding": name,
+                "kind": kind,
+                "bytes": text.len(),
+                "tokens": tokens,
+                "seconds": seconds,
+                "mb_per_s": text.len() as f64 / 1e6 / seconds,
+            }));
         }
         for (implementation, seconds) in [
             ("bpe-openai", seconds),
@@ -212,6 +225,7 @@ fn run(args: &Args) -> Result<(), String> {
             "bytes_by_kind": corpus.bytes_by_kind,
         },
         "throughput": throughput,
+        "throughput_by_kind": throughput_by_kind,
         "adversarial": adversarial,
         "models": models,
         "model_adversarial": model_adversarial,
@@ -311,6 +325,25 @@ fn print_tables(report: &Value) {
             row["encoding"].as_str().unwrap_or_default(),
             row["tokens"],
             row["tokens_per_s"].as_f64().unwrap_or_default(),
+            row["mb_per_s"].as_f64().unwrap_or_default(),
+        );
+    }
+    println!();
+    println!(
+        "{:<12} {:<12} {:>9} {:>9} {:>9}",
+        "tollgate", "encoding", "kind", "tokens", "MB/s"
+    );
+    for row in report["throughput_by_kind"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        println!(
+            "{:<12} {:<12} {:>9} {:>9} {:>9.1}",
+            "by kind",
+            row["encoding"].as_str().unwrap_or_default(),
+            row["kind"].as_str().unwrap_or_default(),
+            row["tokens"],
             row["mb_per_s"].as_f64().unwrap_or_default(),
         );
     }
@@ -445,6 +478,8 @@ fn adversarial_bodies() -> [(&'static str, String); 3] {
 struct Corpus {
     text: String,
     bytes_by_kind: serde_json::Map<String, Value>,
+    /// Each kind's chunks on their own, in corpus order: where counting's time goes by kind.
+    text_by_kind: Vec<(&'static str, String)>,
 }
 
 /// Makes one chunk of corpus text of some kind.
@@ -464,6 +499,10 @@ fn build_corpus() -> Corpus {
     let total_weight: u32 = KINDS.iter().map(|(_, weight, _)| weight).sum();
     let mut text = String::with_capacity(CORPUS_TARGET_BYTES + 4096);
     let mut bytes_by_kind = [0usize; KINDS.len()];
+    let mut text_by_kind: Vec<(&'static str, String)> = KINDS
+        .iter()
+        .map(|(name, _, _)| (*name, String::new()))
+        .collect();
     while text.len() < CORPUS_TARGET_BYTES {
         let mut roll = rng.below(total_weight as usize) as u32;
         let kind = KINDS
@@ -478,6 +517,8 @@ fn build_corpus() -> Corpus {
         bytes_by_kind[kind] += chunk.len() + 2;
         text.push_str(&chunk);
         text.push_str("\n\n");
+        text_by_kind[kind].1.push_str(&chunk);
+        text_by_kind[kind].1.push_str("\n\n");
     }
     Corpus {
         text,
@@ -486,6 +527,7 @@ fn build_corpus() -> Corpus {
             .zip(bytes_by_kind)
             .map(|((name, _, _), bytes)| ((*name).to_owned(), json!(bytes)))
             .collect(),
+        text_by_kind,
     }
 }
 

@@ -4,7 +4,9 @@
 # ext_proc, tollgate with Redis, tollgate with its embedded store, in that order):
 #   - `perf stat` counts each server's system calls (writev, recvfrom, futex, epoll_wait) and
 #     context switches, to divide by the decisions the run reports;
-#   - `perf record --call-graph dwarf` samples each tollgate, for `perf report --children`.
+#   - `perf record --call-graph dwarf` samples each server, the echo too, for
+#     `perf report --children`: the echo's profile is the plumbing both share, so what tollgate
+#     spends beyond it shows side by side.
 # Needs perf (linux-perf) and permission to attach to the servers (root, or
 # kernel.perf_event_paranoid <= 1). Attaching slows the servers a little; read the profile's
 # shares, and take decisions per CPU-second from scripts/bench-decisions.sh. perf attaches
@@ -47,11 +49,9 @@ while kill -0 "${bench}" 2>/dev/null; do
         perf stat -e 'syscalls:sys_enter_writev,syscalls:sys_enter_recvfrom,syscalls:sys_enter_futex,syscalls:sys_enter_epoll_wait,context-switches' \
             -p "${pid}" -o "${out}/${name}.stat" &
         monitors+=($!)
-        if [[ "${name}" != echo ]]; then
-            perf record -q ${PERF_RECORD_EVENT:+-e "${PERF_RECORD_EVENT}"} -F 999 --call-graph dwarf,16384 -p "${pid}" -o "${out}/${name}.data" \
-                > /dev/null 2>&1 &
-            monitors+=($!)
-        fi
+        perf record -q ${PERF_RECORD_EVENT:+-e "${PERF_RECORD_EVENT}"} -F 999 --call-graph dwarf,16384 -p "${pid}" -o "${out}/${name}.data" \
+            > /dev/null 2>&1 &
+        monitors+=($!)
     done
     sleep 0.05
 done
@@ -74,4 +74,4 @@ for name in echo tollgate-redis tollgate-memory; do
         }
         END { printf "  %-16s%s\n", n, line }' "${out}/${name}.stat"
 done
-echo "profiles: perf report -i ${out}/tollgate-memory.data --children --sort symbol -g none"
+echo "profiles: perf report -i ${out}/tollgate-memory.data --children --sort symbol -g none (echo.data, tollgate-redis.data beside it)"
