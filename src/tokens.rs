@@ -38,15 +38,16 @@ use std::sync::LazyLock;
 use bpe_openai::Tokenizer;
 use regex_automata::meta::{Cache, Regex};
 use regex_automata::{Anchored, Input};
-use rustc_hash::FxHashSet;
 use serde::{Deserialize, Serialize};
 
 mod ascii;
+mod entries;
 mod model;
 mod template;
 #[cfg(test)]
 mod tests;
 
+use entries::EntrySet;
 pub use model::ModelVocabulary;
 pub use template::ChatTemplate;
 
@@ -235,7 +236,7 @@ struct Counter {
     cache_index: usize,
     splitter: Regex,
     /// Every vocabulary entry's bytes, borrowed from the `'static` tokenizer.
-    whole_tokens: FxHashSet<&'static [u8]>,
+    whole_tokens: EntrySet,
 }
 
 impl Counter {

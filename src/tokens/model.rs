@@ -39,10 +39,11 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use aho_corasick::{AhoCorasick, MatchKind};
 use bpe::byte_pair_encoding::{BytePairEncoding, find_hash_factor_for_dictionary};
 use regex_automata::meta::{Cache, Regex};
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 use serde_json::Value;
 use unicode_normalization::UnicodeNormalization;
 
+use super::entries::EntrySet;
 use super::regex_piece;
 use super::template::ChatTemplate;
 
@@ -86,7 +87,7 @@ pub struct ModelVocabulary {
     ignore_merges: bool,
     /// The vocabulary entries a piece may be whole (ignore_merges, or simply a token that BPE
     /// gives back as itself, which the `bpe` constructor checks for every entry).
-    whole_tokens: FxHashSet<&'static [u8]>,
+    whole_tokens: EntrySet,
     /// No token covers more bytes (added tokens included), so a text of `n` bytes has at least
     /// `n / max_token_bytes` tokens.
     max_token_bytes: usize,
@@ -231,7 +232,7 @@ impl ModelVocabulary {
             format!("the vocabulary is not a rank-consistent byte-level BPE ({what})")
         })?;
         let bpe: &'static BytePairEncoding = Box::leak(Box::new(bpe));
-        let mut whole_tokens: FxHashSet<&'static [u8]> = (0..bpe.num_tokens())
+        let mut whole_tokens: EntrySet = (0..bpe.num_tokens())
             .map(|id| bpe.token_bytes(id as u32))
             .collect();
         let unreachable_bytes = || unreachable_ranks.iter().map(|&rank| &entries[rank]);
@@ -273,7 +274,7 @@ impl ModelVocabulary {
                 "model.vocab has no entry for the byte {missing:#04x}: not a byte-level BPE"
             ));
         }
-        let longest_entry = whole_tokens.iter().map(|t| t.len()).max().unwrap_or(1);
+        let longest_entry = whole_tokens.longest().max(1);
         let longest_added = added.iter().map(|t| t.len()).max().unwrap_or(1);
         let added_matcher = if added.is_empty() {
             None
