@@ -6,6 +6,9 @@
 //! 200 is a truncated stream, not a success (seed 000: vLLM under load closes streams without
 //! `[DONE]`, and status-code accounting counted those as successes).
 
+use std::fmt;
+
+use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_json::Value;
 
 use crate::tokens::Encoding;
@@ -152,13 +155,14 @@ impl ResponseObserver {
                 self.scan_line(&line);
             }
             BodyFormat::Json if self.is_success() && !self.overflowed => {
-                if let Ok(doc) = serde_json::from_slice::<Value>(&self.pending) {
-                    self.usage = usage_of(&doc);
-                    // The count only stands in for missing usage (a settle charges usage when
-                    // there is one), and it runs before Envoy gets its answer to the last chunk.
-                    if self.usage.is_none() {
-                        self.count_output(&doc);
-                    }
+                self.usage = usage_in(&self.pending);
+                // The count only stands in for missing usage (a settle charges usage when
+                // there is one), and it runs before Envoy gets its answer to the last chunk.
+                if self.usage.is_none()
+                    && self.output_encoding.is_some()
+                    && let Ok(doc) = serde_json::from_slice::<Value>(&self.pending)
+                {
+                    self.count_output(&doc);
                 }
                 self.pending = Vec::new();
             }
@@ -224,14 +228,18 @@ impl ResponseObserver {
         let data = data.trim_ascii();
         if data == b"[DONE]" {
             self.saw_done = true;
-        } else if self.output_encoding.is_some() || contains(data, b"\"usage\"") {
-            // Without output counting, only chunks mentioning usage need a parse (most carry
-            // `"usage": null` or nothing).
+        } else if self.output_encoding.is_some() {
             if let Ok(chunk) = serde_json::from_slice::<Value>(data) {
-                if let Some(usage) = usage_of(&chunk) {
+                if let Some(usage) = chunk.get("usage").and_then(usage_fields) {
                     self.usage = Some(usage);
                 }
                 self.count_output(&chunk);
+            }
+        } else if contains(data, b"\"usage\"") {
+            // Without output counting, only chunks mentioning usage need reading (most carry
+            // `"usage": null` or nothing), and only for their usage.
+            if let Some(usage) = usage_in(data) {
+                self.usage = Some(usage);
             }
         }
     }
@@ -273,12 +281,83 @@ impl ResponseObserver {
     }
 }
 
-fn usage_of(doc: &Value) -> Option<Usage> {
-    let usage = doc.get("usage")?;
+/// A usage object's counts; `None` unless both are integers from 0 up.
+fn usage_fields(usage: &Value) -> Option<Usage> {
     Some(Usage {
         prompt_tokens: usage.get("prompt_tokens")?.as_u64()?,
         completion_tokens: usage.get("completion_tokens")?.as_u64()?,
     })
+}
+
+/// The usage a JSON document reports: its top-level `usage` member's counts, read as
+/// `usage_fields` reads them from the parsed document (the last of repeated members, as
+/// `serde_json::Value` keeps it), and `None` for a document that is not a JSON object or not
+/// valid JSON. Only the usage member is built; everything else is checked and skipped, where
+/// parsing the whole document into a `Value` allocated every string, array and object in it,
+/// once per response on the request path.
+fn usage_in(json: &[u8]) -> Option<Usage> {
+    serde_json::from_slice::<UsageMember>(json).ok()?.0
+}
+
+/// A JSON object, kept only for its `usage` member ([`usage_in`]).
+struct UsageMember(Option<Usage>);
+
+impl<'de> Deserialize<'de> for UsageMember {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<UsageMember, D::Error> {
+        struct Members;
+        impl<'de> Visitor<'de> for Members {
+            type Value = UsageMember;
+
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                formatter.write_str("a JSON object")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut members: A) -> Result<UsageMember, A::Error> {
+                let mut usage = None;
+                while let Some(key) = members.next_key::<MemberName>()? {
+                    match key {
+                        MemberName::Usage => {
+                            usage = usage_fields(&members.next_value::<Value>()?);
+                        }
+                        MemberName::Other => {
+                            members.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(UsageMember(usage))
+            }
+        }
+        deserializer.deserialize_map(Members)
+    }
+}
+
+/// A member's name, as far as [`UsageMember`] cares; read without allocating where the name
+/// has no escapes.
+enum MemberName {
+    Usage,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for MemberName {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<MemberName, D::Error> {
+        struct Name;
+        impl Visitor<'_> for Name {
+            type Value = MemberName;
+
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                formatter.write_str("a member name")
+            }
+
+            fn visit_str<E: de::Error>(self, name: &str) -> Result<MemberName, E> {
+                Ok(if name == "usage" {
+                    MemberName::Usage
+                } else {
+                    MemberName::Other
+                })
+            }
+        }
+        deserializer.deserialize_str(Name)
+    }
 }
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {

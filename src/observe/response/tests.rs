@@ -598,3 +598,124 @@ fn generated_text_is_not_counted_unless_asked_or_for_errors() {
     failed.on_chunk(hello.as_bytes(), true);
     assert_eq!(failed.output_tokens(), 0);
 }
+
+/// Reading only the usage member gives what parsing the whole document and reading its usage
+/// gave, on documents built to tell them apart.
+#[test]
+fn usage_read_alone_is_the_usage_of_the_whole_document() {
+    let whole = |json: &str| {
+        serde_json::from_slice::<Value>(json.as_bytes())
+            .ok()
+            .and_then(|doc| doc.get("usage").and_then(usage_fields))
+    };
+    let cases: &[(&str, Option<(u64, u64)>)] = &[
+        (JSON_BODY, Some((9, 3))),
+        (
+            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2}}"#,
+            Some((1, 2)),
+        ),
+        // The last of repeated members, as `Value` keeps it, either way round.
+        (
+            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"usage":{"prompt_tokens":3,"completion_tokens":4}}"#,
+            Some((3, 4)),
+        ),
+        (
+            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"usage":null}"#,
+            None,
+        ),
+        (
+            r#"{"usage":null,"usage":{"prompt_tokens":5,"completion_tokens":6}}"#,
+            Some((5, 6)),
+        ),
+        // An escaped name is the same name.
+        (
+            r#"{"us\u0061ge":{"prompt_tokens":7,"completion_tokens":8}}"#,
+            Some((7, 8)),
+        ),
+        // Repeated counts inside usage: the last.
+        (
+            r#"{"usage":{"prompt_tokens":1,"prompt_tokens":9,"completion_tokens":2}}"#,
+            Some((9, 2)),
+        ),
+        // Only the top level's usage counts.
+        (
+            r#"{"choices":[{"usage":{"prompt_tokens":1,"completion_tokens":2}}]}"#,
+            None,
+        ),
+        (r#"{"usage":{"prompt_tokens":1}}"#, None),
+        (
+            r#"{"usage":{"prompt_tokens":1.0,"completion_tokens":2}}"#,
+            None,
+        ),
+        (
+            r#"{"usage":{"prompt_tokens":-1,"completion_tokens":2}}"#,
+            None,
+        ),
+        (
+            r#"{"usage":{"prompt_tokens":18446744073709551615,"completion_tokens":0}}"#,
+            Some((u64::MAX, 0)),
+        ),
+        (
+            r#"{"usage":{"prompt_tokens":18446744073709551616,"completion_tokens":0}}"#,
+            None,
+        ),
+        (r#"{"usage":[1,2]}"#, None),
+        (r#"{"usage":"a lot"}"#, None),
+        // Not an object, or not JSON: nothing, however usage-like the contents.
+        (r#"[{"prompt_tokens":1,"completion_tokens":2}]"#, None),
+        (
+            r#"[{"usage":{"prompt_tokens":1,"completion_tokens":2}}]"#,
+            None,
+        ),
+        (
+            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2}} x"#,
+            None,
+        ),
+        (
+            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2}"#,
+            None,
+        ),
+        (
+            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"bad":}"#,
+            None,
+        ),
+        (
+            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"s":"\x"}"#,
+            None,
+        ),
+        ("null", None),
+        ("", None),
+        // Trailing white space is allowed by both.
+        (
+            "{\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}\r\n ",
+            Some((1, 2)),
+        ),
+    ];
+    for &(json, expected) in cases {
+        let expected = expected.map(|(prompt_tokens, completion_tokens)| Usage {
+            prompt_tokens,
+            completion_tokens,
+        });
+        assert_eq!(whole(json), expected, "the whole parse of {json}");
+        assert_eq!(usage_in(json.as_bytes()), expected, "{json}");
+    }
+    // Nested past serde_json's recursion limit (127 arrays in the object) beside the usage:
+    // the whole parse refused such a document, and its usage was lost; skipping the rest
+    // takes no recursion (serde_json skips with a loop), so the usage is read. A body is at
+    // most `json_limit` bytes either way.
+    for depth in [100, 126, 127, 128, 1000, 100_000] {
+        let deep = format!(
+            r#"{{"usage":{{"prompt_tokens":1,"completion_tokens":2}},"x":{}{}}}"#,
+            "[".repeat(depth),
+            "]".repeat(depth)
+        );
+        assert_eq!(
+            usage_in(deep.as_bytes()),
+            Some(Usage {
+                prompt_tokens: 1,
+                completion_tokens: 2
+            }),
+            "nested {depth} deep"
+        );
+    }
+}
