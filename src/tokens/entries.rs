@@ -3,11 +3,11 @@
 //!
 //! On ordinary text nearly every piece is asked, so this lookup is a large part of counting.
 //! A set of byte slices hashes the piece byte by byte and confirms a hit with a `memcmp` call
-//! through the entry's pointer; on a 4 KB English prompt those were about 45 % of counting's
-//! time (docs/benchmarks.md, "Where a decision's CPU goes"). Almost every piece is short, so
-//! entries of up to [`SHORT_BYTES`] bytes are kept packed, with their length, in one `u128`
-//! each ([`short_key`]): hashing and comparing a key is a few instructions on registers. The
-//! few longer entries stay in a set of slices.
+//! through the entry's pointer; counting a decision's 4 KB English prompt, those were about
+//! half of counting's time (docs/benchmarks.md, "Two cuts, before and after"). Almost every
+//! piece is short, so entries of up to [`SHORT_BYTES`] bytes are kept packed, with their
+//! length, in one `u128` each ([`short_key`]): hashing and comparing a key is a few
+//! instructions on registers. The few longer entries stay in a set of slices.
 
 use rustc_hash::FxHashSet;
 
