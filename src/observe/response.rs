@@ -8,7 +8,7 @@
 
 use std::fmt;
 
-use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 
 use crate::tokens::Encoding;
@@ -155,14 +155,16 @@ impl ResponseObserver {
                 self.scan_line(&line);
             }
             BodyFormat::Json if self.is_success() && !self.overflowed => {
-                self.usage = usage_in(&self.pending);
-                // The count only stands in for missing usage (a settle charges usage when
-                // there is one), and it runs before Envoy gets its answer to the last chunk.
-                if self.usage.is_none()
-                    && self.output_encoding.is_some()
-                    && let Ok(doc) = serde_json::from_slice::<Value>(&self.pending)
-                {
-                    self.count_output(&doc);
+                if self.output_encoding.is_none() {
+                    self.usage = usage_in(&self.pending);
+                } else if let Ok(doc) = serde_json::from_slice::<Value>(&self.pending) {
+                    self.usage = doc.get("usage").and_then(usage_fields);
+                    // The count only stands in for missing usage (a settle charges usage when
+                    // there is one), and it runs before Envoy gets its answer to the last
+                    // chunk.
+                    if self.usage.is_none() {
+                        self.count_output(&doc);
+                    }
                 }
                 self.pending = Vec::new();
             }
@@ -289,12 +291,13 @@ fn usage_fields(usage: &Value) -> Option<Usage> {
     })
 }
 
-/// The usage a JSON document reports: its top-level `usage` member's counts, read as
-/// `usage_fields` reads them from the parsed document (the last of repeated members, as
-/// `serde_json::Value` keeps it), and `None` for a document that is not a JSON object or not
-/// valid JSON. Only the usage member is built; everything else is checked and skipped, where
-/// parsing the whole document into a `Value` allocated every string, array and object in it,
-/// once per response on the request path.
+/// The usage a JSON document reports, exactly as parsing it into a `serde_json::Value` and
+/// reading its top-level `usage` member with `usage_fields` would: the last of repeated
+/// members, as `Value` keeps it, and `None` for a document that is not a JSON object or that
+/// the whole parse refuses (invalid UTF-8 or escapes in any string, a number out of range,
+/// nesting past serde_json's limit). Only the usage member is built; everything else is
+/// checked as the whole parse checks it and dropped ([`Skipped`]), where the whole parse
+/// allocated every string, array and object in it, once per response on the request path.
 fn usage_in(json: &[u8]) -> Option<Usage> {
     serde_json::from_slice::<UsageMember>(json).ok()?.0
 }
@@ -320,7 +323,7 @@ impl<'de> Deserialize<'de> for UsageMember {
                             usage = usage_fields(&members.next_value::<Value>()?);
                         }
                         MemberName::Other => {
-                            members.next_value::<IgnoredAny>()?;
+                            members.next_value::<Skipped>()?;
                         }
                     }
                 }
@@ -357,6 +360,60 @@ impl<'de> Deserialize<'de> for MemberName {
             }
         }
         deserializer.deserialize_str(Name)
+    }
+}
+
+/// Any JSON value, read as the whole parse reads it and then dropped: strings are checked
+/// (UTF-8, escapes), numbers converted (out of range is an error), and nesting counts against
+/// serde_json's limit. `IgnoredAny` skips with serde_json's faster scan, which checks neither
+/// strings nor number ranges, so it took documents the whole parse refuses.
+struct Skipped;
+
+impl<'de> Deserialize<'de> for Skipped {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Skipped, D::Error> {
+        struct Anything;
+        impl<'de> Visitor<'de> for Anything {
+            type Value = Skipped;
+
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                formatter.write_str("any JSON value")
+            }
+
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Skipped, E> {
+                Ok(Skipped)
+            }
+
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Skipped, E> {
+                Ok(Skipped)
+            }
+
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Skipped, E> {
+                Ok(Skipped)
+            }
+
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Skipped, E> {
+                Ok(Skipped)
+            }
+
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<Skipped, E> {
+                Ok(Skipped)
+            }
+
+            fn visit_unit<E: de::Error>(self) -> Result<Skipped, E> {
+                Ok(Skipped)
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<Skipped, A::Error> {
+                while items.next_element::<Skipped>()?.is_some() {}
+                Ok(Skipped)
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut members: A) -> Result<Skipped, A::Error> {
+                while members.next_entry::<Skipped, Skipped>()?.is_some() {}
+                Ok(Skipped)
+            }
+        }
+        deserializer.deserialize_any(Anything)
     }
 }
 

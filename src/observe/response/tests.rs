@@ -603,119 +603,129 @@ fn generated_text_is_not_counted_unless_asked_or_for_errors() {
 /// gave, on documents built to tell them apart.
 #[test]
 fn usage_read_alone_is_the_usage_of_the_whole_document() {
-    let whole = |json: &str| {
-        serde_json::from_slice::<Value>(json.as_bytes())
+    let whole = |json: &[u8]| {
+        serde_json::from_slice::<Value>(json)
             .ok()
             .and_then(|doc| doc.get("usage").and_then(usage_fields))
     };
-    let cases: &[(&str, Option<(u64, u64)>)] = &[
-        (JSON_BODY, Some((9, 3))),
-        (
-            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2}}"#,
-            Some((1, 2)),
-        ),
+    const USAGE: &str = r#""usage":{"prompt_tokens":1,"completion_tokens":2}"#;
+    let cases: Vec<(Vec<u8>, Option<(u64, u64)>)> = [
+        (JSON_BODY.to_owned(), Some((9, 3))),
+        (format!("{{{USAGE}}}"), Some((1, 2))),
         // The last of repeated members, as `Value` keeps it, either way round.
         (
-            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"usage":{"prompt_tokens":3,"completion_tokens":4}}"#,
+            format!(r#"{{{USAGE},"usage":{{"prompt_tokens":3,"completion_tokens":4}}}}"#),
             Some((3, 4)),
         ),
-        (
-            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"usage":null}"#,
-            None,
-        ),
-        (
-            r#"{"usage":null,"usage":{"prompt_tokens":5,"completion_tokens":6}}"#,
-            Some((5, 6)),
-        ),
+        (format!(r#"{{{USAGE},"usage":null}}"#), None),
+        (format!(r#"{{"usage":null,{USAGE}}}"#), Some((1, 2))),
         // An escaped name is the same name.
         (
-            r#"{"us\u0061ge":{"prompt_tokens":7,"completion_tokens":8}}"#,
+            r#"{"us\u0061ge":{"prompt_tokens":7,"completion_tokens":8}}"#.to_owned(),
             Some((7, 8)),
         ),
         // Repeated counts inside usage: the last.
         (
-            r#"{"usage":{"prompt_tokens":1,"prompt_tokens":9,"completion_tokens":2}}"#,
+            r#"{"usage":{"prompt_tokens":1,"prompt_tokens":9,"completion_tokens":2}}"#.to_owned(),
             Some((9, 2)),
         ),
         // Only the top level's usage counts.
+        (format!(r#"{{"choices":[{{{USAGE}}}]}}"#), None),
+        (r#"{"usage":{"prompt_tokens":1}}"#.to_owned(), None),
         (
-            r#"{"choices":[{"usage":{"prompt_tokens":1,"completion_tokens":2}}]}"#,
-            None,
-        ),
-        (r#"{"usage":{"prompt_tokens":1}}"#, None),
-        (
-            r#"{"usage":{"prompt_tokens":1.0,"completion_tokens":2}}"#,
+            r#"{"usage":{"prompt_tokens":1.0,"completion_tokens":2}}"#.to_owned(),
             None,
         ),
         (
-            r#"{"usage":{"prompt_tokens":-1,"completion_tokens":2}}"#,
+            r#"{"usage":{"prompt_tokens":-1,"completion_tokens":2}}"#.to_owned(),
             None,
         ),
         (
-            r#"{"usage":{"prompt_tokens":18446744073709551615,"completion_tokens":0}}"#,
+            r#"{"usage":{"prompt_tokens":18446744073709551615,"completion_tokens":0}}"#.to_owned(),
             Some((u64::MAX, 0)),
         ),
         (
-            r#"{"usage":{"prompt_tokens":18446744073709551616,"completion_tokens":0}}"#,
+            r#"{"usage":{"prompt_tokens":18446744073709551616,"completion_tokens":0}}"#.to_owned(),
             None,
         ),
-        (r#"{"usage":[1,2]}"#, None),
-        (r#"{"usage":"a lot"}"#, None),
+        (r#"{"usage":[1,2]}"#.to_owned(), None),
+        (r#"{"usage":"a lot"}"#.to_owned(), None),
         // Not an object, or not JSON: nothing, however usage-like the contents.
-        (r#"[{"prompt_tokens":1,"completion_tokens":2}]"#, None),
         (
-            r#"[{"usage":{"prompt_tokens":1,"completion_tokens":2}}]"#,
+            r#"[{"prompt_tokens":1,"completion_tokens":2}]"#.to_owned(),
             None,
         ),
+        (format!("[{{{USAGE}}}]"), None),
+        (format!("{{{USAGE}}} x"), None),
+        (format!("{{{USAGE}"), None),
+        (format!(r#"{{{USAGE},"bad":}}"#), None),
+        (format!(r#"{{{USAGE},"s":"\x"}}"#), None),
+        ("null".to_owned(), None),
+        (String::new(), None),
+        // What the whole parse refuses in a member it would not use: an unpaired surrogate,
+        // numbers out of range, in a value or a nested key.
+        (format!(r#"{{{USAGE},"s":"\ud800"}}"#), None),
+        (format!(r#"{{{USAGE},"n":1e400}}"#), None),
+        (format!(r#"{{{USAGE},"n":-1e400}}"#), None),
+        (format!(r#"{{{USAGE},"n":1{}}}"#, "0".repeat(400)), None),
+        (format!(r#"{{{USAGE},"o":{{"\udc00":1}}}}"#), None),
+        // In range, and valid escapes: fine.
         (
-            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2}} x"#,
-            None,
-        ),
-        (
-            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2}"#,
-            None,
-        ),
-        (
-            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"bad":}"#,
-            None,
-        ),
-        (
-            r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"s":"\x"}"#,
-            None,
-        ),
-        ("null", None),
-        ("", None),
-        // Trailing white space is allowed by both.
-        (
-            "{\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}\r\n ",
+            format!(r#"{{{USAGE},"n":[1e300,-0,0.5e-3,1E2],"s":"\ud83d\ude00\n"}}"#),
             Some((1, 2)),
         ),
-    ];
-    for &(json, expected) in cases {
+        // Trailing white space is allowed by both.
+        (format!("{{{USAGE}}}\r\n "), Some((1, 2))),
+    ]
+    .into_iter()
+    .map(|(json, expected)| (json.into_bytes(), expected))
+    .chain([
+        // Invalid UTF-8 in a string the whole parse builds and this one skips, in a value and
+        // in a nested key; then in no string at all.
+        (
+            [format!(r#"{{{USAGE},"s":""#).as_bytes(), b"\xff\"}"].concat(),
+            None,
+        ),
+        (
+            [format!(r#"{{{USAGE},"o":{{""#).as_bytes(), b"\xc3\":1}}"].concat(),
+            None,
+        ),
+        ([format!("{{{USAGE}}}").as_bytes(), b"\xff"].concat(), None),
+    ])
+    .collect();
+    for (json, expected) in &cases {
         let expected = expected.map(|(prompt_tokens, completion_tokens)| Usage {
             prompt_tokens,
             completion_tokens,
         });
-        assert_eq!(whole(json), expected, "the whole parse of {json}");
-        assert_eq!(usage_in(json.as_bytes()), expected, "{json}");
+        let shown = String::from_utf8_lossy(json);
+        assert_eq!(whole(json), expected, "the whole parse of {shown}");
+        assert_eq!(usage_in(json), expected, "{shown}");
     }
-    // Nested past serde_json's recursion limit (127 arrays in the object) beside the usage:
-    // the whole parse refused such a document, and its usage was lost; skipping the rest
-    // takes no recursion (serde_json skips with a loop), so the usage is read. A body is at
-    // most `json_limit` bytes either way.
-    for depth in [100, 126, 127, 128, 1000, 100_000] {
+    // Nested beside the usage, up to and past serde_json's recursion limit: the same answer
+    // (the usage while under it, nothing past it).
+    for depth in [100, 126, 127, 128, 1000] {
         let deep = format!(
-            r#"{{"usage":{{"prompt_tokens":1,"completion_tokens":2}},"x":{}{}}}"#,
+            r#"{{{USAGE},"x":{}{}}}"#,
             "[".repeat(depth),
             "]".repeat(depth)
         );
         assert_eq!(
             usage_in(deep.as_bytes()),
-            Some(Usage {
-                prompt_tokens: 1,
-                completion_tokens: 2
-            }),
+            whole(deep.as_bytes()),
             "nested {depth} deep"
         );
     }
+    assert!(whole(format!(r#"{{{USAGE},"x":[[]]}}"#).as_bytes()).is_some());
+    assert!(
+        whole(
+            format!(
+                r#"{{{USAGE},"x":{}{}}}"#,
+                "[".repeat(1000),
+                "]".repeat(1000)
+            )
+            .as_bytes()
+        )
+        .is_none()
+    );
 }
