@@ -13,9 +13,10 @@
 //!    MONITOR shows as client `lua`) is counted per segment: the requirement is exactly one
 //!    `EVALSHA` in each, the same script in every admit segment, another in every settle one,
 //!    and nothing in an idle second after the last request. Start-up commands (`SCRIPT LOAD`,
-//!    connection setup) are reported separately, and so are the fleet's syncs (the budget the
-//!    replicas share: one `EVALSHA` a `fleet.sync_ms` on a connection of its own, told apart by
-//!    its `tollgate:fleet:` keys), which no request waits for. Leases are renewed every
+//!    connection setup) are reported separately, and so are the fleet's commands (the budget
+//!    the replicas share: one `EVALSHA` a `fleet.sync_ms` on a connection of its own, and the
+//!    run-time settings read with one `HGETALL` as often), told apart by their
+//!    `tollgate:fleet:` keys, which no request waits for. Leases are renewed every
 //!    `store.lease_renew_ms`; the configuration sets it to an hour so no renewal falls into the
 //!    run. MONITOR is closed before anything is timed: it slows Redis down.
 //!
@@ -584,6 +585,8 @@ struct RoundTripCheck {
     evalsha_calls: u64,
     /// Of those, the fleet's syncs (one a `fleet.sync_ms`, on their own connection).
     fleet_calls: u64,
+    /// The fleet's other commands over the checked requests, by name (its settings reads).
+    fleet_other: BTreeMap<String, u64>,
     passed: bool,
 }
 
@@ -672,6 +675,7 @@ async fn round_trip_check(
     // Split the log at our markers; keep tollgate's own commands (not ours, not its scripts').
     let mut segments: Vec<(String, Vec<RedisCommand>)> = vec![("before".to_owned(), Vec::new())];
     let mut fleet_calls = 0u64;
+    let mut fleet_other: BTreeMap<String, u64> = BTreeMap::new();
     for entry in log {
         if entry.client == own {
             if entry.command.name == "ECHO"
@@ -685,9 +689,13 @@ async fn round_trip_check(
             continue;
         }
         if entry.fleet {
-            // Counted once start-up is over, like the EVALSHA calls from INFO.
+            // Counted once start-up is over, the syncs like the EVALSHA calls from INFO.
             if segments.len() > 1 {
-                fleet_calls += 1;
+                if entry.command.name == "EVALSHA" {
+                    fleet_calls += 1;
+                } else {
+                    *fleet_other.entry(entry.command.name).or_insert(0) += 1;
+                }
             }
             continue;
         }
@@ -738,6 +746,7 @@ async fn round_trip_check(
         idle,
         evalsha_calls,
         fleet_calls,
+        fleet_other,
         passed,
     })
 }
@@ -807,6 +816,18 @@ impl RoundTripCheck {
                 ),
             ),
             (
+                "the fleet's other commands (off the path)".to_owned(),
+                if self.fleet_other.is_empty() {
+                    "none".to_owned()
+                } else {
+                    self.fleet_other
+                        .iter()
+                        .map(|(name, count)| format!("{name} x{count}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                },
+            ),
+            (
                 "exactly 1 round trip to admit, 1 to settle".to_owned(),
                 if self.passed { "PASS" } else { "FAIL" }.to_owned(),
             ),
@@ -826,6 +847,7 @@ impl RoundTripCheck {
             "idle": self.idle.iter().map(RedisCommand::label).collect::<Vec<_>>(),
             "evalsha_calls": self.evalsha_calls,
             "fleet_calls": self.fleet_calls,
+            "fleet_other_commands": self.fleet_other,
             "passed": self.passed,
         })
     }
@@ -924,8 +946,9 @@ struct MonitorEntry {
     /// `ip:port` of the client, or `lua` for a command a script ran.
     client: String,
     command: RedisCommand,
-    /// A fleet sync (`EVALSHA` on `tollgate:fleet:{...}` keys): the shared budget's
-    /// coordination, on a connection of its own and off every request's path.
+    /// A command on the fleet's keys (`tollgate:fleet:{...}`): its syncs (`EVALSHA`, on a
+    /// connection of their own) and its reads of the run-time settings (`HGETALL`, one per
+    /// `fleet.sync_ms`): the replicas' coordination, off every request's path.
     fleet: bool,
 }
 
@@ -1002,11 +1025,13 @@ fn parse_monitor_line(line: &str) -> Option<MonitorEntry> {
     let mut tokens = quoted_tokens(&rest[close + 2..], 4).into_iter();
     let name = tokens.next()?.to_ascii_uppercase();
     let arg = tokens.next().unwrap_or_default();
-    // EVALSHA sha numkeys key...: the first key tells a fleet sync.
-    let fleet = name == "EVALSHA"
-        && tokens
-            .nth(1)
-            .is_some_and(|key| key.starts_with("tollgate:fleet:"));
+    // EVALSHA sha numkeys key... names its first key third; other commands name it first.
+    let fleets = |key: &str| key.starts_with("tollgate:fleet:");
+    let fleet = if name == "EVALSHA" {
+        tokens.nth(1).is_some_and(|key| fleets(&key))
+    } else {
+        fleets(&arg)
+    };
     Some(MonitorEntry {
         client: client.to_owned(),
         command: RedisCommand { name, arg },

@@ -235,7 +235,8 @@ struct Counter {
     /// Which of the thread's search caches is this counter's.
     cache_index: usize,
     splitter: Regex,
-    /// Every vocabulary entry's bytes, borrowed from the `'static` tokenizer.
+    /// Every vocabulary entry's bytes (`entries`: packed, or borrowed from the `'static`
+    /// tokenizer where longer than 15 bytes).
     whole_tokens: EntrySet,
 }
 

@@ -274,7 +274,7 @@ impl ModelVocabulary {
                 "model.vocab has no entry for the byte {missing:#04x}: not a byte-level BPE"
             ));
         }
-        let longest_entry = whole_tokens.longest().max(1);
+        let longest_entry = whole_tokens.longest();
         let longest_added = added.iter().map(|t| t.len()).max().unwrap_or(1);
         let added_matcher = if added.is_empty() {
             None

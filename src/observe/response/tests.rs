@@ -609,7 +609,9 @@ fn usage_read_alone_is_the_usage_of_the_whole_document() {
             .and_then(|doc| doc.get("usage").and_then(usage_fields))
     };
     const USAGE: &str = r#""usage":{"prompt_tokens":1,"completion_tokens":2}"#;
-    let cases: Vec<(Vec<u8>, Option<(u64, u64)>)> = [
+    // A document and the usage both parses must find in it.
+    type Case = (Vec<u8>, Option<(u64, u64)>);
+    let cases: Vec<Case> = [
         (JSON_BODY.to_owned(), Some((9, 3))),
         (format!("{{{USAGE}}}"), Some((1, 2))),
         // The last of repeated members, as `Value` keeps it, either way round.
