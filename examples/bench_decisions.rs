@@ -772,6 +772,18 @@ impl RoundTripCheck {
             .join("; ")
     }
 
+    /// Commands by name with their counts, e.g. `SCRIPT LOAD x4, HGETALL x2`; `none`.
+    fn counted(counts: &BTreeMap<String, u64>) -> String {
+        if counts.is_empty() {
+            return "none".to_owned();
+        }
+        counts
+            .iter()
+            .map(|(name, count)| format!("{name} x{count}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     fn table(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(
@@ -779,22 +791,13 @@ impl RoundTripCheck {
             "\nRedis round trips per admitted request (MONITOR: commands of tollgate's own \
              connection; script-internal calls excluded)"
         );
-        let startup = if self.startup.is_empty() {
-            "none".to_owned()
-        } else {
-            self.startup
-                .iter()
-                .map(|(name, count)| format!("{name} x{count}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
         let idle = if self.idle.is_empty() {
             "none".to_owned()
         } else {
             Self::describe(std::slice::from_ref(&self.idle))
         };
         let rows = [
-            ("start-up, once".to_owned(), startup),
+            ("start-up, once".to_owned(), Self::counted(&self.startup)),
             (
                 format!("{} requests: headers + body -> admit answer", self.requests),
                 Self::describe(&self.admit_segments),
@@ -817,15 +820,7 @@ impl RoundTripCheck {
             ),
             (
                 "the fleet's other commands (off the path)".to_owned(),
-                if self.fleet_other.is_empty() {
-                    "none".to_owned()
-                } else {
-                    self.fleet_other
-                        .iter()
-                        .map(|(name, count)| format!("{name} x{count}"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                },
+                Self::counted(&self.fleet_other),
             ),
             (
                 "exactly 1 round trip to admit, 1 to settle".to_owned(),
