@@ -158,7 +158,7 @@ impl ResponseObserver {
                 if self.output_encoding.is_none() {
                     self.usage = usage_in(&self.pending);
                 } else if let Ok(doc) = serde_json::from_slice::<Value>(&self.pending) {
-                    self.usage = doc.get("usage").and_then(usage_fields);
+                    self.usage = usage_of(&doc);
                     // The count only stands in for missing usage (a settle charges usage when
                     // there is one), and it runs before Envoy gets its answer to the last
                     // chunk.
@@ -232,7 +232,7 @@ impl ResponseObserver {
             self.saw_done = true;
         } else if self.output_encoding.is_some() {
             if let Ok(chunk) = serde_json::from_slice::<Value>(data) {
-                if let Some(usage) = chunk.get("usage").and_then(usage_fields) {
+                if let Some(usage) = usage_of(&chunk) {
                     self.usage = Some(usage);
                 }
                 self.count_output(&chunk);
@@ -283,6 +283,11 @@ impl ResponseObserver {
     }
 }
 
+/// The usage a parsed document reports: its top-level `usage` member's counts.
+fn usage_of(doc: &Value) -> Option<Usage> {
+    doc.get("usage").and_then(usage_fields)
+}
+
 /// A usage object's counts; `None` unless both are integers from 0 up.
 fn usage_fields(usage: &Value) -> Option<Usage> {
     Some(Usage {
@@ -292,12 +297,12 @@ fn usage_fields(usage: &Value) -> Option<Usage> {
 }
 
 /// The usage a JSON document reports, exactly as parsing it into a `serde_json::Value` and
-/// reading its top-level `usage` member with `usage_fields` would: the last of repeated
-/// members, as `Value` keeps it, and `None` for a document that is not a JSON object or that
-/// the whole parse refuses (invalid UTF-8 or escapes in any string, a number out of range,
-/// nesting past serde_json's limit). Only the usage member is built; everything else is
-/// checked as the whole parse checks it and dropped ([`Skipped`]), where the whole parse
-/// allocated every string, array and object in it, once per response on the request path.
+/// reading it with `usage_of` would: the last of repeated members, as `Value` keeps it, and
+/// `None` for a document that is not a JSON object or that the whole parse refuses (invalid
+/// UTF-8 or escapes in any string, a number out of range, nesting past serde_json's limit).
+/// Only the usage member is built; everything else is checked as the whole parse checks it
+/// and dropped ([`Skipped`]), where the whole parse allocated every string, array and object
+/// in it, once per response on the request path.
 fn usage_in(json: &[u8]) -> Option<Usage> {
     serde_json::from_slice::<UsageMember>(json).ok()?.0
 }
