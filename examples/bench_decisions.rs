@@ -33,7 +33,9 @@
 //!
 //!    The load is closed loop: `--concurrency` workers over `--connections` HTTP/2 connections,
 //!    each repeating one *decision*: open a stream, send request headers (one of `--tenants`
-//!    users) and a `--body-bytes` chat body, read the body answer (it must admit), send response
+//!    users) and a `--body-bytes` chat body, a different text every time (a serial number starts
+//!    its user message; `--shared-system-bytes` adds a system message every body repeats, which
+//!    tollgate's count cache answers for), read the body answer (it must admit), send response
 //!    headers (200, JSON) and a response body with `usage` and `end_of_stream`, read both
 //!    answers, half-close, and wait for the server to end the stream. tollgate ends it after its
 //!    settle, so each decision includes one reserve and one settle. CPU time is utime + stime from
@@ -64,8 +66,10 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -129,8 +133,15 @@ struct Args {
     #[arg(long, default_value_t = 100)]
     tenants: usize,
     /// Size of the request body in bytes (the prose is cut to make the JSON exactly this long).
+    /// Every body is a different text: its user message starts with the decision's serial
+    /// number, so tollgate's count cache never answers for it.
     #[arg(long, default_value_t = 4096)]
     body_bytes: usize,
+    /// Bytes of prose in a system message that every body repeats (0: none), as an
+    /// application's system prompt or a conversation's earlier turns come back; taken out of
+    /// `--body-bytes`, and the user message after it is still different every time.
+    #[arg(long, default_value_t = 0)]
+    shared_system_bytes: usize,
     /// Admitted requests, one at a time, for the round-trip check under MONITOR (0: skip it).
     #[arg(long, default_value_t = 200)]
     check_requests: usize,
@@ -189,7 +200,11 @@ async fn bench(args: &Args) -> Result<bool> {
     let machine = Machine::describe_and_sample(("redis_version", redis_version.clone())).await;
     eprintln!("machine: {}; {redis_version}", machine.headline());
 
-    let messages = Arc::new(Messages::new(args.tenants, args.body_bytes)?);
+    let messages = Arc::new(Messages::new(
+        args.tenants,
+        args.body_bytes,
+        args.shared_system_bytes,
+    )?);
     let dir = tempfile::tempdir().context("temp dir for configs and logs")?;
     let clock_ticks = clock_ticks_per_second();
 
@@ -325,6 +340,7 @@ async fn bench(args: &Args) -> Result<bool> {
                 "connections": args.connections,
                 "tenants": args.tenants,
                 "body_bytes": args.body_bytes,
+                "shared_system_bytes": args.shared_system_bytes,
                 "client_threads": args.client_threads,
                 "store_timeout_ms": args.store_timeout_ms,
             },
@@ -364,17 +380,22 @@ fn tollgate_config(store_timeout_ms: u64) -> String {
 // ---------------------------------------------------------------------------------------------
 // The messages of one decision
 
-/// Every message a decision sends, built once: per-tenant request headers, the body, and the
-/// response.
+/// Every message a decision sends, built once: per-tenant request headers, the body (stamped
+/// with a serial number for each decision), and the response.
 struct Messages {
     headers: Vec<ProcessingRequest>,
     body: ProcessingRequest,
+    /// Where in `body`'s bytes the serial number goes (`SERIAL_DIGITS` zeros).
+    serial_at: Range<usize>,
+    /// The next decision's serial number, over every run of the benchmark: a server never
+    /// sees the same body twice.
+    next_serial: AtomicU64,
     response_headers: ProcessingRequest,
     response_body: ProcessingRequest,
 }
 
 impl Messages {
-    fn new(tenants: usize, body_bytes: usize) -> Result<Messages> {
+    fn new(tenants: usize, body_bytes: usize, shared_system_bytes: usize) -> Result<Messages> {
         let headers = (0..tenants)
             .map(|tenant| {
                 let user = format!("tenant-{tenant:03}");
@@ -403,13 +424,16 @@ impl Messages {
             }],
             "usage": {"prompt_tokens": 900, "completion_tokens": 8, "total_tokens": 908},
         }))?;
+        let (body, serial_at) = chat_body(body_bytes, shared_system_bytes)?;
         Ok(Messages {
             headers,
             body: message(Message::RequestBody(HttpBody {
-                body: chat_body(body_bytes)?,
+                body,
                 end_of_stream: true,
                 ..HttpBody::default()
             })),
+            serial_at,
+            next_serial: AtomicU64::new(0),
             response_headers: message(Message::ResponseHeaders(HttpHeaders {
                 headers: Some(header_map(&[
                     (":status", "200"),
@@ -427,31 +451,65 @@ impl Messages {
     }
 }
 
-/// A non-streaming chat request of exactly `bytes` bytes: English prose in one user message,
-/// `max_tokens: 16`, so tollgate counts real tokens and rewrites nothing.
-fn chat_body(bytes: usize) -> Result<Vec<u8>> {
+impl Messages {
+    /// The next decision's request body: the body with a serial number no earlier one had.
+    fn body(&self) -> ProcessingRequest {
+        let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
+        let mut body = self.body.clone();
+        if let Some(Message::RequestBody(HttpBody { body, .. })) = &mut body.request {
+            let digits = format!("{serial:0width$}", width = SERIAL_DIGITS);
+            body[self.serial_at.clone()].copy_from_slice(&digits.as_bytes()[..SERIAL_DIGITS]);
+        }
+        body
+    }
+}
+
+/// Digits of the serial number that starts each body's user message.
+const SERIAL_DIGITS: usize = 12;
+
+/// A non-streaming chat request of exactly `bytes` bytes: English prose, `max_tokens: 16`, so
+/// tollgate counts real tokens and rewrites nothing. `shared_system_bytes` of the prose go in
+/// a system message, the same in every body; the user message holds the rest, after
+/// `SERIAL_DIGITS` zeros and a space, whose place is returned for `Messages::body` to stamp.
+fn chat_body(bytes: usize, shared_system_bytes: usize) -> Result<(Vec<u8>, Range<usize>)> {
     const PROSE: &str = "The quick brown fox jumps over the lazy dog while the committee reviews \
         the quarterly budget, weighing every request against the tokens it may spend. ";
-    let skeleton = |content: &str| {
+    let zeros = "0".repeat(SERIAL_DIGITS);
+    let skeleton = |system: &str, user: &str| {
+        let user = json!({"role": "user", "content": format!("{zeros} {user}")});
+        let messages = if shared_system_bytes == 0 {
+            json!([user])
+        } else {
+            json!([{"role": "system", "content": system}, user])
+        };
         serde_json::to_vec(&json!({
             "model": "gpt-4o-mini",
-            "messages": [{"role": "user", "content": content}],
+            "messages": messages,
             "max_tokens": 16,
         }))
     };
-    let overhead = skeleton("")?.len();
+    let overhead = skeleton("", "")?.len();
     ensure!(
-        bytes >= overhead,
-        "--body-bytes must be at least {overhead} (the JSON around the prose)"
+        bytes >= overhead + shared_system_bytes,
+        "--body-bytes must be at least {overhead} (the JSON around the prose) plus \
+         --shared-system-bytes"
     );
-    let content: String = PROSE.chars().cycle().take(bytes - overhead).collect();
-    let body = skeleton(&content)?;
+    let prose = |len| PROSE.chars().cycle().take(len).collect::<String>();
+    let body = skeleton(
+        &prose(shared_system_bytes),
+        &prose(bytes - overhead - shared_system_bytes),
+    )?;
     ensure!(
         body.len() == bytes,
         "chat body is {} bytes, not {bytes}",
         body.len()
     );
-    Ok(body)
+    // The prose has no digits, so the zeros are found only where the serial goes.
+    let serial_at = body
+        .windows(SERIAL_DIGITS)
+        .position(|window| window == zeros.as_bytes())
+        .context("the serial number's place in the chat body")?;
+    Ok((body, serial_at..serial_at + SERIAL_DIGITS))
 }
 
 fn header_map(headers: &[(&str, &str)]) -> HeaderMap {
@@ -500,7 +558,7 @@ async fn admit(
         .map_err(|status| grpc_error("open", &status))?
         .into_inner();
     expect(&mut rx, "request_headers").await?;
-    send(&tx, messages.body.clone()).await?;
+    send(&tx, messages.body()).await?;
     expect(&mut rx, "request_body").await?;
     Ok(Admitted { tx, rx })
 }

@@ -86,10 +86,11 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -990,8 +991,10 @@ impl Config {
 struct Target {
     config: Config,
     url: String,
-    /// Reference-counted, so each request shares it instead of copying 4 KB.
+    /// The body every request is a copy of, with its own serial number.
     body: Bytes,
+    /// Where in `body` the serial number goes.
+    serial_at: Range<usize>,
     client: reqwest::Client,
 }
 
@@ -1009,12 +1012,27 @@ impl Target {
             .timeout(REQUEST_TIMEOUT)
             .build()
             .context("build the load client")?;
+        let zeros = "0".repeat(SERIAL_DIGITS);
+        let serial_at = body
+            .find(&zeros)
+            .context("the serial number's place in the chat body")?;
         Ok(Target {
             config,
             url: format!("http://{listen}/v1/chat/completions"),
             body: Bytes::from(body.to_owned()),
+            serial_at: serial_at..serial_at + SERIAL_DIGITS,
             client,
         })
+    }
+
+    /// A copy of the body with the next serial number (4 KB copied: the client's cost, not a
+    /// server's).
+    fn numbered_body(&self) -> Vec<u8> {
+        let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
+        let mut body = self.body.to_vec();
+        let digits = format!("{serial:0width$}", width = SERIAL_DIGITS);
+        body[self.serial_at.clone()].copy_from_slice(&digits.as_bytes()[..SERIAL_DIGITS]);
+        body
     }
 
     fn request(&self, user: &str) -> reqwest::RequestBuilder {
@@ -1023,7 +1041,7 @@ impl Target {
             .post(&self.url)
             .header("content-type", "application/json")
             .header("x-user-id", user)
-            .body(self.body.clone());
+            .body(self.numbered_body());
         if self.config == Config::L {
             // LiteLLM knows users by their keys (examples/bench/litellm/custom_auth.py).
             request.bearer_auth(format!("sk-bench-{user}"))
@@ -1033,9 +1051,16 @@ impl Target {
     }
 }
 
+/// Digits of the serial number that starts every request's prompt (`Target::request`), so no
+/// two bodies are the same and tollgate's count cache never answers for one: every request is
+/// counted, as before the cache.
+const SERIAL_DIGITS: usize = 12;
+/// The next request's serial number, over every target and round of the run.
+static NEXT_SERIAL: AtomicU64 = AtomicU64::new(0);
+
 /// A chat request body of exactly `bytes` bytes: ASCII prose (no characters JSON escapes) in
-/// one user message; `max_tokens: 16`, non-streaming, or with `stream_tokens` > 0 streamed with
-/// that many tokens.
+/// one user message, after `SERIAL_DIGITS` zeros and a space (the prose has no digits);
+/// `max_tokens: 16`, non-streaming, or with `stream_tokens` > 0 streamed with that many tokens.
 fn chat_body(bytes: usize, stream_tokens: u32) -> Result<String> {
     let render = |content: &str| {
         let mut body = json!({
@@ -1049,7 +1074,8 @@ fn chat_body(bytes: usize, stream_tokens: u32) -> Result<String> {
         }
         body.to_string()
     };
-    let skeleton = render("").len();
+    let serial = "0".repeat(SERIAL_DIGITS) + " ";
+    let skeleton = render(&serial).len();
     ensure!(
         bytes > skeleton,
         "--body-bytes must be over {skeleton} (the JSON around the prose)"
@@ -1061,10 +1087,11 @@ fn chat_body(bytes: usize, stream_tokens: u32) -> Result<String> {
         Operators watch the time to first token, the queue depth and the share each tenant \
         receives, and they tune the limits so that one busy team cannot starve the others. ";
     let mut content = String::with_capacity(bytes);
-    while content.len() < bytes - skeleton {
+    content.push_str(&serial);
+    while content.len() < bytes - skeleton + serial.len() {
         content.push_str(PROSE);
     }
-    content.truncate(bytes - skeleton);
+    content.truncate(bytes - skeleton + serial.len());
     let body = render(&content);
     ensure!(
         body.len() == bytes,

@@ -26,6 +26,7 @@ const DECIDING: &[&str] = &[
     "src/admission.rs",
     "src/tokens.rs",
     "src/tokens/ascii.rs",
+    "src/tokens/count_cache.rs",
     "src/tokens/entries.rs",
     "src/tokens/model.rs",
     "src/tokens/template.rs",

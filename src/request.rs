@@ -420,7 +420,7 @@ impl Counter {
             return true;
         }
         let limit = usize::try_from(self.remaining).unwrap_or(usize::MAX);
-        match self.encoding.count_till_limit(text, limit) {
+        match self.encoding.count_till_limit_cached(text, limit) {
             Some(n) => self.add_fixed(n as u64),
             None => false,
         }

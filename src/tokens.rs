@@ -30,7 +30,8 @@
 //! tiktoken's own `encode_ordinary` does for such a piece before it merges anything. On ASCII
 //! text it cuts pieces without the regex (`ascii`), which was half of what remained.
 //!
-//! This module is pure: no I/O, no clocks, no async.
+//! This module is pure: no I/O, no clocks, no async. The count cache remembers answers; it
+//! changes none.
 
 use std::cell::RefCell;
 use std::sync::LazyLock;
@@ -41,12 +42,14 @@ use regex_automata::{Anchored, Input};
 use serde::{Deserialize, Serialize};
 
 mod ascii;
+mod count_cache;
 mod entries;
 mod model;
 mod template;
 #[cfg(test)]
 mod tests;
 
+use count_cache::CountCache;
 use entries::EntrySet;
 pub use model::ModelVocabulary;
 pub use template::ChatTemplate;
@@ -83,6 +86,12 @@ const O200K_MODEL_PATTERNS: &[&str] = &[
 /// one token in both; the tests check every entry), so a text of `n` bytes has
 /// at least `n / MAX_TOKEN_BYTES` tokens, rounded up.
 const MAX_TOKEN_BYTES: usize = 128;
+
+/// The text the count cache may hold, in bytes: a few thousand long prompts' messages.
+const COUNT_CACHE_BYTES: usize = 32 << 20;
+
+/// The counts of long texts already counted on the request path, shared by every worker.
+static COUNT_CACHE: LazyLock<CountCache> = LazyLock::new(|| CountCache::new(COUNT_CACHE_BYTES));
 
 /// Text for [`Encoding::warm_up`] that walks every branch of the
 /// pre-tokenisation regexes (letters, contractions, digits, punctuation,
@@ -139,6 +148,26 @@ impl Encoding {
             return None;
         }
         self.counter().count_till_limit(text, limit)
+    }
+
+    /// [`Encoding::count_till_limit`], answered from the counts of texts already counted where
+    /// `text` is one of them (`count_cache`): the same answer, without counting a long text
+    /// that comes back (a conversation's earlier turns, a shared system prompt) again. The
+    /// request path counts with this; benchmarks of counting itself use the plain one.
+    pub fn count_till_limit_cached(self, text: &str, limit: usize) -> Option<usize> {
+        COUNT_CACHE.count_till_limit(self.cache_key(), text, limit, |limit| {
+            self.count_till_limit(text, limit)
+        })
+    }
+
+    /// What tells this encoding's entries apart in the count cache: a model's vocabulary by
+    /// its address (vocabularies are loaded once and never freed), OpenAI's by 0 and 1.
+    fn cache_key(self) -> usize {
+        match self {
+            Encoding::Cl100kBase => 0,
+            Encoding::O200kBase => 1,
+            Encoding::Model(vocabulary) => std::ptr::from_ref(vocabulary) as usize,
+        }
     }
 
     /// The special tokens the tokenizer adds around a prompt encoded with

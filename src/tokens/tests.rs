@@ -813,3 +813,44 @@ fn ascii_fast_path_cuts_where_the_regex_does() {
         assert!(fast_pieces > 50_000, "{encoding:?}: {fast_pieces}");
     }
 }
+
+/// The request path's cached count gives the plain count's answer at every limit, whether
+/// the text is counted or found: each corpus glued together, over and under the cache's
+/// minimum, in both encodings, and the two encodings kept apart.
+#[test]
+fn cached_count_answers_as_the_count_does() {
+    let corpus: Vec<&str> = [PROSE, CODE, JSON, CJK, EMOJI, WHITESPACE, DIGITS].concat();
+    let glued = corpus.join("\n");
+    let texts = [
+        glued.clone(),
+        glued[..(0..count_cache::MIN_CACHED_BYTES)
+            .rev()
+            .find(|&end| glued.is_char_boundary(end))
+            .unwrap_or(0)]
+            .to_owned(),
+        format!("{glued} and a tail only this text has"),
+        PROSE.concat().repeat(8),
+    ];
+    for text in &texts {
+        for encoding in ENCODINGS {
+            let count = encoding.count(text);
+            // The plain count's answer on every call: counted (the first two: a text is kept
+            // when it comes back), then found, over the limit and under it.
+            for limit in [usize::MAX, count + 1, count, count - 1, count / 2, 0] {
+                for call in ["first", "second", "third"] {
+                    assert_eq!(
+                        encoding.count_till_limit_cached(text, limit),
+                        encoding.count_till_limit(text, limit),
+                        "{encoding:?}, {} bytes, limit {limit} of {count}, {call} call",
+                        text.len()
+                    );
+                }
+            }
+        }
+    }
+    assert_ne!(
+        Encoding::Cl100kBase.count(&glued),
+        Encoding::O200kBase.count(&glued),
+        "the corpus must tell the encodings apart for the check above to mean anything"
+    );
+}

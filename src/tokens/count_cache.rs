@@ -1,0 +1,360 @@
+//! The token counts of long texts already counted, so a text that comes back is not counted
+//! again (`Encoding::count_till_limit_cached`).
+//!
+//! Texts come back all the time: a chat client resends the whole conversation every turn, an
+//! agent resends its growing transcript every step, and an application sends the same system
+//! prompt with every request. Counting is linear in the text, so without this a conversation
+//! of `n` turns costs `n²` to count, and counting is most of what a decision costs
+//! (docs/benchmarks.md, "Where a decision's CPU goes").
+//!
+//! Exact by construction: an entry keeps the whole text and is found only by comparing it
+//! byte for byte, so the hash decides nothing but where to look. It is seeded at random for
+//! each process, as the texts are the clients' own (collisions cost a comparison, no more).
+//! An entry is a full count, made only when counting reached the end of the text within its
+//! limit; a count cut short by its limit is not kept.
+//!
+//! A text is kept the second time it is counted, not the first. Most texts are seen once (each
+//! turn's new message), and keeping those would cost a copy and an allocation per request and
+//! push out the texts that do come back. The first sighting leaves only the text's hash, in a
+//! fixed table of hashes (`seen`, TinyLFU's "doorkeeper"); a later text with the same hash in
+//! that slot is kept. A hash collision there only keeps a text early, which changes no count.
+//!
+//! Bounded: the texts kept take at most `capacity_bytes` (plus a few dozen bytes per entry).
+//! Each shard keeps two generations; once the current one is full it becomes the previous one
+//! and the previous one is dropped (outside the lock). A text found in the previous generation
+//! moves to the current one, so what keeps coming back stays. Every operation is O(1) apart
+//! from hashing and comparing the text, and from freeing a dropped generation's texts, which
+//! each insert has paid for.
+//!
+//! Not a clock, not I/O: what it holds changes which texts are counted, never a count.
+
+use std::hash::BuildHasher;
+use std::sync::{Mutex, PoisonError};
+
+use hashbrown::HashTable;
+
+/// Texts shorter than this are counted every time: hashing and looking one up costs about as
+/// much as counting it.
+pub const MIN_CACHED_BYTES: usize = 512;
+
+/// Independent locks, so the async workers rarely wait on one another.
+const SHARDS: usize = 16;
+
+/// Hashes of texts seen once, per shard: the last one of each slot is remembered.
+const SEEN_SLOTS: usize = 4096;
+
+/// Counts of texts of at least `MIN_CACHED_BYTES`, keyed by the encoding that counted them.
+pub struct CountCache {
+    hasher: foldhash::quality::RandomState,
+    shards: Box<[Mutex<Shard>]>,
+    /// What one generation of one shard may hold, in bytes of text.
+    generation_bytes: usize,
+}
+
+struct Entry {
+    hash: u64,
+    encoding: usize,
+    text: Box<[u8]>,
+    tokens: usize,
+}
+
+#[derive(Default)]
+struct Generation {
+    entries: HashTable<Entry>,
+    bytes: usize,
+}
+
+struct Shard {
+    current: Generation,
+    previous: Generation,
+    /// The hashes of texts counted once (0: none), each in the slot its hash picks.
+    seen: Box<[u64]>,
+}
+
+impl Default for Shard {
+    fn default() -> Shard {
+        Shard {
+            current: Generation::default(),
+            previous: Generation::default(),
+            seen: vec![0; SEEN_SLOTS].into_boxed_slice(),
+        }
+    }
+}
+
+impl CountCache {
+    /// A cache holding at most `capacity_bytes` of text (split evenly over its shards and
+    /// their two generations). A text longer than one generation's share is never kept.
+    pub fn new(capacity_bytes: usize) -> CountCache {
+        CountCache {
+            hasher: foldhash::quality::RandomState::default(),
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            generation_bytes: capacity_bytes / SHARDS / 2,
+        }
+    }
+
+    /// `Some(count)` if `text` has at most `limit` tokens in the encoding numbered `encoding`,
+    /// else `None`: the answer `count_till_limit(limit)` gives, which is asked only when the
+    /// text's count is not kept, and kept when it is a full count.
+    pub fn count_till_limit(
+        &self,
+        encoding: usize,
+        text: &str,
+        limit: usize,
+        count_till_limit: impl FnOnce(usize) -> Option<usize>,
+    ) -> Option<usize> {
+        let text = text.as_bytes();
+        if text.len() < MIN_CACHED_BYTES || text.len() > self.generation_bytes {
+            return count_till_limit(limit);
+        }
+        let hash = self.hasher.hash_one((encoding, text));
+        let shard = &self.shards[shard_of(hash)];
+        let seen_before = {
+            let mut shard = lock(shard);
+            if let Some(tokens) = shard.find(hash, encoding, text, self.generation_bytes) {
+                return (tokens <= limit).then_some(tokens);
+            }
+            shard.seen_before(hash)
+        };
+        let tokens = count_till_limit(limit)?;
+        if !seen_before {
+            return Some(tokens);
+        }
+        let entry = Entry {
+            hash,
+            encoding,
+            text: text.into(),
+            tokens,
+        };
+        // A dropped generation's texts are freed after the lock is let go.
+        let _dropped = lock(shard).insert(entry, self.generation_bytes);
+        Some(tokens)
+    }
+
+    /// Bytes of text held now (for the tests' bound).
+    #[cfg(test)]
+    fn bytes_held(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|shard| {
+                let shard = lock(shard);
+                shard.current.bytes + shard.previous.bytes
+            })
+            .sum()
+    }
+}
+
+impl Shard {
+    /// The count kept for `text`, moving it to the current generation if it was in the previous.
+    fn find(
+        &mut self,
+        hash: u64,
+        encoding: usize,
+        text: &[u8],
+        generation_bytes: usize,
+    ) -> Option<usize> {
+        let matches = |entry: &Entry| entry.encoding == encoding && *entry.text == *text;
+        if let Some(entry) = self.current.entries.find(hash, matches) {
+            return Some(entry.tokens);
+        }
+        let (entry, _) = self
+            .previous
+            .entries
+            .find_entry(hash, matches)
+            .ok()?
+            .remove();
+        self.previous.bytes -= entry.text.len();
+        let tokens = entry.tokens;
+        // The generation this pushes out, if any, goes with this shard's lock held: a hit in
+        // the previous generation is rare next to one in the current.
+        drop(self.insert(entry, generation_bytes));
+        Some(tokens)
+    }
+
+    /// Whether a text with this hash was counted before (the last one in its slot), and
+    /// remembers that this one was.
+    fn seen_before(&mut self, hash: u64) -> bool {
+        let slot = &mut self.seen[hash as usize % SEEN_SLOTS];
+        std::mem::replace(slot, hash) == hash
+    }
+
+    /// Keeps `entry` in the current generation, first making it the previous one if `entry`
+    /// would take it past `generation_bytes`; returns the generation that was dropped, if any.
+    fn insert(&mut self, entry: Entry, generation_bytes: usize) -> Option<Generation> {
+        let hash = entry.hash;
+        // Another worker may have counted the same text meanwhile.
+        if self
+            .current
+            .entries
+            .find(hash, |kept| {
+                kept.encoding == entry.encoding && kept.text == entry.text
+            })
+            .is_some()
+        {
+            return None;
+        }
+        let dropped = (self.current.bytes + entry.text.len() > generation_bytes)
+            .then(|| std::mem::replace(&mut self.previous, std::mem::take(&mut self.current)));
+        self.current.bytes += entry.text.len();
+        self.current
+            .entries
+            .insert_unique(hash, entry, |entry| entry.hash);
+        dropped
+    }
+}
+
+fn shard_of(hash: u64) -> usize {
+    // The table picks buckets with the hash's low bits and control bytes with its top seven;
+    // the shard takes bits in between.
+    (hash >> 32) as usize % SHARDS
+}
+
+fn lock(shard: &Mutex<Shard>) -> std::sync::MutexGuard<'_, Shard> {
+    // A panic mid-insert leaves at worst an entry missing or a byte total high: still exact.
+    shard.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    /// A stand-in counter: one token per 4 bytes, rounded up, and how often it was asked.
+    fn quarter_counter(text: &str, calls: &Cell<usize>) -> impl FnOnce(usize) -> Option<usize> {
+        let tokens = text.len().div_ceil(4);
+        move |limit| {
+            calls.set(calls.get() + 1);
+            (tokens <= limit).then_some(tokens)
+        }
+    }
+
+    fn text(seed: usize, len: usize) -> String {
+        format!("{seed:08} ")
+            .chars()
+            .chain("abcdefgh ".chars().cycle())
+            .take(len)
+            .collect()
+    }
+
+    #[test]
+    fn answers_as_the_counter_would_and_counts_a_long_text_once() {
+        let cache = CountCache::new(1 << 20);
+        let long = text(1, 1000); // 250 tokens
+        let calls = Cell::new(0);
+        // (limit, expected, counter asked)
+        let table = [
+            (10, None, 1),              // cut short: not kept
+            (usize::MAX, Some(250), 1), // counted a second time: kept
+            (250, Some(250), 0),
+            (249, None, 0),
+            (0, None, 0),
+            (1000, Some(250), 0),
+        ];
+        for (limit, expected, asked) in table {
+            calls.set(0);
+            let got = cache.count_till_limit(0, &long, limit, quarter_counter(&long, &calls));
+            assert_eq!((got, calls.get()), (expected, asked), "limit {limit}");
+        }
+    }
+
+    #[test]
+    fn a_short_text_and_another_encoding_are_counted_anew() {
+        let cache = CountCache::new(1 << 20);
+        let short = text(2, MIN_CACHED_BYTES - 1);
+        let long = text(3, MIN_CACHED_BYTES);
+        let calls = Cell::new(0);
+        for _ in 0..2 {
+            cache.count_till_limit(0, &short, usize::MAX, quarter_counter(&short, &calls));
+        }
+        assert_eq!(
+            calls.get(),
+            2,
+            "a text under MIN_CACHED_BYTES is never kept"
+        );
+        calls.set(0);
+        for encoding in [0, 1, 0, 1, 0, 1] {
+            cache.count_till_limit(encoding, &long, usize::MAX, quarter_counter(&long, &calls));
+        }
+        assert_eq!(calls.get(), 4, "counted twice per encoding, then kept");
+        // The same length, another text: not mistaken for the one kept.
+        let other = text(4, MIN_CACHED_BYTES);
+        assert_eq!(
+            cache.count_till_limit(0, &other, usize::MAX, |_| Some(7)),
+            Some(7)
+        );
+    }
+
+    #[test]
+    fn holds_at_most_its_capacity_and_keeps_what_comes_back() {
+        const CAPACITY: usize = 64 * 1024;
+        let cache = CountCache::new(CAPACITY);
+        let calls = Cell::new(0);
+        let hot = text(0, 600);
+        for _ in 0..2 {
+            cache.count_till_limit(0, &hot, usize::MAX, quarter_counter(&hot, &calls));
+        }
+        for seed in 1..2000 {
+            let cold = text(seed, 600);
+            cache.count_till_limit(0, &cold, usize::MAX, quarter_counter(&cold, &calls));
+            cache.count_till_limit(0, &hot, usize::MAX, quarter_counter(&hot, &calls));
+            assert!(
+                cache.bytes_held() <= CAPACITY,
+                "{} bytes held",
+                cache.bytes_held()
+            );
+        }
+        // The text that keeps coming back counted twice, then kept, and it stays; 1999 texts
+        // counted once each and never kept (each was seen once).
+        assert_eq!(calls.get(), 2001);
+        assert!(
+            cache.bytes_held() <= 2 * 600,
+            "only the text that came back is kept"
+        );
+        // Texts that all come back, more than fit: counted twice each, then held within the
+        // capacity, pushing one another out.
+        let many: Vec<String> = (5000..5200).map(|seed| text(seed, 600)).collect();
+        for _ in 0..3 {
+            for text in &many {
+                cache.count_till_limit(0, text, usize::MAX, quarter_counter(text, &calls));
+                assert!(
+                    cache.bytes_held() <= CAPACITY,
+                    "{} bytes held",
+                    cache.bytes_held()
+                );
+            }
+        }
+        assert!(
+            cache.bytes_held() > CAPACITY / 4,
+            "{} bytes held",
+            cache.bytes_held()
+        );
+        // A text longer than a generation's share is counted and not kept.
+        let huge = text(9, CAPACITY / SHARDS / 2 + 1);
+        calls.set(0);
+        for _ in 0..3 {
+            cache.count_till_limit(0, &huge, usize::MAX, quarter_counter(&huge, &calls));
+        }
+        assert_eq!(calls.get(), 3);
+    }
+
+    #[test]
+    fn threads_sharing_it_get_the_counter_s_answers() {
+        let cache = CountCache::new(1 << 20);
+        let texts: Vec<String> = (0..64).map(|seed| text(seed, 700 + seed)).collect();
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    for round in 0..50 {
+                        for text in &texts {
+                            let limit = if round % 3 == 0 { 100 } else { usize::MAX };
+                            let tokens = text.len().div_ceil(4);
+                            let got = cache.count_till_limit(0, text, limit, |limit| {
+                                (tokens <= limit).then_some(tokens)
+                            });
+                            assert_eq!(got, (tokens <= limit).then_some(tokens));
+                        }
+                    }
+                });
+            }
+        });
+    }
+}
