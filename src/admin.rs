@@ -472,6 +472,9 @@ async fn metrics_text(State(state): State<AdminState>) -> impl IntoResponse {
     // The budget's gauges are read at scrape time: exact, and nothing on the request path
     // has to keep them current.
     state.metrics.scheduler_load(state.scheduler.load());
+    state
+        .metrics
+        .count_cache(crate::tokens::Encoding::count_cache_stats());
     (
         [(
             header::CONTENT_TYPE,

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+use crate::tokens::CountCacheStats;
 use response::ResponseEnd;
 
 pub const REQUESTS: &str = "tollgate_requests_total";
@@ -37,6 +38,8 @@ pub const DECISION_DURATION: &str = "tollgate_decision_duration_seconds";
 pub const PROTOCOL_ERRORS: &str = "tollgate_protocol_errors_total";
 pub const RESPONSE_REPORTS: &str = "tollgate_response_reports_total";
 pub const CHAT_TEMPLATE_FALLBACKS: &str = "tollgate_chat_template_fallbacks_total";
+pub const COUNT_CACHE_LOOKUPS: &str = "tollgate_token_count_cache_lookups_total";
+pub const COUNT_CACHE_BYTES: &str = "tollgate_token_count_cache_bytes";
 pub const INFLIGHT_LIMIT: &str = "tollgate_inflight_limit";
 pub const INFLIGHT: &str = "tollgate_inflight_requests";
 pub const QUEUED: &str = "tollgate_queued_requests";
@@ -480,6 +483,9 @@ struct Inner {
     /// By `ResponseReport`, then `ReportOutcome`.
     response_reports: Vec<Vec<Counter>>,
     chat_template_fallbacks: Counter,
+    /// `[found, counted]`.
+    count_cache_lookups: [Counter; 2],
+    count_cache_bytes: Gauge,
     inflight_limit: Gauge,
     inflight: Gauge,
     queued_body_bytes: Gauge,
@@ -637,6 +643,16 @@ impl Metrics {
             CHAT_TEMPLATE_FALLBACKS,
             Unit::Count,
             "Admitted chats a model's chat template refused, counted by the per-message recipe.",
+        );
+        r.describe_counter(
+            COUNT_CACHE_LOOKUPS,
+            Unit::Count,
+            "Prompt texts of 512 bytes or more on the request path, by result: found (a text counted before, not counted again) or counted.",
+        );
+        r.describe_gauge(
+            COUNT_CACHE_BYTES,
+            Unit::Bytes,
+            "Bytes of prompt text whose token counts are kept (at most 32 MiB).",
         );
 
         r.describe_gauge(
@@ -842,6 +858,9 @@ impl Metrics {
             held_streams: r.gauge(HELD_STREAMS, &[]),
             decision_duration: r.histogram(DECISION_DURATION, &[]),
             chat_template_fallbacks: r.counter(CHAT_TEMPLATE_FALLBACKS, &[]),
+            count_cache_lookups: ["found", "counted"]
+                .map(|result| r.counter(COUNT_CACHE_LOOKUPS, &[("result", result)])),
+            count_cache_bytes: r.gauge(COUNT_CACHE_BYTES, &[]),
             protocol_errors: ProtocolError::ALL
                 .iter()
                 .map(|k| r.counter(PROTOCOL_ERRORS, &[("kind", k.label())]))
@@ -1032,6 +1051,14 @@ impl Metrics {
     }
 
     /// Publishes the scheduler's budget, in-flight count and limit.
+    /// The token count cache's totals, read at scrape time.
+    pub fn count_cache(&self, stats: CountCacheStats) {
+        let [found, counted] = &self.inner.count_cache_lookups;
+        found.absolute(stats.found);
+        counted.absolute(stats.counted);
+        self.inner.count_cache_bytes.set(stats.bytes as f64);
+    }
+
     pub fn scheduler_load(&self, load: impl Into<SchedulerGauges>) {
         let load = load.into();
         self.inner.inflight_limit.set(f64::from(load.limit));

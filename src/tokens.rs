@@ -50,6 +50,7 @@ mod template;
 mod tests;
 
 use count_cache::CountCache;
+pub use count_cache::CountCacheStats;
 use entries::EntrySet;
 pub use model::ModelVocabulary;
 pub use template::ChatTemplate;
@@ -158,6 +159,12 @@ impl Encoding {
         COUNT_CACHE.count_till_limit(self.cache_key(), text, limit, |limit| {
             self.count_till_limit(text, limit)
         })
+    }
+
+    /// What the count cache has done so far (`Encoding::count_till_limit_cached`), for the
+    /// metrics.
+    pub fn count_cache_stats() -> CountCacheStats {
+        COUNT_CACHE.stats()
     }
 
     /// What tells this encoding's entries apart in the count cache: a model's vocabulary by

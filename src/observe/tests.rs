@@ -103,6 +103,8 @@ const METRICS: &[(&str, &str)] = &[
     (DECISION_DURATION, "histogram"),
     (PROTOCOL_ERRORS, "counter"),
     (RESPONSE_REPORTS, "counter"),
+    (COUNT_CACHE_LOOKUPS, "counter"),
+    (COUNT_CACHE_BYTES, "gauge"),
     (INFLIGHT_LIMIT, "gauge"),
     (INFLIGHT, "gauge"),
     (QUEUED, "gauge"),
@@ -190,12 +192,19 @@ fn every_counter_series_exists_at_zero_before_any_event() {
             );
         }
     }
+    for result in ["found", "counted"] {
+        assert_eq!(
+            value(&scraped, COUNT_CACHE_LOOKUPS, &[("result", result)]),
+            0.0
+        );
+    }
     for gauge in [
         HELD_STREAMS,
         INFLIGHT_LIMIT,
         INFLIGHT,
         CONTROLLER_P99,
         QUEUED_BODY_BYTES,
+        COUNT_CACHE_BYTES,
     ] {
         assert_eq!(value(&scraped, gauge, &[]), 0.0, "{gauge}");
     }
@@ -746,4 +755,26 @@ fn store_events_move_their_series() {
 #[should_panic(expected = "is not the enum this metric's series were created for")]
 fn a_value_of_another_enum_than_metric_labels_names_is_caught() {
     Metrics::new(&default_policy()).rejection(Action::Increase, None);
+}
+
+#[test]
+fn the_count_cache_s_totals_are_shown_as_read() {
+    let metrics = Metrics::new(&default_policy());
+    for (found, counted, bytes) in [(3, 5, 4096), (10, 7, 0)] {
+        metrics.count_cache(CountCacheStats {
+            found,
+            counted,
+            bytes,
+        });
+        let scraped = scrape(&metrics);
+        assert_eq!(
+            value(&scraped, COUNT_CACHE_LOOKUPS, &[("result", "found")]),
+            found as f64
+        );
+        assert_eq!(
+            value(&scraped, COUNT_CACHE_LOOKUPS, &[("result", "counted")]),
+            counted as f64
+        );
+        assert_eq!(value(&scraped, COUNT_CACHE_BYTES, &[]), bytes as f64);
+    }
 }

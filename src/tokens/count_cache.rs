@@ -69,6 +69,20 @@ struct Shard {
     previous: Generation,
     /// The hashes of texts counted once (0: none), each in the slot its hash picks.
     seen: Box<[u64]>,
+    /// Texts looked up here: found, or counted (`CountCacheStats`).
+    found: u64,
+    counted: u64,
+}
+
+/// What the cache has done since the process started, for the metrics (read at scrape time).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CountCacheStats {
+    /// Texts of at least `MIN_CACHED_BYTES` whose count was found, not counted.
+    pub found: u64,
+    /// Texts of at least `MIN_CACHED_BYTES` counted (not kept yet, or too long to keep).
+    pub counted: u64,
+    /// Bytes of text held now.
+    pub bytes: u64,
 }
 
 impl Default for Shard {
@@ -77,6 +91,8 @@ impl Default for Shard {
             current: Generation::default(),
             previous: Generation::default(),
             seen: vec![0; SEEN_SLOTS].into_boxed_slice(),
+            found: 0,
+            counted: 0,
         }
     }
 }
@@ -103,7 +119,7 @@ impl CountCache {
         count_till_limit: impl FnOnce(usize) -> Option<usize>,
     ) -> Option<usize> {
         let text = text.as_bytes();
-        if text.len() < MIN_CACHED_BYTES || text.len() > self.generation_bytes {
+        if text.len() < MIN_CACHED_BYTES {
             return count_till_limit(limit);
         }
         let hash = self.hasher.hash_one((encoding, text));
@@ -111,9 +127,12 @@ impl CountCache {
         let seen_before = {
             let mut shard = lock(shard);
             if let Some(tokens) = shard.find(hash, encoding, text, self.generation_bytes) {
+                shard.found += 1;
                 return (tokens <= limit).then_some(tokens);
             }
-            shard.seen_before(hash)
+            shard.counted += 1;
+            // A text longer than a generation's share is never kept.
+            text.len() <= self.generation_bytes && shard.seen_before(hash)
         };
         let tokens = count_till_limit(limit)?;
         if !seen_before {
@@ -130,16 +149,24 @@ impl CountCache {
         Some(tokens)
     }
 
+    /// Texts found and counted so far, and the bytes held now, over every shard.
+    pub fn stats(&self) -> CountCacheStats {
+        self.shards
+            .iter()
+            .fold(CountCacheStats::default(), |total, shard| {
+                let shard = lock(shard);
+                CountCacheStats {
+                    found: total.found + shard.found,
+                    counted: total.counted + shard.counted,
+                    bytes: total.bytes + (shard.current.bytes + shard.previous.bytes) as u64,
+                }
+            })
+    }
+
     /// Bytes of text held now (for the tests' bound).
     #[cfg(test)]
     fn bytes_held(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|shard| {
-                let shard = lock(shard);
-                shard.current.bytes + shard.previous.bytes
-            })
-            .sum()
+        self.stats().bytes as usize
     }
 }
 
@@ -275,6 +302,17 @@ mod tests {
             cache.count_till_limit(encoding, &long, usize::MAX, quarter_counter(&long, &calls));
         }
         assert_eq!(calls.get(), 4, "counted twice per encoding, then kept");
+        let stats = cache.stats();
+        assert_eq!(
+            (stats.found, stats.counted),
+            (2, 4),
+            "short texts are not looked up"
+        );
+        assert_eq!(
+            stats.bytes,
+            2 * MIN_CACHED_BYTES as u64,
+            "one copy per encoding"
+        );
         // The same length, another text: not mistaken for the one kept.
         let other = text(4, MIN_CACHED_BYTES);
         assert_eq!(
