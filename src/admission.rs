@@ -83,7 +83,13 @@ fn admit(policy: &Policy, head: &InferenceHead, body: &[u8]) -> Result<Admission
         max_output,
         choices,
         template_refused,
-    } = request::parse_body(policy, head.api, body, tier.max_input_tokens)?;
+    } = request::parse_body(
+        policy,
+        head.api,
+        body,
+        tier.max_input_tokens,
+        &head.identity.tenant,
+    )?;
 
     let input_tokens = match input {
         InputCount::Exact(n) => n,

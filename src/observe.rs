@@ -647,7 +647,7 @@ impl Metrics {
         r.describe_counter(
             COUNT_CACHE_LOOKUPS,
             Unit::Count,
-            "Prompt texts of 512 bytes or more on the request path, by result: found (a text counted before, not counted again) or counted.",
+            "Prompt texts of 512 bytes to 1 MiB on the request path, by result: found (a text its tenant sent before, not counted again) or counted.",
         );
         r.describe_gauge(
             COUNT_CACHE_BYTES,

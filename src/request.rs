@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 
 use crate::policy::{Policy, TierId};
 use crate::reply::{LocalReply, Reason};
-use crate::tokens::{ChatTemplate, Encoding};
+use crate::tokens::{ChatTemplate, CountScope, Encoding};
 
 /// One request header as Envoy sent it. Names are lowercase (HTTP/2 and Envoy normalise them);
 /// values are bytes because Envoy sends `raw_value` and nothing guarantees UTF-8.
@@ -279,12 +279,14 @@ pub struct OutputFields {
     pub max_completion_tokens: bool,
 }
 
-/// Parses the body and counts its input tokens, stopping once past `input_ceiling`.
+/// Parses the body and counts its input tokens, stopping once past `input_ceiling`. Long
+/// texts `tenant` sent before are not counted again (`tokens::count_cache`).
 pub fn parse_body(
     policy: &Policy,
     api: ApiKind,
     body: &[u8],
     input_ceiling: u32,
+    tenant: &str,
 ) -> Result<ParsedBody, LocalReply> {
     let json: Value = serde_json::from_slice(body).map_err(|e| {
         LocalReply::new(
@@ -318,7 +320,7 @@ pub fn parse_body(
     };
     let max_output = max_output(&json)?;
 
-    let mut counter = Counter::new(encoding, input_ceiling as u64);
+    let mut counter = Counter::new(encoding, CountScope::of(tenant), input_ceiling as u64);
     let mut template_refused = false;
     let within = match (api, encoding.chat_template()) {
         (ApiKind::Chat, Some(template)) => {
@@ -398,6 +400,8 @@ fn max_output(json: &Map<String, Value>) -> Result<MaxOutput, LocalReply> {
 /// Counts into a shrinking allowance; `add` returns false once the allowance is exceeded.
 struct Counter {
     encoding: Encoding,
+    /// Whose texts' counts may be reused.
+    scope: CountScope,
     remaining: u64,
     counted: u64,
     /// Walk the request only to check its shape, counting no text and never running out (a
@@ -406,9 +410,10 @@ struct Counter {
 }
 
 impl Counter {
-    fn new(encoding: Encoding, allowance: u64) -> Counter {
+    fn new(encoding: Encoding, scope: CountScope, allowance: u64) -> Counter {
         Counter {
             encoding,
+            scope,
             remaining: allowance,
             counted: 0,
             shape_only: false,
@@ -420,7 +425,10 @@ impl Counter {
             return true;
         }
         let limit = usize::try_from(self.remaining).unwrap_or(usize::MAX);
-        match self.encoding.count_till_limit_cached(text, limit) {
+        match self
+            .encoding
+            .count_till_limit_cached(self.scope, text, limit)
+        {
             Some(n) => self.add_fixed(n as u64),
             None => false,
         }
@@ -452,7 +460,7 @@ fn count_templated_chat(
 ) -> Result<Option<bool>, LocalReply> {
     let mut shape = Counter {
         shape_only: true,
-        ..Counter::new(counter.encoding, u64::MAX)
+        ..Counter::new(counter.encoding, counter.scope, u64::MAX)
     };
     count_chat(policy, json, &mut shape)?;
     let Some(all @ Value::Array(messages)) = json.get("messages") else {

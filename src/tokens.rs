@@ -88,6 +88,17 @@ const O200K_MODEL_PATTERNS: &[&str] = &[
 /// at least `n / MAX_TOKEN_BYTES` tokens, rounded up.
 const MAX_TOKEN_BYTES: usize = 128;
 
+/// Whose texts a count found in the cache may come from: one tenant's (`count_cache`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CountScope(u64);
+
+impl CountScope {
+    /// The scope of `tenant`'s texts.
+    pub fn of(tenant: &str) -> CountScope {
+        CountScope(COUNT_CACHE.scope_of(tenant))
+    }
+}
+
 /// The text the count cache may hold, in bytes: a few thousand long prompts' messages.
 const COUNT_CACHE_BYTES: usize = 32 << 20;
 
@@ -151,12 +162,21 @@ impl Encoding {
         self.counter().count_till_limit(text, limit)
     }
 
-    /// [`Encoding::count_till_limit`], answered from the counts of texts already counted where
-    /// `text` is one of them (`count_cache`): the same answer, without counting a long text
-    /// that comes back (a conversation's earlier turns, a shared system prompt) again. The
-    /// request path counts with this; benchmarks of counting itself use the plain one.
-    pub fn count_till_limit_cached(self, text: &str, limit: usize) -> Option<usize> {
-        COUNT_CACHE.count_till_limit(self.cache_key(), text, limit, |limit| {
+    /// [`Encoding::count_till_limit`], answered from the counts of `scope`'s texts already
+    /// counted where `text` is one of them (`count_cache`): the same answer, without counting
+    /// a long text that comes back (a conversation's earlier turns, a system prompt) again.
+    /// The request path counts with this; benchmarks of counting itself use the plain one.
+    pub fn count_till_limit_cached(
+        self,
+        scope: CountScope,
+        text: &str,
+        limit: usize,
+    ) -> Option<usize> {
+        // What the plain count refuses without reading the text is not worth a hash either.
+        if !matches!(self, Encoding::Model(_)) && text.len().div_ceil(MAX_TOKEN_BYTES) > limit {
+            return None;
+        }
+        COUNT_CACHE.count_till_limit(self.cache_key(), scope.0, text, limit, |limit| {
             self.count_till_limit(text, limit)
         })
     }

@@ -513,7 +513,7 @@ fn client_sent_tollgate_headers_are_collected_for_removal() {
 // parse_body: counting
 
 fn parse(api: ApiKind, body: impl AsRef<[u8]>, ceiling: u32) -> Result<ParsedBody, LocalReply> {
-    parse_body(&DEFAULT_POLICY, api, body.as_ref(), ceiling)
+    parse_body(&DEFAULT_POLICY, api, body.as_ref(), ceiling, "alice")
 }
 
 /// `body` parses and counts `expected` input tokens.
@@ -708,7 +708,14 @@ fn configured_encoding_rules_choose_the_encoding() {
     });
     let text = ENCODING_SENSITIVE;
     let body = format!(r#"{{"model":"meta-llama/Llama-3-8B","prompt":"{text}"}}"#);
-    let parsed = parse_body(&policy, ApiKind::Completions, body.as_bytes(), u32::MAX).unwrap();
+    let parsed = parse_body(
+        &policy,
+        ApiKind::Completions,
+        body.as_bytes(),
+        u32::MAX,
+        "alice",
+    )
+    .unwrap();
     assert_eq!(parsed.encoding, Encoding::O200kBase);
     assert_eq!(parsed.input, InputCount::Exact(o200k(text)));
 }

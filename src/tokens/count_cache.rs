@@ -7,6 +7,12 @@
 //! of `n` turns costs `n²` to count, and counting is most of what a decision costs
 //! (docs/benchmarks.md, "Where a decision's CPU goes").
 //!
+//! Each tenant's texts are kept apart (`scope`): a count found costs far less time than one
+//! counted, so a shared entry would let one tenant time its requests to learn whether another
+//! had sent a given text, as shared prefix caches in inference engines do (vLLM's
+//! `cache_salt`). What comes back is mostly a tenant's own anyway: its conversation's earlier
+//! turns, its application's system prompt.
+//!
 //! Exact by construction: an entry keeps the whole text and is found only by comparing it
 //! byte for byte, so the hash decides nothing but where to look. It is seeded at random for
 //! each process, as the texts are the clients' own (collisions cost a comparison, no more).
@@ -19,7 +25,9 @@
 //! fixed table of hashes (`seen`, TinyLFU's "doorkeeper"); a later text with the same hash in
 //! that slot is kept. A hash collision there only keeps a text early, which changes no count.
 //!
-//! Bounded: the texts kept take at most `capacity_bytes` (plus a few dozen bytes per entry).
+//! Bounded: the texts kept take at most `capacity_bytes`; the tables add 49 bytes a slot and
+//! the doorkeeper 8 a slot (at 32 MiB and 512-byte texts, about 8 MiB with the allocator's
+//! share).
 //! Each shard keeps two generations; once the current one is full it becomes the previous one
 //! and the previous one is dropped (outside the lock). A text found in the previous generation
 //! moves to the current one, so what keeps coming back stays. Every operation is O(1) apart
@@ -54,8 +62,24 @@ pub struct CountCache {
 struct Entry {
     hash: u64,
     encoding: usize,
+    scope: u64,
     text: Box<[u8]>,
     tokens: usize,
+}
+
+/// What a text is looked up by: the encoding that counts it, the tenant whose it is, and the
+/// text itself, with their hash.
+struct Key<'t> {
+    hash: u64,
+    encoding: usize,
+    scope: u64,
+    text: &'t [u8],
+}
+
+impl Key<'_> {
+    fn matches(&self, entry: &Entry) -> bool {
+        entry.encoding == self.encoding && entry.scope == self.scope && *entry.text == *self.text
+    }
 }
 
 #[derive(Default)]
@@ -108,39 +132,54 @@ impl CountCache {
         }
     }
 
+    /// The scope of `tenant`'s texts: a hash seeded as the texts' are, so one tenant cannot
+    /// pick a name that shares another's.
+    pub fn scope_of(&self, tenant: &str) -> u64 {
+        self.hasher.hash_one(tenant)
+    }
+
     /// `Some(count)` if `text` has at most `limit` tokens in the encoding numbered `encoding`,
     /// else `None`: the answer `count_till_limit(limit)` gives, which is asked only when the
-    /// text's count is not kept, and kept when it is a full count.
+    /// text's count is not kept in `scope`, and kept there when it is a full count.
     pub fn count_till_limit(
         &self,
         encoding: usize,
+        scope: u64,
         text: &str,
         limit: usize,
         count_till_limit: impl FnOnce(usize) -> Option<usize>,
     ) -> Option<usize> {
         let text = text.as_bytes();
-        if text.len() < MIN_CACHED_BYTES {
+        // Too short to be worth it, or too long ever to be kept: not even hashed.
+        if !(MIN_CACHED_BYTES..=self.generation_bytes).contains(&text.len()) {
             return count_till_limit(limit);
         }
-        let hash = self.hasher.hash_one((encoding, text));
-        let shard = &self.shards[shard_of(hash)];
+        let key = Key {
+            hash: self.hasher.hash_one((encoding, scope, text)),
+            encoding,
+            scope,
+            text,
+        };
+        let shard = &self.shards[shard_of(key.hash)];
         let seen_before = {
             let mut shard = lock(shard);
-            if let Some(tokens) = shard.find(hash, encoding, text, self.generation_bytes) {
+            let (found, _dropped) = shard.find(&key, self.generation_bytes);
+            if let Some(tokens) = found {
                 shard.found += 1;
+                drop(shard);
                 return (tokens <= limit).then_some(tokens);
             }
             shard.counted += 1;
-            // A text longer than a generation's share is never kept.
-            text.len() <= self.generation_bytes && shard.seen_before(hash)
+            shard.seen_before(key.hash)
         };
         let tokens = count_till_limit(limit)?;
         if !seen_before {
             return Some(tokens);
         }
         let entry = Entry {
-            hash,
+            hash: key.hash,
             encoding,
+            scope,
             text: text.into(),
             tokens,
         };
@@ -171,30 +210,28 @@ impl CountCache {
 }
 
 impl Shard {
-    /// The count kept for `text`, moving it to the current generation if it was in the previous.
+    /// The count kept for `key`, moving it to the current generation if it was in the
+    /// previous one; with the generation that move pushed out, if any, for the caller to free
+    /// once it has let go of the lock.
     fn find(
         &mut self,
-        hash: u64,
-        encoding: usize,
-        text: &[u8],
+        key: &Key<'_>,
         generation_bytes: usize,
-    ) -> Option<usize> {
-        let matches = |entry: &Entry| entry.encoding == encoding && *entry.text == *text;
-        if let Some(entry) = self.current.entries.find(hash, matches) {
-            return Some(entry.tokens);
+    ) -> (Option<usize>, Option<Generation>) {
+        if let Some(entry) = self.current.entries.find(key.hash, |e| key.matches(e)) {
+            return (Some(entry.tokens), None);
         }
-        let (entry, _) = self
+        let Ok(found) = self
             .previous
             .entries
-            .find_entry(hash, matches)
-            .ok()?
-            .remove();
+            .find_entry(key.hash, |e| key.matches(e))
+        else {
+            return (None, None);
+        };
+        let (entry, _) = found.remove();
         self.previous.bytes -= entry.text.len();
         let tokens = entry.tokens;
-        // The generation this pushes out, if any, goes with this shard's lock held: a hit in
-        // the previous generation is rare next to one in the current.
-        drop(self.insert(entry, generation_bytes));
-        Some(tokens)
+        (Some(tokens), self.insert(entry, generation_bytes))
     }
 
     /// Whether a text with this hash was counted before (the last one in its slot), and
@@ -209,12 +246,16 @@ impl Shard {
     fn insert(&mut self, entry: Entry, generation_bytes: usize) -> Option<Generation> {
         let hash = entry.hash;
         // Another worker may have counted the same text meanwhile.
+        let key = Key {
+            hash,
+            encoding: entry.encoding,
+            scope: entry.scope,
+            text: &entry.text,
+        };
         if self
             .current
             .entries
-            .find(hash, |kept| {
-                kept.encoding == entry.encoding && kept.text == entry.text
-            })
+            .find(hash, |e| key.matches(e))
             .is_some()
         {
             return None;
@@ -245,6 +286,9 @@ mod tests {
     use super::*;
     use std::cell::Cell;
 
+    const ALICE: u64 = 1;
+    const BOB: u64 = 2;
+
     /// A stand-in counter: one token per 4 bytes, rounded up, and how often it was asked.
     fn quarter_counter(text: &str, calls: &Cell<usize>) -> impl FnOnce(usize) -> Option<usize> {
         let tokens = text.len().div_ceil(4);
@@ -263,7 +307,7 @@ mod tests {
     }
 
     #[test]
-    fn answers_as_the_counter_would_and_counts_a_long_text_once() {
+    fn answers_as_the_counter_would_and_counts_a_long_text_twice_at_most() {
         let cache = CountCache::new(1 << 20);
         let long = text(1, 1000); // 250 tokens
         let calls = Cell::new(0);
@@ -278,47 +322,85 @@ mod tests {
         ];
         for (limit, expected, asked) in table {
             calls.set(0);
-            let got = cache.count_till_limit(0, &long, limit, quarter_counter(&long, &calls));
+            let got =
+                cache.count_till_limit(0, ALICE, &long, limit, quarter_counter(&long, &calls));
             assert_eq!((got, calls.get()), (expected, asked), "limit {limit}");
         }
     }
 
     #[test]
-    fn a_short_text_and_another_encoding_are_counted_anew() {
+    fn short_texts_encodings_and_tenants_are_kept_apart() {
         let cache = CountCache::new(1 << 20);
         let short = text(2, MIN_CACHED_BYTES - 1);
         let long = text(3, MIN_CACHED_BYTES);
         let calls = Cell::new(0);
-        for _ in 0..2 {
-            cache.count_till_limit(0, &short, usize::MAX, quarter_counter(&short, &calls));
+        for _ in 0..3 {
+            cache.count_till_limit(0, ALICE, &short, 99, quarter_counter(&short, &calls));
         }
         assert_eq!(
             calls.get(),
-            2,
+            3,
             "a text under MIN_CACHED_BYTES is never kept"
         );
-        calls.set(0);
-        for encoding in [0, 1, 0, 1, 0, 1] {
-            cache.count_till_limit(encoding, &long, usize::MAX, quarter_counter(&long, &calls));
+        // Each (encoding, tenant) pair counts twice, back to back, then finds.
+        for (encoding, scope) in [(0, ALICE), (1, ALICE), (0, BOB)] {
+            calls.set(0);
+            for _ in 0..3 {
+                let got = cache.count_till_limit(
+                    encoding,
+                    scope,
+                    &long,
+                    usize::MAX,
+                    quarter_counter(&long, &calls),
+                );
+                assert_eq!(got, Some(MIN_CACHED_BYTES / 4));
+            }
+            assert_eq!(calls.get(), 2, "encoding {encoding}, scope {scope}");
         }
-        assert_eq!(calls.get(), 4, "counted twice per encoding, then kept");
         let stats = cache.stats();
         assert_eq!(
             (stats.found, stats.counted),
-            (2, 4),
+            (3, 6),
             "short texts are not looked up"
         );
         assert_eq!(
             stats.bytes,
-            2 * MIN_CACHED_BYTES as u64,
-            "one copy per encoding"
+            3 * MIN_CACHED_BYTES as u64,
+            "one copy per pair"
         );
-        // The same length, another text: not mistaken for the one kept.
-        let other = text(4, MIN_CACHED_BYTES);
-        assert_eq!(
-            cache.count_till_limit(0, &other, usize::MAX, |_| Some(7)),
-            Some(7)
+    }
+
+    #[test]
+    fn an_entry_is_found_only_by_its_own_text_encoding_and_scope() {
+        // One hash for all of them, as a collision would give: only the comparison tells.
+        let mut shard = Shard::default();
+        let kept = text(4, 600);
+        shard.insert(
+            Entry {
+                hash: 7,
+                encoding: 0,
+                scope: ALICE,
+                text: kept.as_bytes().into(),
+                tokens: 150,
+            },
+            1 << 20,
         );
+        let other = text(5, 600);
+        for (encoding, scope, text, expected) in [
+            (0, ALICE, kept.as_bytes(), Some(150)),
+            (0, ALICE, other.as_bytes(), None),
+            (1, ALICE, kept.as_bytes(), None),
+            (0, BOB, kept.as_bytes(), None),
+            (0, ALICE, &kept.as_bytes()[..599], None),
+        ] {
+            let key = Key {
+                hash: 7,
+                encoding,
+                scope,
+                text,
+            };
+            assert_eq!(shard.find(&key, 1 << 20).0, expected, "{encoding} {scope}");
+        }
     }
 
     #[test]
@@ -326,19 +408,22 @@ mod tests {
         const CAPACITY: usize = 64 * 1024;
         let cache = CountCache::new(CAPACITY);
         let calls = Cell::new(0);
-        let hot = text(0, 600);
-        for _ in 0..2 {
-            cache.count_till_limit(0, &hot, usize::MAX, quarter_counter(&hot, &calls));
-        }
-        for seed in 1..2000 {
-            let cold = text(seed, 600);
-            cache.count_till_limit(0, &cold, usize::MAX, quarter_counter(&cold, &calls));
-            cache.count_till_limit(0, &hot, usize::MAX, quarter_counter(&hot, &calls));
+        let count = |text: &str, calls: &Cell<usize>| {
+            let got =
+                cache.count_till_limit(0, ALICE, text, usize::MAX, quarter_counter(text, calls));
+            assert_eq!(got, Some(text.len().div_ceil(4)), "seed {}", &text[..8]);
             assert!(
                 cache.bytes_held() <= CAPACITY,
                 "{} bytes held",
                 cache.bytes_held()
             );
+        };
+        let hot = text(0, 600);
+        count(&hot, &calls);
+        count(&hot, &calls);
+        for seed in 1..2000 {
+            count(&text(seed, 600), &calls);
+            count(&hot, &calls);
         }
         // The text that keeps coming back counted twice, then kept, and it stays; 1999 texts
         // counted once each and never kept (each was seen once).
@@ -347,17 +432,12 @@ mod tests {
             cache.bytes_held() <= 2 * 600,
             "only the text that came back is kept"
         );
-        // Texts that all come back, more than fit: counted twice each, then held within the
-        // capacity, pushing one another out.
+        // Texts that all come back, more than fit: held within the capacity, pushing one
+        // another out, and still answered right, found or counted.
         let many: Vec<String> = (5000..5200).map(|seed| text(seed, 600)).collect();
-        for _ in 0..3 {
+        for _ in 0..4 {
             for text in &many {
-                cache.count_till_limit(0, text, usize::MAX, quarter_counter(text, &calls));
-                assert!(
-                    cache.bytes_held() <= CAPACITY,
-                    "{} bytes held",
-                    cache.bytes_held()
-                );
+                count(text, &calls);
             }
         }
         assert!(
@@ -365,34 +445,44 @@ mod tests {
             "{} bytes held",
             cache.bytes_held()
         );
+        assert!(cache.stats().found > 0, "some were found between rotations");
         // A text longer than a generation's share is counted and not kept.
         let huge = text(9, CAPACITY / SHARDS / 2 + 1);
         calls.set(0);
         for _ in 0..3 {
-            cache.count_till_limit(0, &huge, usize::MAX, quarter_counter(&huge, &calls));
+            count(&huge, &calls);
         }
         assert_eq!(calls.get(), 3);
     }
 
     #[test]
     fn threads_sharing_it_get_the_counter_s_answers() {
-        let cache = CountCache::new(1 << 20);
+        // 128 texts (64 in each of two scopes) of about 730 bytes over 16 shards whose
+        // generations hold 4 KiB: the generations turn over while the threads run, and the
+        // two of a shard hold about as much as comes to it.
+        let cache = CountCache::new(128 * 1024);
         let texts: Vec<String> = (0..64).map(|seed| text(seed, 700 + seed)).collect();
         std::thread::scope(|scope| {
-            for _ in 0..4 {
-                scope.spawn(|| {
+            for thread in 0..4 {
+                let (cache, texts) = (&cache, &texts);
+                scope.spawn(move || {
                     for round in 0..50 {
-                        for text in &texts {
+                        for text in texts {
                             let limit = if round % 3 == 0 { 100 } else { usize::MAX };
                             let tokens = text.len().div_ceil(4);
-                            let got = cache.count_till_limit(0, text, limit, |limit| {
-                                (tokens <= limit).then_some(tokens)
-                            });
+                            let got = cache.count_till_limit(
+                                0,
+                                (thread % 2) as u64,
+                                text,
+                                limit,
+                                |limit| (tokens <= limit).then_some(tokens),
+                            );
                             assert_eq!(got, (tokens <= limit).then_some(tokens));
                         }
                     }
                 });
             }
         });
+        assert!(cache.stats().found > 0);
     }
 }

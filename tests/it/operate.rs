@@ -819,6 +819,7 @@ async fn a_reload_brings_in_a_models_own_tokenizer_and_refuses_a_missing_one() {
         tollgate::request::ApiKind::Chat,
         expected.to_string().as_bytes(),
         u32::MAX,
+        "alice",
     )
     .unwrap();
     let tollgate::request::InputCount::Exact(exact) = parsed.input else {

@@ -411,7 +411,7 @@ fn chats_count_what_the_template_renders() {
 
 /// The input tokens tollgate counts for a request `body`, with no ceiling.
 fn input_tokens(policy: &Policy, api: ApiKind, body: &Value) -> u32 {
-    let parsed = parse_body(policy, api, body.to_string().as_bytes(), u32::MAX)
+    let parsed = parse_body(policy, api, body.to_string().as_bytes(), u32::MAX, "alice")
         .unwrap_or_else(|e| panic!("{body} parses: {e:?}"));
     match parsed.input {
         InputCount::Exact(n) => n,
