@@ -1050,7 +1050,6 @@ impl Metrics {
         self.inner.response_reports[report.index()][outcome.index()].increment(1);
     }
 
-    /// Publishes the scheduler's budget, in-flight count and limit.
     /// The token count cache's totals, read at scrape time.
     pub fn count_cache(&self, stats: CountCacheStats) {
         let [found, counted] = &self.inner.count_cache_lookups;
@@ -1059,6 +1058,7 @@ impl Metrics {
         self.inner.count_cache_bytes.set(stats.bytes as f64);
     }
 
+    /// Publishes the scheduler's budget, in-flight count and limit.
     pub fn scheduler_load(&self, load: impl Into<SchedulerGauges>) {
         let load = load.into();
         self.inner.inflight_limit.set(f64::from(load.limit));

@@ -172,11 +172,23 @@ impl Encoding {
         text: &str,
         limit: usize,
     ) -> Option<usize> {
-        // What the plain count refuses without reading the text is not worth a hash either.
+        self.count_till_limit_in(&COUNT_CACHE, scope, text, limit)
+    }
+
+    /// [`Encoding::count_till_limit_cached`] with the counts kept in `cache` (the tests' own).
+    fn count_till_limit_in(
+        self,
+        cache: &CountCache,
+        scope: CountScope,
+        text: &str,
+        limit: usize,
+    ) -> Option<usize> {
+        // What the plain count refuses without reading the text is not worth a hash either
+        // (a model's vocabulary has its own bound, which depends on its normalizer).
         if !matches!(self, Encoding::Model(_)) && text.len().div_ceil(MAX_TOKEN_BYTES) > limit {
             return None;
         }
-        COUNT_CACHE.count_till_limit(self.cache_key(), scope.0, text, limit, |limit| {
+        cache.count_till_limit(self.cache_key(), scope.0, text, limit, |limit| {
             self.count_till_limit(text, limit)
         })
     }

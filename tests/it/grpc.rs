@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingResponse, body_mutation::Mutation, processing_response::Response,
 };
@@ -470,54 +471,54 @@ async fn a_stream_that_ends_without_done_is_truncated_and_released() {
 
 /// Proves: a long prompt that comes back gets the same count every time, and from its third
 /// time on it is found in the count cache, not counted (the first two counts keep it); the
-/// cache's series show it. The count cache is the process's, shared with the tests running
-/// beside this one, so the series are compared before and after this test's own request.
+/// cache's series say exactly that. A tollgate process of its own: the count cache is the
+/// process's, and the servers of the tests beside this one share theirs.
 #[tokio::test]
 async fn a_long_prompt_that_comes_back_is_found_and_counts_the_same() {
-    let server = TestServer::start(Config::default()).await;
+    let gate = crate::support::process::Tollgate::start("{}\n").await;
+    let url = format!("http://{}", gate.grpc);
+    let mut client = ExternalProcessorClient::connect(url).await.unwrap();
     let prompt =
         "The count cache test asks the same long question every time it comes back. ".repeat(20);
     let body = chat_body(serde_json::json!({
         "messages": [{"role": "user", "content": prompt}],
     }));
-    let found = |m: &tollgate_testkit::metrics::Metrics| {
-        m.value(
-            "tollgate_token_count_cache_lookups_total",
-            &["result=\"found\""],
-        )
-    };
     let mut counts = Vec::new();
-    let mut found_by_this = 0.0;
-    for time in 1..=3 {
-        let before = found(&server.metrics().await);
-        let mut stream = server.stream().await;
+    // After each time: (found, counted, bytes kept). Only the prompt is 512 bytes or more.
+    let expected = [
+        (0.0, 1.0, 0.0),
+        (0.0, 2.0, prompt.len() as f64),
+        (1.0, 2.0, prompt.len() as f64),
+    ];
+    for (time, expected) in (1..).zip(expected) {
+        let mut stream = ExtProcStream::open(&mut client).await;
         stream.exchange(chat_headers("grace")).await;
         let answer = stream.exchange(request_body(&body)).await;
-        let set = body_set_headers(&answer);
-        let tokens = set
-            .iter()
+        let tokens = body_set_headers(&answer)
+            .into_iter()
             .find(|(name, _)| name == "x-tollgate-input-tokens")
-            .map(|(_, value)| value.clone())
+            .map(|(_, value)| value)
             .unwrap_or_else(|| panic!("time {time}: not admitted: {answer:?}"));
         counts.push(tokens);
         drop(stream);
-        let m = server.metrics().await;
-        if time == 3 {
-            found_by_this = found(&m) - before;
-        }
-        if time >= 2 {
-            assert!(
-                m.value("tollgate_token_count_cache_bytes", &[]) >= prompt.len() as f64,
-                "time {time}: the prompt is kept"
-            );
-        }
+        let m = gate.metrics().await;
+        let lookups = |result: &str| {
+            m.value(
+                "tollgate_token_count_cache_lookups_total",
+                &[&format!("result=\"{result}\"")],
+            )
+        };
+        assert_eq!(
+            (
+                lookups("found"),
+                lookups("counted"),
+                m.value("tollgate_token_count_cache_bytes", &[])
+            ),
+            expected,
+            "time {time}"
+        );
     }
     assert!(counts.iter().all(|count| *count == counts[0]), "{counts:?}");
-    assert!(
-        found_by_this >= 1.0,
-        "the third time was not found in the cache"
-    );
-    server.stop().await.unwrap();
 }
 
 #[tokio::test]
