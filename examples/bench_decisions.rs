@@ -66,10 +66,8 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -90,7 +88,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 
-use tollgate_testkit::bench::median;
+use tollgate_testkit::bench::{SerialNumbered, median};
 use tollgate_testkit::host::{Machine, clock_ticks_per_second, cpu_ticks_of, machine_jiffies};
 use tollgate_testkit::ports::free_addr;
 use tollgate_testkit::process::Proc;
@@ -384,12 +382,8 @@ fn tollgate_config(store_timeout_ms: u64) -> String {
 /// with a serial number for each decision), and the response.
 struct Messages {
     headers: Vec<ProcessingRequest>,
-    body: ProcessingRequest,
-    /// Where in `body`'s bytes the serial number goes (`SERIAL_DIGITS` zeros).
-    serial_at: Range<usize>,
-    /// The next decision's serial number, over every run of the benchmark: a server never
-    /// sees the same body twice.
-    next_serial: AtomicU64,
+    /// Numbered over every run of the benchmark: a server never sees the same body twice.
+    body: SerialNumbered,
     response_headers: ProcessingRequest,
     response_body: ProcessingRequest,
 }
@@ -424,16 +418,9 @@ impl Messages {
             }],
             "usage": {"prompt_tokens": 900, "completion_tokens": 8, "total_tokens": 908},
         }))?;
-        let (body, serial_at) = chat_body(body_bytes, shared_system_bytes)?;
         Ok(Messages {
             headers,
-            body: message(Message::RequestBody(HttpBody {
-                body,
-                end_of_stream: true,
-                ..HttpBody::default()
-            })),
-            serial_at,
-            next_serial: AtomicU64::new(0),
+            body: SerialNumbered::new(chat_body(body_bytes, shared_system_bytes)?)?,
             response_headers: message(Message::ResponseHeaders(HttpHeaders {
                 headers: Some(header_map(&[
                     (":status", "200"),
@@ -454,29 +441,26 @@ impl Messages {
 impl Messages {
     /// The next decision's request body: the body with a serial number no earlier one had.
     fn body(&self) -> ProcessingRequest {
-        let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
-        let mut body = self.body.clone();
-        if let Some(Message::RequestBody(HttpBody { body, .. })) = &mut body.request {
-            let digits = format!("{serial:0width$}", width = SERIAL_DIGITS);
-            body[self.serial_at.clone()].copy_from_slice(&digits.as_bytes()[..SERIAL_DIGITS]);
-        }
-        body
+        message(Message::RequestBody(HttpBody {
+            body: self.body.next(),
+            end_of_stream: true,
+            ..HttpBody::default()
+        }))
     }
 }
 
-/// Digits of the serial number that starts each body's user message.
-const SERIAL_DIGITS: usize = 12;
-
-/// A non-streaming chat request of exactly `bytes` bytes: English prose, `max_tokens: 16`, so
-/// tollgate counts real tokens and rewrites nothing. `shared_system_bytes` of the prose go in
-/// a system message, the same in every body; the user message holds the rest, after
-/// `SERIAL_DIGITS` zeros and a space, whose place is returned for `Messages::body` to stamp.
-fn chat_body(bytes: usize, shared_system_bytes: usize) -> Result<(Vec<u8>, Range<usize>)> {
+/// A non-streaming chat request of exactly `bytes` bytes: English prose (no digits),
+/// `max_tokens: 16`, so tollgate counts real tokens and rewrites nothing. `shared_system_bytes`
+/// of the prose go in a system message, the same in every body; the user message holds the
+/// rest, after `SerialNumbered::PLACEHOLDER` and a space.
+fn chat_body(bytes: usize, shared_system_bytes: usize) -> Result<Vec<u8>> {
     const PROSE: &str = "The quick brown fox jumps over the lazy dog while the committee reviews \
         the quarterly budget, weighing every request against the tokens it may spend. ";
-    let zeros = "0".repeat(SERIAL_DIGITS);
     let skeleton = |system: &str, user: &str| {
-        let user = json!({"role": "user", "content": format!("{zeros} {user}")});
+        let user = json!({
+            "role": "user",
+            "content": format!("{} {user}", SerialNumbered::PLACEHOLDER),
+        });
         let messages = if shared_system_bytes == 0 {
             json!([user])
         } else {
@@ -504,12 +488,7 @@ fn chat_body(bytes: usize, shared_system_bytes: usize) -> Result<(Vec<u8>, Range
         "chat body is {} bytes, not {bytes}",
         body.len()
     );
-    // The prose has no digits, so the zeros are found only where the serial goes.
-    let serial_at = body
-        .windows(SERIAL_DIGITS)
-        .position(|window| window == zeros.as_bytes())
-        .context("the serial number's place in the chat body")?;
-    Ok((body, serial_at..serial_at + SERIAL_DIGITS))
+    Ok(body)
 }
 
 fn header_map(headers: &[(&str, &str)]) -> HeaderMap {

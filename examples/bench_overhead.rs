@@ -86,21 +86,19 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 // The `bytes` crate through axum's re-export: reqwest takes it as a body without copying.
-use axum::body::Bytes;
 use clap::Parser;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
-use tollgate_testkit::bench::median;
+use tollgate_testkit::bench::{SerialNumbered, median};
 use tollgate_testkit::envoy::{
     self, ENVOY_VERSION, Envoy, EnvoyPorts, PER_USER_BUCKET_TOKENS, request_phases_only,
     with_local_ratelimit, with_observer_filter, without_ext_proc,
@@ -298,7 +296,10 @@ async fn bench(args: &Args) -> Result<Verdict> {
         .and_then(|out| out.split("version: ").nth(1).map(|v| v.trim().to_owned()))
         .unwrap_or_else(|| "?".to_owned());
     let machine = Machine::describe_and_sample(("envoy_version", envoy_version)).await;
-    let body = chat_body(args.body_bytes, args.stream_tokens)?;
+    // One numbering over every target and round: no server sees the same body twice.
+    let body = Arc::new(SerialNumbered::new(
+        chat_body(args.body_bytes, args.stream_tokens)?.into_bytes(),
+    )?);
     eprintln!(
         "machine: {}; body {} B; starting processes...",
         machine.headline(),
@@ -317,7 +318,7 @@ async fn bench(args: &Args) -> Result<Verdict> {
     let stack = Stack::start(&binaries, &tollgate_config, &configs, &envoy_configs, args).await?;
     let targets = configs
         .iter()
-        .map(|&config| Target::new(config, stack.listen(config)?, &body))
+        .map(|&config| Target::new(config, stack.listen(config)?, body.clone()))
         .collect::<Result<Vec<_>>>()?;
     for target in &targets {
         sanity_check(target, &stack).await?;
@@ -991,15 +992,14 @@ impl Config {
 struct Target {
     config: Config,
     url: String,
-    /// The body every request is a copy of, with its own serial number.
-    body: Bytes,
-    /// Where in `body` the serial number goes.
-    serial_at: Range<usize>,
+    /// The body every request is a copy of, with its own serial number (4 KB copied per
+    /// request: the client's cost, not a server's).
+    body: Arc<SerialNumbered>,
     client: reqwest::Client,
 }
 
 impl Target {
-    fn new(config: Config, listen: SocketAddr, body: &str) -> Result<Target> {
+    fn new(config: Config, listen: SocketAddr, body: Arc<SerialNumbered>) -> Result<Target> {
         ensure!(listen.ip().is_loopback(), "only loopback targets");
         let client = reqwest::Client::builder()
             .no_proxy()
@@ -1012,27 +1012,12 @@ impl Target {
             .timeout(REQUEST_TIMEOUT)
             .build()
             .context("build the load client")?;
-        let zeros = "0".repeat(SERIAL_DIGITS);
-        let serial_at = body
-            .find(&zeros)
-            .context("the serial number's place in the chat body")?;
         Ok(Target {
             config,
             url: format!("http://{listen}/v1/chat/completions"),
-            body: Bytes::from(body.to_owned()),
-            serial_at: serial_at..serial_at + SERIAL_DIGITS,
+            body,
             client,
         })
-    }
-
-    /// A copy of the body with the next serial number (4 KB copied: the client's cost, not a
-    /// server's).
-    fn numbered_body(&self) -> Vec<u8> {
-        let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
-        let mut body = self.body.to_vec();
-        let digits = format!("{serial:0width$}", width = SERIAL_DIGITS);
-        body[self.serial_at.clone()].copy_from_slice(&digits.as_bytes()[..SERIAL_DIGITS]);
-        body
     }
 
     fn request(&self, user: &str) -> reqwest::RequestBuilder {
@@ -1041,7 +1026,7 @@ impl Target {
             .post(&self.url)
             .header("content-type", "application/json")
             .header("x-user-id", user)
-            .body(self.numbered_body());
+            .body(self.body.next());
         if self.config == Config::L {
             // LiteLLM knows users by their keys (examples/bench/litellm/custom_auth.py).
             request.bearer_auth(format!("sk-bench-{user}"))
@@ -1051,15 +1036,8 @@ impl Target {
     }
 }
 
-/// Digits of the serial number that starts every request's prompt (`Target::request`), so no
-/// two bodies are the same and tollgate's count cache never answers for one: every request is
-/// counted, as before the cache.
-const SERIAL_DIGITS: usize = 12;
-/// The next request's serial number, over every target and round of the run.
-static NEXT_SERIAL: AtomicU64 = AtomicU64::new(0);
-
 /// A chat request body of exactly `bytes` bytes: ASCII prose (no characters JSON escapes) in
-/// one user message, after `SERIAL_DIGITS` zeros and a space (the prose has no digits);
+/// one user message, after `SerialNumbered::PLACEHOLDER` and a space (the prose has no digits);
 /// `max_tokens: 16`, non-streaming, or with `stream_tokens` > 0 streamed with that many tokens.
 fn chat_body(bytes: usize, stream_tokens: u32) -> Result<String> {
     let render = |content: &str| {
@@ -1074,7 +1052,7 @@ fn chat_body(bytes: usize, stream_tokens: u32) -> Result<String> {
         }
         body.to_string()
     };
-    let serial = "0".repeat(SERIAL_DIGITS) + " ";
+    let serial = format!("{} ", SerialNumbered::PLACEHOLDER);
     let skeleton = render(&serial).len();
     ensure!(
         bytes > skeleton,

@@ -105,6 +105,12 @@ const COUNT_CACHE_BYTES: usize = 32 << 20;
 /// The counts of long texts already counted on the request path, shared by every worker.
 static COUNT_CACHE: LazyLock<CountCache> = LazyLock::new(|| CountCache::new(COUNT_CACHE_BYTES));
 
+/// Whether `text` has more than `limit` tokens in OpenAI's encodings by its length alone (no
+/// token is longer than `MAX_TOKEN_BYTES`).
+fn over_limit_by_length(text: &str, limit: usize) -> bool {
+    text.len().div_ceil(MAX_TOKEN_BYTES) > limit
+}
+
 /// Text for [`Encoding::warm_up`] that walks every branch of the
 /// pre-tokenisation regexes (letters, contractions, digits, punctuation,
 /// whitespace runs, newlines, non-Latin script), so the warm-up call also
@@ -156,7 +162,7 @@ impl Encoding {
         if let Encoding::Model(vocabulary) = self {
             return vocabulary.count_till_limit(text, limit);
         }
-        if text.len().div_ceil(MAX_TOKEN_BYTES) > limit {
+        if over_limit_by_length(text, limit) {
             return None;
         }
         self.counter().count_till_limit(text, limit)
@@ -185,7 +191,7 @@ impl Encoding {
     ) -> Option<usize> {
         // What the plain count refuses without reading the text is not worth a hash either
         // (a model's vocabulary has its own bound, which depends on its normalizer).
-        if !matches!(self, Encoding::Model(_)) && text.len().div_ceil(MAX_TOKEN_BYTES) > limit {
+        if !matches!(self, Encoding::Model(_)) && over_limit_by_length(text, limit) {
             return None;
         }
         cache.count_till_limit(self.cache_key(), scope.0, text, limit, |limit| {

@@ -73,3 +73,48 @@ pub fn median(values: &mut [f64]) -> f64 {
         n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
     }
 }
+
+/// A request body whose every copy is a different text: `SerialNumbered::PLACEHOLDER` in it
+/// (put it where the body has no other digits) becomes the copy's serial number. tollgate keeps
+/// the counts of texts that come back (`tokens::count_cache`); a benchmark that sent one body
+/// over and over would measure that cache, not counting.
+pub struct SerialNumbered {
+    body: Vec<u8>,
+    serial_at: std::ops::Range<usize>,
+    next_serial: std::sync::atomic::AtomicU64,
+}
+
+impl SerialNumbered {
+    /// Digits of the serial number: more than any run sends requests.
+    pub const PLACEHOLDER: &'static str = "000000000000";
+
+    /// `body`, which holds `PLACEHOLDER` once (its first occurrence is the one stamped).
+    pub fn new(body: Vec<u8>) -> Result<SerialNumbered> {
+        let digits = Self::PLACEHOLDER.len();
+        let at = body
+            .windows(digits)
+            .position(|window| window == Self::PLACEHOLDER.as_bytes())
+            .ok_or_else(|| {
+                anyhow!(
+                    "the body has no {} for its serial number",
+                    Self::PLACEHOLDER
+                )
+            })?;
+        Ok(SerialNumbered {
+            body,
+            serial_at: at..at + digits,
+            next_serial: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    /// A copy of the body with the next serial number (shared by every caller).
+    pub fn next(&self) -> Vec<u8> {
+        let serial = self
+            .next_serial
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let digits = format!("{serial:0width$}", width = Self::PLACEHOLDER.len());
+        let mut body = self.body.clone();
+        body[self.serial_at.clone()].copy_from_slice(&digits.as_bytes()[..self.serial_at.len()]);
+        body
+    }
+}
