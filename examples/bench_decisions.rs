@@ -155,6 +155,10 @@ struct Args {
     /// tollgate binary [default: target/<profile>/tollgate next to this example].
     #[arg(long, value_name = "FILE")]
     tollgate_bin: Option<PathBuf>,
+    /// The echo ext_proc's binary [default: target/<profile>/examples/echo_extproc next to this
+    /// example], e.g. one built another way, to compare two echoes with one tollgate.
+    #[arg(long, value_name = "FILE")]
+    echo_bin: Option<PathBuf>,
     /// redis-server binary [default: redis-server on PATH].
     #[arg(long, value_name = "FILE", default_value = "redis-server")]
     redis_server: PathBuf,
@@ -236,7 +240,7 @@ async fn bench(args: &Args) -> Result<bool> {
     // MONITOR is closed by now (the check consumed it): let Redis notice before timing anything.
     tokio::time::sleep(PAUSE_BETWEEN_RUNS).await;
 
-    let echo = ServerProc::echo(dir.path()).await?;
+    let echo = ServerProc::echo(args.echo_bin.as_deref(), dir.path()).await?;
     let in_memory = ServerProc::tollgate(
         &tollgate_bin,
         &config_path,
@@ -1132,10 +1136,10 @@ impl ServerProc {
         })
     }
 
-    /// `examples/echo_extproc.rs`, built next to this example.
-    async fn echo(dir: &Path) -> Result<ServerProc> {
+    /// `examples/echo_extproc.rs`: `explicit` if given, else the one built next to this example.
+    async fn echo(explicit: Option<&Path>, dir: &Path) -> Result<ServerProc> {
         let grpc = free_addr();
-        let echo = bins::example("echo_extproc", None)?;
+        let echo = bins::example("echo_extproc", explicit)?;
         let name = "echo";
         let mut command = Command::new(echo);
         command

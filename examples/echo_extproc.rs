@@ -5,8 +5,8 @@
 //! `bench_overhead` behind Envoy).
 //!
 //! It is built with tollgate's plumbing (a task and a 2-slot answer channel per stream, the
-//! HTTP/2 options and TCP_NODELAY of `tollgate::run`, a default multi-threaded runtime), so the
-//! difference between the two is tollgate's own work.
+//! HTTP/2 options and TCP_NODELAY of `tollgate::run`, a default multi-threaded runtime, the same
+//! global allocator), so the difference between the two is tollgate's own work.
 //!
 //! ```text
 //! cargo run --release --example echo_extproc -- --addr 127.0.0.1:50052
@@ -34,6 +34,10 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 use tonic::transport::server::TcpIncoming;
+
+/// tollgate's allocator (src/main.rs), so that allocating is plumbing both pay alike.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 /// An ext_proc service that continues every request unchanged.
 #[derive(Parser, Debug)]
