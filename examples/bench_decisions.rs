@@ -23,8 +23,8 @@
 //! 2. **Decisions per CPU-second** for three servers, one at a time, in interleaved rounds
 //!    (echo, tollgate+redis, tollgate+memory, echo, ...), with medians over the rounds:
 //!    - **echo**: `examples/echo_extproc.rs`, a tonic ext_proc server built like tollgate's (one
-//!      task and a 2-slot channel per stream, the same server options and listener) that answers
-//!      every message with a CONTINUE of its kind and reads nothing;
+//!      task and a 2-slot channel per stream, the same server options, listener and allocator)
+//!      that answers every message with a CONTINUE of its kind and reads nothing;
 //!    - **tollgate+redis**: the release binary with `--redis-url` to our Redis;
 //!    - **tollgate+memory**: the same binary and configuration with the embedded store.
 //!

@@ -36,6 +36,7 @@ use tonic::Status;
 use tonic::transport::server::TcpIncoming;
 
 /// tollgate's allocator (src/main.rs), so that allocating is plumbing both pay alike.
+#[cfg(feature = "jemalloc")]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

@@ -12,6 +12,7 @@ use tollgate::policy::Policy;
 /// jemalloc, not glibc's malloc: a decision allocates and frees on every worker (a body of a few
 /// KiB, headers, answers), and glibc's malloc, free and realloc, behind arenas the workers lock,
 /// were 13 % of its CPU, jemalloc's 3 % (docs/benchmarks.md, "The allocator").
+#[cfg(feature = "jemalloc")]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
