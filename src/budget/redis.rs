@@ -12,11 +12,15 @@
 //!
 //! - `tollgate:{<tag>}:w:<window name>`: a HASH per window. One field per nonzero bucket
 //!   (field = bucket number `ms / bucket_ms`, value = usage in it) plus `total` (their sum),
-//!   `oldest` (the smallest bucket held), `newest` (an upper bound on the largest) and `bms`
-//!   (the `bucket_ms` the numbers are in). `PEXPIRE`d to the window plus a bucket on every
-//!   write, so an idle tenant's windows delete themselves.
-//! - `tollgate:{<tag>}:leases`: a ZSET of lease id → expiry (ms, server time). `PEXPIREAT` the
-//!   last lease's expiry plus a second.
+//!   `oldest` (the smallest bucket held), `newest` (an upper bound on the largest), `bms`
+//!   (the `bucket_ms` the numbers are in) and `exp` (the expiry last set). It expires one bucket
+//!   after its newest bucket rolls off, so an idle tenant's windows delete themselves; a charge
+//!   moves the expiry only when that changes (a new bucket, or a reload that changed the
+//!   window), not on every write. Keys written before `exp` existed get it with their next
+//!   charge.
+//! - `tollgate:{<tag>}:leases`: a ZSET of lease id → expiry (ms, server time), kept until its
+//!   last lease expires plus one to two seconds (`PTTL` read, `PEXPIREAT` about once a second
+//!   per busy tenant).
 //!
 //! `<tag>` is the first 16 bytes of SHA-256 of the tenant id, in hex (32 characters): fixed
 //! length, and free of `{` and `}` whatever bytes the tenant id holds (a raw tenant id with a
@@ -37,7 +41,13 @@
 //! Redis forgets scripts on restart, failover and `SCRIPT FLUSH`; `NOSCRIPT` is answered by
 //! `SCRIPT LOAD` and one retry (redis-rs `ScriptInvocation::invoke_async`), so only that rare
 //! call takes three round trips. Time inside them is Redis `TIME`, so replicas of tollgate never
-//! disagree about it.
+//! disagree about it. A window's meta and the bucket about to be written are read in one
+//! `HMGET` and written back in one `HSET` (only the meta fields that changed), so once a
+//! tenant's keys exist a reserve runs `TIME`, an `HMGET` and an `HSET` per window and four
+//! lease commands (purge, count, add, `PTTL`), and a settle `TIME`, `ZREM` and an `HMGET` and
+//! an `HSET` per window it adjusts: fewer commands to run, and fewer writes to send replicas
+//! and the AOF (docs/benchmarks.md, "What Redis runs per decision";
+//! `redis_store::a_steady_reserve_and_settle_make_few_calls` holds the counts).
 //!
 //! - **reserve** (one `EVALSHA`): loads every window, deleting buckets that rolled off on the
 //!   way (`oldest` only moves forward, so amortized O(1); a gap longer than the buckets held is

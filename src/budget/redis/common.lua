@@ -3,11 +3,20 @@
 -- reference semantics; the contract tests run both stores against the same expectations.
 --
 -- A window is a HASH: one field per nonzero bucket (field = bucket number = ms / bucket_ms,
--- value = its usage; a bucket that reaches zero is deleted) plus four bookkeeping fields:
+-- value = its usage; a bucket that reaches zero is deleted) plus five bookkeeping fields:
 --   total   the sum of the bucket fields
 --   oldest  the smallest bucket number held (exact)
 --   newest  no bucket number held is above it (an upper bound: a refund may empty the newest)
 --   bms     the bucket_ms the numbers are in (a reload that changes it renumbers the buckets)
+--   exp     when the key was last set to expire, in the scripts' clock (ms): one bucket after
+--           the newest bucket rolls off. A charge sets the expiry only when that moves (a new
+--           newest bucket, or a reload that changed the window), not on every write. Keys
+--           written before this field existed have none, and get it with their next charge.
+--
+-- Each redis.call converts its arguments and reply between Lua and Redis, and each write goes to
+-- every replica and the AOF as well, so the scripts make few: a window's meta and the bucket
+-- about to be written are read in one HMGET, and the bucket and the meta fields that changed
+-- written back in one HSET (docs/benchmarks.md, "What Redis runs per decision").
 --
 -- Numbers are Lua doubles, exact below 2^53; the Rust side clamps every argument below that,
 -- and times (ms since 1970) and bucket numbers are far below it.
@@ -17,6 +26,9 @@ if redis.replicate_commands then
   redis.replicate_commands()
 end
 
+-- The bookkeeping fields every window hash has. `exp` makes a fifth in most, so HLEN - META may
+-- count one bucket too many: that only lets a walk go one number further, where one too few
+-- could end it before the last bucket.
 local META = 4
 -- A lease ZSET is kept this long after its last lease expires (it is dead then anyway).
 local LEASE_KEY_MARGIN_MS = 1000
@@ -43,8 +55,6 @@ local function window(key, window_ms, bucket_ms, now)
     key = key,
     bms = bms,
     n = n,
-    -- Bucket `nb` expires at (nb + n) * bms <= now + n * bms; one bucket more is margin.
-    ttl = (n + 1) * bms,
     now = now,
     nb = nb,
     -- The oldest live bucket: bucket b is live while b + n > nb.
@@ -52,15 +62,49 @@ local function window(key, window_ms, bucket_ms, now)
     total = 0,
     oldest = nil,
     newest = nil,
+    exp = nil,
+    -- The meta fields as the key holds them (none: no key).
+    stored = {},
+    -- Bucket `vb`'s value is `vv`, as read with the meta or last written (nil: not known).
+    vb = nil,
+    vv = 0,
   }
 end
 
-local function save_meta(w)
+-- When the key should expire: one bucket after its newest bucket rolls off (bucket b is live
+-- while b + n > now's bucket, so it rolls off at (b + n) * bms).
+local function expiry(w)
+  return (w.newest + w.n + 1) * w.bms
+end
+
+-- The bookkeeping fields, as `save_meta` writes them.
+local META_FIELDS = { 'total', 'oldest', 'newest', 'bms', 'exp' }
+
+-- Writes the meta fields that changed since the key was read or last written (most charges
+-- change only `total`), and bucket b's value `w.vv` with them when b is given, in one HSET;
+-- deletes the key once it holds nothing.
+local function save_meta(w, b)
   if w.oldest == nil then
     redis.call('DEL', w.key)
-  else
-    redis.call('HSET', w.key, 'total', int(w.total), 'oldest', int(w.oldest),
-      'newest', int(w.newest), 'bms', int(w.bms))
+    -- Its expiry went with it: the next charge must set one.
+    w.exp, w.stored = nil, {}
+    return
+  end
+  local args, stored = { w.key }, w.stored
+  for _, field in ipairs(META_FIELDS) do
+    local value = w[field]
+    if value ~= nil and value ~= stored[field] then
+      args[#args + 1] = field
+      args[#args + 1] = int(value)
+      stored[field] = value
+    end
+  end
+  if b ~= nil then
+    args[#args + 1] = int(b)
+    args[#args + 1] = int(w.vv)
+  end
+  if #args > 1 then
+    redis.call('HSET', unpack(args))
   end
 end
 
@@ -100,6 +144,7 @@ end
 local function renumber(w, old_bms)
   local all = redis.call('HGETALL', w.key)
   redis.call('DEL', w.key)
+  w.stored = {}
   local sums = {}
   for i = 1, #all, 2 do
     local b, v = tonumber(all[i]), tonumber(all[i + 1])
@@ -119,34 +164,52 @@ local function renumber(w, old_bms)
       w.newest = b
     end
   end
+  if w.oldest ~= nil then
+    w.exp = expiry(w)
+  end
   save_meta(w)
   if w.oldest ~= nil then
-    redis.call('PEXPIRE', w.key, int(w.ttl))
+    redis.call('PEXPIRE', w.key, int(w.exp - w.now))
   end
 end
 
 -- Loads the window, first deleting the buckets that have rolled off. Amortized O(1): `oldest`
 -- only moves forward, so each bucket number is walked past once; a long gap over few buckets
 -- is scanned instead, and a window whose newest bucket rolled off is deleted whole.
-local function load(w)
-  local meta = redis.call('HMGET', w.key, 'total', 'oldest', 'newest', 'bms')
+--
+-- `b`, if given, is a live bucket (b >= w.first) the caller is about to write: its value is read
+-- in the same HMGET as the meta (rolling off never deletes a live bucket).
+local function load(w, b)
+  local meta
+  if b == nil then
+    meta = redis.call('HMGET', w.key, 'total', 'oldest', 'newest', 'bms', 'exp')
+  else
+    meta = redis.call('HMGET', w.key, 'total', 'oldest', 'newest', 'bms', 'exp', int(b))
+  end
   local total, oldest, newest, bms =
     tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]), tonumber(meta[4])
   if total == nil or oldest == nil or newest == nil or bms == nil then
     -- No window yet (or a key these scripts did not write): start empty.
     redis.call('DEL', w.key)
+    if b ~= nil then
+      w.vb, w.vv = b, 0
+    end
     return
   end
-  w.total, w.oldest, w.newest = total, oldest, newest
+  w.total, w.oldest, w.newest, w.exp = total, oldest, newest, tonumber(meta[5])
+  w.stored = { total = total, oldest = oldest, newest = newest, bms = bms, exp = w.exp }
   if bms ~= w.bms then
+    -- Every number changes: the value read is not bucket b's.
     renumber(w, bms)
+  elseif b ~= nil then
+    w.vb, w.vv = b, tonumber(meta[6]) or 0
   end
   if w.oldest == nil or w.oldest >= w.first then
     return
   end
   if w.newest < w.first then
     redis.call('DEL', w.key)
-    w.total, w.oldest, w.newest = 0, nil, nil
+    w.total, w.oldest, w.newest, w.exp, w.stored = 0, nil, nil, nil, {}
     return
   end
   local fields = redis.call('HLEN', w.key) - META
@@ -209,12 +272,20 @@ local function peek(w)
   end
 end
 
+-- Bucket b's value: the one read or written last if it is b's, else read now.
+local function bucket_value(w, b)
+  if w.vb ~= b then
+    w.vb, w.vv = b, tonumber(redis.call('HGET', w.key, int(b))) or 0
+  end
+  return w.vv
+end
+
 -- Adds `amount` to bucket b (a charge), and keeps the key until that bucket rolls off.
 local function add(w, b, amount)
   if amount <= 0 then
     return
   end
-  redis.call('HINCRBY', w.key, int(b), int(amount))
+  w.vv = bucket_value(w, b) + amount
   w.total = w.total + amount
   if w.oldest == nil or b < w.oldest then
     w.oldest = b
@@ -222,8 +293,13 @@ local function add(w, b, amount)
   if w.newest == nil or b > w.newest then
     w.newest = b
   end
-  save_meta(w)
-  redis.call('PEXPIRE', w.key, int(w.ttl))
+  local exp = expiry(w)
+  local extend = exp ~= w.exp
+  w.exp = exp
+  save_meta(w, b)
+  if extend then
+    redis.call('PEXPIRE', w.key, int(exp - w.now))
+  end
 end
 
 -- Takes up to `amount` back from bucket b (a refund): never below zero, nothing if b is empty.
@@ -231,25 +307,40 @@ local function refund(w, b, amount)
   if amount <= 0 or w.oldest == nil then
     return
   end
-  local f = int(b)
-  local v = tonumber(redis.call('HGET', w.key, f))
-  if v == nil then
+  local v = bucket_value(w, b)
+  if v == 0 then
     return
   end
   local take = math.min(v, amount)
   w.total = w.total - take
   if take >= v then
-    redis.call('HDEL', w.key, f)
+    redis.call('HDEL', w.key, int(b))
+    w.vv = 0
     if b == w.oldest then
       w.oldest = next_bucket(w, b + 1)
     end
     if w.oldest == nil then
       w.total, w.newest = 0, nil
     end
+    save_meta(w)
   else
-    redis.call('HINCRBY', w.key, f, int(-take))
+    w.vv = v - take
+    save_meta(w, b)
   end
-  save_meta(w)
+end
+
+-- The bucket `adjust(w, at, delta)` writes, or nil if it writes none: what `load` should read.
+local function adjusted_bucket(w, at, delta)
+  local b = math.floor(math.min(at, w.now) / w.bms)
+  if delta > 0 then
+    if b < w.first then
+      return w.nb
+    end
+    return b
+  elseif delta < 0 and b >= w.first then
+    return b
+  end
+  return nil
 end
 
 -- Settles a reservation made at `at` by `delta` (window.rs `adjust`): a refund (delta < 0) lowers
@@ -257,13 +348,13 @@ end
 -- charge (delta > 0) raises it, or now's bucket if it rolled off. A reservation "later" than
 -- now (the clock stepped back) counts as now.
 local function adjust(w, at, delta)
-  local b = math.floor(math.min(at, w.now) / w.bms)
+  local b = adjusted_bucket(w, at, delta)
+  if b == nil then
+    return
+  end
   if delta > 0 then
-    if b < w.first then
-      b = w.nb
-    end
     add(w, b, delta)
-  elseif delta < 0 and b >= w.first then
+  else
     refund(w, b, -delta)
   end
 end
@@ -311,10 +402,14 @@ local function retry_after(w, cost, limit)
   return 0
 end
 
--- Keeps a lease ZSET until its last lease expires (plus a margin), so idle tenants' keys go.
-local function expire_leases_key(key)
-  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  if last[2] ~= nil then
-    redis.call('PEXPIREAT', key, int(tonumber(last[2]) + LEASE_KEY_MARGIN_MS))
+-- Keeps a lease ZSET until its last lease expires, plus one to two seconds, so idle tenants'
+-- keys go: called with `last`, the expiry just given to one or more leases. Every writer keeps
+-- the key's expiry at least LEASE_KEY_MARGIN_MS past every score it holds, so reading its TTL
+-- is enough to know whether `last` needs it moved; when it does, it moves a margin further,
+-- so a tenant's steady stream of requests moves it about once a second, not once a request.
+local function keep_leases_key(key, last, now)
+  local pttl = redis.call('PTTL', key)
+  if pttl < 0 or now + pttl < last + LEASE_KEY_MARGIN_MS then
+    redis.call('PEXPIREAT', key, int(last + 2 * LEASE_KEY_MARGIN_MS))
   end
 end

@@ -7,7 +7,8 @@
 --
 -- Reply: how many leases were renewed.
 local now = now_ms()
-local expiry = int(now + tonumber(ARGV[1]))
+local last = now + tonumber(ARGV[1])
+local expiry = int(last)
 local renewed = 0
 for i = 2, #ARGV do
   local score = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[i]))
@@ -17,6 +18,6 @@ for i = 2, #ARGV do
   end
 end
 if renewed > 0 then
-  expire_leases_key(KEYS[1])
+  keep_leases_key(KEYS[1], last, now)
 end
 return renewed

@@ -27,7 +27,7 @@ for i = 1, #KEYS - 1 do
   local w = by_key[key]
   if w == nil then
     w = window(key, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), now)
-    load(w)
+    load(w, w.nb)
     by_key[key] = w
   end
   windows[i] = { w = w, cost = tonumber(ARGV[a]), limit = tonumber(ARGV[a + 3]) }
@@ -66,9 +66,10 @@ end
 for _, x in ipairs(windows) do
   add(x.w, x.w.nb, x.cost)
 end
-redis.call('ZADD', leases, int(now + lease_ttl), lease_id)
-expire_leases_key(leases)
+local added = redis.call('ZADD', leases, int(now + lease_ttl), lease_id)
+keep_leases_key(leases, now + lease_ttl, now)
 if max_concurrent >= 0 then
-  live = redis.call('ZCARD', leases)
+  -- ZADD answers 1 for a new lease id, 0 for one already there (a retried reservation).
+  live = live + added
 end
 return reply({ 1, now, live })
