@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# What the budget scripts cost Redis, per reserve and per settle: instructions (valgrind's
-# callgrind: repeatable, whatever else the machine is doing), the commands they run inside Redis,
+# What the budget scripts cost Redis, per reserve and per settle: instructions, the whole
+# server's, those inside EVALSHA and those inside the commands the scripts call (valgrind's
+# callgrind: repeatable, whatever else the machine is doing, but for the server's timers), the
+# commands they run,
 # and the bytes they add to the append-only file (what a replica is sent too). Compares the
 # scripts of a git revision with the working tree's. See docs/benchmarks.md ("What Redis runs
 # per decision").
@@ -70,13 +72,23 @@ run() { # SIDE TAG RESERVES SETTLES
         redis-server --port "${port}" --bind 127.0.0.1 --save '' --appendonly yes \
         --appendfsync no --dir "${dir}" > "${dir}/server.log" 2>&1 &
     local server=$!
+    fail() {
+        echo "redis-script-cost: $1" >&2
+        cat "${dir}/server.log" >&2
+        kill "${server}" 2>/dev/null || true
+        exit 1
+    }
+    local up=""
     for _ in $(seq 100); do
-        redis-cli -p "${port}" PING >/dev/null 2>&1 && break
+        redis-cli -p "${port}" PING >/dev/null 2>&1 && { up=1; break; }
         sleep 0.2
     done
+    [[ -n "${up}" ]] || fail "redis-server under valgrind did not answer on port ${port}"
     local reserve settle
     reserve="$(redis-cli -p "${port}" SCRIPT LOAD "$(script "${side}" reserve)")"
     settle="$(redis-cli -p "${port}" SCRIPT LOAD "$(script "${side}" settle)")"
+    [[ "${reserve}" =~ ^[0-9a-f]{40}$ && "${settle}" =~ ^[0-9a-f]{40}$ ]] ||
+        fail "SCRIPT LOAD answered '${reserve}' and '${settle}'"
     local before after
     before="$(du -sb "${dir}/appendonlydir" | cut -f1)"
     redis-benchmark -p "${port}" -n "${reserves}" -c 1 -r 100000000 -q \
@@ -85,9 +97,29 @@ run() { # SIDE TAG RESERVES SETTLES
         EVALSHA "${settle}" "${KEYS[@]}" "${SETTLE_ARGS[@]}" > /dev/null
     after="$(du -sb "${dir}/appendonlydir" | cut -f1)"
     redis-cli -p "${port}" INFO commandstats > "${work}/${side}-${tag}.stats"
+    # A script that failed would still be counted: none may have.
+    local errors
+    errors="$(redis-cli -p "${port}" INFO errorstats | grep '^errorstat_' || true)"
+    [[ -z "${errors}" ]] || fail "the scripts failed: ${errors}"
     redis-cli -p "${port}" SHUTDOWN NOSAVE > /dev/null 2>&1 || true
     wait "${server}" || true
-    echo "$(awk '/^totals:/ {print $2}' "${dir}/callgrind.out") $((after - before))"
+    # The whole server's instructions, and those inside EVALSHA (the scripts themselves: not
+    # reading commands off the socket, passing the scripts' writes on to the AOF and replicas,
+    # writing the AOF, or the server's timers, which run with wall time).
+    # And of those, the ones inside the commands the scripts call (scriptCall: the checks, the
+    # lookup and the command itself; not converting its arguments and reply between Lua and
+    # Redis, which is counted with the Lua around the calls).
+    local total inside calls
+    total="$(awk '/^totals:/ {print $2}' "${dir}/callgrind.out")"
+    callgrind_annotate --inclusive=yes "${dir}/callgrind.out" > "${dir}/inclusive.txt"
+    inclusive() {
+        awk -v name=":$1 " 'index($0, name) && !seen {gsub(",", "", $1); print $1; seen = 1}' \
+            "${dir}/inclusive.txt"
+    }
+    inside="$(inclusive evalShaCommand)"
+    calls="$(inclusive scriptCall)"
+    [[ -n "${inside}" ]] || fail "no evalShaCommand in the profile (a redis-server without symbols?)"
+    echo "${total} ${inside} ${calls:-0} $((after - before))"
 }
 
 # Calls per script run of each command but the scripts themselves, from two runs' stats.
@@ -114,10 +146,10 @@ for side in revision tree floor; do
     label="${rev}"
     [[ "${side}" == tree ]] && label="working tree"
     [[ "${side}" == floor ]] && label="floor (reserve: \`return 1\`; settle: the working tree's common.lua, then \`return 1\`)"
-    read -r base_i base_aof < <(run "${side}" base 200 200)
-    read -r more_r_i more_r_aof < <(run "${side}" more-reserves $((200 + N)) 200)
-    read -r more_s_i more_s_aof < <(run "${side}" more-settles 200 $((200 + N)))
+    read -r base_i base_e base_c base_aof < <(run "${side}" base 200 200)
+    read -r more_r_i more_r_e more_r_c more_r_aof < <(run "${side}" more-reserves $((200 + N)) 200)
+    read -r more_s_i more_s_e more_s_c more_s_aof < <(run "${side}" more-settles 200 $((200 + N)))
     echo "== ${label}"
-    echo "  reserve: $(((more_r_i - base_i) / N)) instructions, $(((more_r_aof - base_aof) / N)) AOF bytes; commands: $(commands_per_call "${work}/${side}-base.stats" "${work}/${side}-more-reserves.stats" "${N}")"
-    echo "  settle:  $(((more_s_i - base_i) / N)) instructions, $(((more_s_aof - base_aof) / N)) AOF bytes; commands: $(commands_per_call "${work}/${side}-base.stats" "${work}/${side}-more-settles.stats" "${N}")"
+    echo "  reserve: $(((more_r_i - base_i) / N)) instructions, $(((more_r_e - base_e) / N)) inside EVALSHA, $(((more_r_c - base_c) / N)) in its calls, $(((more_r_aof - base_aof) / N)) AOF bytes; commands: $(commands_per_call "${work}/${side}-base.stats" "${work}/${side}-more-reserves.stats" "${N}")"
+    echo "  settle:  $(((more_s_i - base_i) / N)) instructions, $(((more_s_e - base_e) / N)) inside EVALSHA, $(((more_s_c - base_c) / N)) in its calls, $(((more_s_aof - base_aof) / N)) AOF bytes; commands: $(commands_per_call "${work}/${side}-base.stats" "${work}/${side}-more-settles.stats" "${N}")"
 done

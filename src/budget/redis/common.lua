@@ -30,7 +30,8 @@ end
 -- count one bucket too many: that only lets a walk go one number further, where one too few
 -- could end it before the last bucket.
 local META = 4
--- A lease ZSET is kept this long after its last lease expires (it is dead then anyway).
+-- A lease ZSET is kept one to two of these after its last lease expires (it is dead then
+-- anyway; see keep_leases_key).
 local LEASE_KEY_MARGIN_MS = 1000
 
 -- The server's clock, so every replica of tollgate agrees on the time.
@@ -63,8 +64,12 @@ local function window(key, window_ms, bucket_ms, now)
     oldest = nil,
     newest = nil,
     exp = nil,
-    -- The meta fields as the key holds them (none: no key).
-    stored = {},
+    -- The meta fields as the key holds them (nil: not held).
+    st_total = nil,
+    st_oldest = nil,
+    st_newest = nil,
+    st_bms = nil,
+    st_exp = nil,
     -- Bucket `vb`'s value is `vv`, as read with the meta or last written (nil: not known).
     vb = nil,
     vv = 0,
@@ -77,27 +82,49 @@ local function expiry(w)
   return (w.newest + w.n + 1) * w.bms
 end
 
--- The bookkeeping fields, as `save_meta` writes them.
-local META_FIELDS = { 'total', 'oldest', 'newest', 'bms', 'exp' }
-
--- Writes the meta fields that changed since the key was read or last written (most charges
--- change only `total`), and bucket b's value `w.vv` with them when b is given, in one HSET;
--- deletes the key once it holds nothing.
+-- Writes the meta fields that changed since the key was read or last written, and bucket b's
+-- value `w.vv` with them when b is given, in one HSET; deletes the key once it holds nothing.
+-- Most charges and refunds change only `total` and the bucket, and take the short way: a
+-- general argument list costs more Lua than the HSET arguments it saves.
 local function save_meta(w, b)
   if w.oldest == nil then
     redis.call('DEL', w.key)
     -- Its expiry went with it: the next charge must set one.
-    w.exp, w.stored = nil, {}
+    w.exp = nil
+    w.st_total, w.st_oldest, w.st_newest, w.st_bms, w.st_exp = nil, nil, nil, nil, nil
     return
   end
-  local args, stored = { w.key }, w.stored
-  for _, field in ipairs(META_FIELDS) do
-    local value = w[field]
-    if value ~= nil and value ~= stored[field] then
-      args[#args + 1] = field
-      args[#args + 1] = int(value)
-      stored[field] = value
-    end
+  if b ~= nil and w.oldest == w.st_oldest and w.newest == w.st_newest and w.bms == w.st_bms
+    and w.exp == w.st_exp then
+    redis.call('HSET', w.key, 'total', int(w.total), int(b), int(w.vv))
+    w.st_total = w.total
+    return
+  end
+  local args = { w.key }
+  if w.total ~= w.st_total then
+    args[#args + 1] = 'total'
+    args[#args + 1] = int(w.total)
+    w.st_total = w.total
+  end
+  if w.oldest ~= w.st_oldest then
+    args[#args + 1] = 'oldest'
+    args[#args + 1] = int(w.oldest)
+    w.st_oldest = w.oldest
+  end
+  if w.newest ~= w.st_newest then
+    args[#args + 1] = 'newest'
+    args[#args + 1] = int(w.newest)
+    w.st_newest = w.newest
+  end
+  if w.bms ~= w.st_bms then
+    args[#args + 1] = 'bms'
+    args[#args + 1] = int(w.bms)
+    w.st_bms = w.bms
+  end
+  if w.exp ~= nil and w.exp ~= w.st_exp then
+    args[#args + 1] = 'exp'
+    args[#args + 1] = int(w.exp)
+    w.st_exp = w.exp
   end
   if b ~= nil then
     args[#args + 1] = int(b)
@@ -144,7 +171,7 @@ end
 local function renumber(w, old_bms)
   local all = redis.call('HGETALL', w.key)
   redis.call('DEL', w.key)
-  w.stored = {}
+  w.st_total, w.st_oldest, w.st_newest, w.st_bms, w.st_exp = nil, nil, nil, nil, nil
   local sums = {}
   for i = 1, #all, 2 do
     local b, v = tonumber(all[i]), tonumber(all[i + 1])
@@ -178,13 +205,20 @@ end
 -- is scanned instead, and a window whose newest bucket rolled off is deleted whole.
 --
 -- `b`, if given, is a live bucket (b >= w.first) the caller is about to write: its value is read
--- in the same HMGET as the meta (rolling off never deletes a live bucket).
-local function load(w, b)
-  local meta
+-- in the same HMGET as the meta (rolling off never deletes a live bucket). `without_exp` leaves
+-- `exp` unread, for a caller that only gives back: left unknown, it is neither written nor
+-- trusted (a charge would set the expiry again).
+local function load(w, b, without_exp)
+  local meta, value
   if b == nil then
     meta = redis.call('HMGET', w.key, 'total', 'oldest', 'newest', 'bms', 'exp')
+  elseif without_exp then
+    meta = redis.call('HMGET', w.key, 'total', 'oldest', 'newest', 'bms', int(b))
+    value = meta[5]
+    meta[5] = nil
   else
     meta = redis.call('HMGET', w.key, 'total', 'oldest', 'newest', 'bms', 'exp', int(b))
+    value = meta[6]
   end
   local total, oldest, newest, bms =
     tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]), tonumber(meta[4])
@@ -197,19 +231,20 @@ local function load(w, b)
     return
   end
   w.total, w.oldest, w.newest, w.exp = total, oldest, newest, tonumber(meta[5])
-  w.stored = { total = total, oldest = oldest, newest = newest, bms = bms, exp = w.exp }
+  w.st_total, w.st_oldest, w.st_newest, w.st_bms, w.st_exp = total, oldest, newest, bms, w.exp
   if bms ~= w.bms then
     -- Every number changes: the value read is not bucket b's.
     renumber(w, bms)
   elseif b ~= nil then
-    w.vb, w.vv = b, tonumber(meta[6]) or 0
+    w.vb, w.vv = b, tonumber(value) or 0
   end
   if w.oldest == nil or w.oldest >= w.first then
     return
   end
   if w.newest < w.first then
     redis.call('DEL', w.key)
-    w.total, w.oldest, w.newest, w.exp, w.stored = 0, nil, nil, nil, {}
+    w.total, w.oldest, w.newest, w.exp = 0, nil, nil, nil
+    w.st_total, w.st_oldest, w.st_newest, w.st_bms, w.st_exp = nil, nil, nil, nil, nil
     return
   end
   local fields = redis.call('HLEN', w.key) - META

@@ -31,7 +31,8 @@ for i = 1, #KEYS - 1 do
     local w = by_key[key]
     if w == nil then
       w = window(key, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), now)
-      load(w, adjusted_bucket(w, at, delta))
+      -- A refund, the usual settle, never moves the expiry.
+      load(w, adjusted_bucket(w, at, delta), delta < 0)
       by_key[key] = w
     end
     adjust(w, at, delta)
