@@ -62,7 +62,9 @@ readonly SETTLE_ARGS=(lease__rand_int__ 99999999999999 1000000 999999 0 t 864000
                       r 60000 1000)
 
 # Runs `reserves` reserves then `settles` settles in a fresh server under callgrind; prints
-# "instructions aof_bytes" and leaves the command stats in ${work}/SIDE-TAG.stats.
+# "instructions inside_evalsha inside_calls aof_bytes" and leaves the command stats in
+# ${work}/SIDE-TAG.stats. It runs in a subshell (process substitution): on any failure it
+# prints nothing, and the caller's `read` stops the script.
 run() { # SIDE TAG RESERVES SETTLES
     local side="$1" tag="$2" reserves="$3" settles="$4" port dir
     port="$(free_port)"
@@ -72,6 +74,9 @@ run() { # SIDE TAG RESERVES SETTLES
         redis-server --port "${port}" --bind 127.0.0.1 --save '' --appendonly yes \
         --appendfsync no --dir "${dir}" > "${dir}/server.log" 2>&1 &
     local server=$!
+    # Whatever way this subshell ends, the server goes with it.
+    # shellcheck disable=SC2064 # the pid now: `server` is local, gone when the trap runs.
+    trap "kill ${server} 2>/dev/null || true" EXIT
     fail() {
         echo "redis-script-cost: $1" >&2
         cat "${dir}/server.log" >&2
@@ -85,8 +90,8 @@ run() { # SIDE TAG RESERVES SETTLES
     done
     [[ -n "${up}" ]] || fail "redis-server under valgrind did not answer on port ${port}"
     local reserve settle
-    reserve="$(redis-cli -p "${port}" SCRIPT LOAD "$(script "${side}" reserve)")"
-    settle="$(redis-cli -p "${port}" SCRIPT LOAD "$(script "${side}" settle)")"
+    reserve="$(redis-cli -p "${port}" SCRIPT LOAD "$(script "${side}" reserve)" 2>&1 || true)"
+    settle="$(redis-cli -p "${port}" SCRIPT LOAD "$(script "${side}" settle)" 2>&1 || true)"
     [[ "${reserve}" =~ ^[0-9a-f]{40}$ && "${settle}" =~ ^[0-9a-f]{40}$ ]] ||
         fail "SCRIPT LOAD answered '${reserve}' and '${settle}'"
     local before after
@@ -111,7 +116,7 @@ run() { # SIDE TAG RESERVES SETTLES
     # Redis, which is counted with the Lua around the calls).
     local total inside calls
     total="$(awk '/^totals:/ {print $2}' "${dir}/callgrind.out")"
-    callgrind_annotate --inclusive=yes "${dir}/callgrind.out" > "${dir}/inclusive.txt"
+    callgrind_annotate --inclusive=yes --threshold=100 "${dir}/callgrind.out" > "${dir}/inclusive.txt"
     inclusive() {
         awk -v name=":$1 " 'index($0, name) && !seen {gsub(",", "", $1); print $1; seen = 1}' \
             "${dir}/inclusive.txt"
@@ -119,6 +124,7 @@ run() { # SIDE TAG RESERVES SETTLES
     inside="$(inclusive evalShaCommand)"
     calls="$(inclusive scriptCall)"
     [[ -n "${inside}" ]] || fail "no evalShaCommand in the profile (a redis-server without symbols?)"
+    [[ -n "${calls}" || "${side}" == floor ]] || fail "no scriptCall in the profile"
     echo "${total} ${inside} ${calls:-0} $((after - before))"
 }
 
