@@ -762,8 +762,12 @@ async fn reported_responses_are_timed_and_settled_with_their_usage() {
     tollgate
         .wait_for_metric("tollgate_response_reports_total", &matched, 1.0)
         .await;
+    // The summary is counted once handed to the request's end, which may settle first.
+    let summary = ["report=\"summary\"", "outcome=\"matched\""];
+    tollgate
+        .wait_for_metric("tollgate_response_reports_total", &summary, 1.0)
+        .await;
     let m = tollgate.metrics().await;
-    assert_eq!(reports_of(&m, "summary", "matched"), 1.0);
     assert_eq!(reports_of(&m, "summary", "missing"), 0.0);
     assert_eq!(reports_of(&m, "first_token", "missing"), 0.0);
     assert_eq!(
@@ -874,8 +878,18 @@ async fn reported_responses_that_end_badly_are_told_apart() {
         stream_with(&stack, &failing, max_tokens).await.status(),
         500
     );
-    let m = once_ended(&stack, "upstream_error", 1.0).await;
-    assert_eq!(reports_of(&m, "summary", "matched"), 3.0);
+    once_ended(&stack, "upstream_error", 1.0).await;
+    // Awaited too: a summary is counted once it has been handed to the request's end, which
+    // may count its completion first, on another worker.
+    let m = stack
+        .tollgate
+        .wait_for_metrics(|m| {
+            let matched = reports_of(m, "summary", "matched");
+            (matched == 3.0)
+                .then_some(())
+                .ok_or(format!("summaries matched: {matched}"))
+        })
+        .await;
     assert_eq!(reports_of(&m, "summary", "missing"), 0.0);
     assert_eq!(
         reports_of(&m, "summary", "untagged"),
@@ -940,8 +954,12 @@ async fn reported_responses_and_refusals_carry_their_own_rate_limit_headers() {
         .tollgate
         .wait_for_metric("tollgate_active_leases", &[], 0.0)
         .await;
-    let m = stack.tollgate.metrics().await;
-    assert_eq!(reports_of(&m, "summary", "matched"), 1.0);
+    // Counted once handed to the request's end, which may release the lease first.
+    let summary = ["report=\"summary\"", "outcome=\"matched\""];
+    stack
+        .tollgate
+        .wait_for_metric("tollgate_response_reports_total", &summary, 1.0)
+        .await;
 
     // Admitted now: the headers come from its admission (one slot, used by itself).
     let (status, headers, text) = send(&stack, "/v1/chat/completions", &HOLDER, body).await;
