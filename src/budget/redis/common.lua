@@ -82,16 +82,21 @@ local function expiry(w)
   return (w.newest + w.n + 1) * w.bms
 end
 
--- Writes the meta fields that changed since the key was read or last written, and bucket b's
--- value `w.vv` with them when b is given, in one HSET; deletes the key once it holds nothing.
--- Most charges and refunds change only `total` and the bucket, and take the short way: a
--- general argument list costs more Lua than the HSET arguments it saves.
+-- Deletes the window's key; its expiry and stored meta go with it (the next charge sets both).
+local function drop_key(w)
+  redis.call('DEL', w.key)
+  w.exp = nil
+  w.st_total, w.st_oldest, w.st_newest, w.st_bms, w.st_exp = nil, nil, nil, nil, nil
+end
+
+-- Writes the meta, and bucket b's value `w.vv` with it when b is given, in one HSET; deletes
+-- the key once it holds nothing. Most charges and refunds change only `total` and the bucket,
+-- and write just those: an argument list built field by field costs more Lua than the HSET
+-- arguments it saves, so anything else (a new oldest or newest bucket, a roll-off, a reload)
+-- writes every field.
 local function save_meta(w, b)
   if w.oldest == nil then
-    redis.call('DEL', w.key)
-    -- Its expiry went with it: the next charge must set one.
-    w.exp = nil
-    w.st_total, w.st_oldest, w.st_newest, w.st_bms, w.st_exp = nil, nil, nil, nil, nil
+    drop_key(w)
     return
   end
   if b ~= nil and w.oldest == w.st_oldest and w.newest == w.st_newest and w.bms == w.st_bms
@@ -100,39 +105,20 @@ local function save_meta(w, b)
     w.st_total = w.total
     return
   end
-  local args = { w.key }
-  if w.total ~= w.st_total then
-    args[#args + 1] = 'total'
-    args[#args + 1] = int(w.total)
-    w.st_total = w.total
-  end
-  if w.oldest ~= w.st_oldest then
-    args[#args + 1] = 'oldest'
-    args[#args + 1] = int(w.oldest)
-    w.st_oldest = w.oldest
-  end
-  if w.newest ~= w.st_newest then
-    args[#args + 1] = 'newest'
-    args[#args + 1] = int(w.newest)
-    w.st_newest = w.newest
-  end
-  if w.bms ~= w.st_bms then
-    args[#args + 1] = 'bms'
-    args[#args + 1] = int(w.bms)
-    w.st_bms = w.bms
-  end
-  if w.exp ~= nil and w.exp ~= w.st_exp then
+  local args = { w.key, 'total', int(w.total), 'oldest', int(w.oldest), 'newest', int(w.newest),
+    'bms', int(w.bms) }
+  if w.exp ~= nil then
     args[#args + 1] = 'exp'
     args[#args + 1] = int(w.exp)
-    w.st_exp = w.exp
   end
   if b ~= nil then
     args[#args + 1] = int(b)
     args[#args + 1] = int(w.vv)
   end
-  if #args > 1 then
-    redis.call('HSET', unpack(args))
-  end
+  redis.call('HSET', unpack(args))
+  -- An `exp` left unread stays unknown (nil), as if not held.
+  w.st_total, w.st_oldest, w.st_newest, w.st_bms, w.st_exp = w.total, w.oldest, w.newest, w.bms,
+    w.exp
 end
 
 -- The smallest bucket number >= from held by the window, or nil. Walks one number at a time
@@ -170,8 +156,7 @@ end
 -- coarser then a finer size, a bucket may expire up to one coarse bucket early).
 local function renumber(w, old_bms)
   local all = redis.call('HGETALL', w.key)
-  redis.call('DEL', w.key)
-  w.st_total, w.st_oldest, w.st_newest, w.st_bms, w.st_exp = nil, nil, nil, nil, nil
+  drop_key(w)
   local sums = {}
   for i = 1, #all, 2 do
     local b, v = tonumber(all[i]), tonumber(all[i + 1])
@@ -209,28 +194,28 @@ end
 -- `exp` unread, for a caller that only gives back: left unknown, it is neither written nor
 -- trusted (a charge would set the expiry again).
 local function load(w, b, without_exp)
-  local meta, value
+  local meta, exp, value
   if b == nil then
     meta = redis.call('HMGET', w.key, 'total', 'oldest', 'newest', 'bms', 'exp')
+    exp = meta[5]
   elseif without_exp then
     meta = redis.call('HMGET', w.key, 'total', 'oldest', 'newest', 'bms', int(b))
     value = meta[5]
-    meta[5] = nil
   else
     meta = redis.call('HMGET', w.key, 'total', 'oldest', 'newest', 'bms', 'exp', int(b))
-    value = meta[6]
+    exp, value = meta[5], meta[6]
   end
   local total, oldest, newest, bms =
     tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]), tonumber(meta[4])
   if total == nil or oldest == nil or newest == nil or bms == nil then
     -- No window yet (or a key these scripts did not write): start empty.
-    redis.call('DEL', w.key)
+    drop_key(w)
     if b ~= nil then
       w.vb, w.vv = b, 0
     end
     return
   end
-  w.total, w.oldest, w.newest, w.exp = total, oldest, newest, tonumber(meta[5])
+  w.total, w.oldest, w.newest, w.exp = total, oldest, newest, tonumber(exp)
   w.st_total, w.st_oldest, w.st_newest, w.st_bms, w.st_exp = total, oldest, newest, bms, w.exp
   if bms ~= w.bms then
     -- Every number changes: the value read is not bucket b's.
@@ -242,9 +227,8 @@ local function load(w, b, without_exp)
     return
   end
   if w.newest < w.first then
-    redis.call('DEL', w.key)
-    w.total, w.oldest, w.newest, w.exp = 0, nil, nil, nil
-    w.st_total, w.st_oldest, w.st_newest, w.st_bms, w.st_exp = nil, nil, nil, nil, nil
+    drop_key(w)
+    w.total, w.oldest, w.newest = 0, nil, nil
     return
   end
   local fields = redis.call('HLEN', w.key) - META
