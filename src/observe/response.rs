@@ -155,16 +155,18 @@ impl ResponseObserver {
                 self.scan_line(&line);
             }
             BodyFormat::Json if self.is_success() && !self.overflowed => {
-                if self.output_encoding.is_none() {
-                    self.usage = usage_in(&self.pending);
-                } else if let Ok(doc) = serde_json::from_slice::<Value>(&self.pending) {
-                    self.usage = usage_of(&doc);
-                    // The count only stands in for missing usage (a settle charges usage when
-                    // there is one), and it runs before Envoy gets its answer to the last
-                    // chunk.
-                    if self.usage.is_none() {
-                        self.count_output(&doc);
-                    }
+                // Usage first, without building the document: an upstream nearly always
+                // reports it, and then that is all a settle needs.
+                self.usage = usage_in(&self.pending);
+                // The count only stands in for missing usage (a settle charges usage when
+                // there is one), and it runs before Envoy gets its answer to the last chunk.
+                // A body `usage_in` refused whole is refused here too, so nothing is counted
+                // (as when the document was parsed once for both).
+                if self.usage.is_none()
+                    && self.output_encoding.is_some()
+                    && let Ok(doc) = serde_json::from_slice::<Value>(&self.pending)
+                {
+                    self.count_output(&doc);
                 }
                 self.pending = Vec::new();
             }

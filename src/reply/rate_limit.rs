@@ -4,6 +4,8 @@
 //!
 //! Pure: windows and their states in, header pairs and replies out.
 
+use std::fmt::Write as _;
+
 use super::{LocalReply, Reason};
 use crate::budget::ledger::{BudgetState, Denial};
 use crate::budget::{Denied, DeniedLimit, Quantity, WindowLimit, WindowState};
@@ -53,7 +55,8 @@ pub fn rate_limit_headers(
     states: &[WindowState],
     concurrency: Option<(u32, u32)>,
 ) -> Vec<(&'static str, String)> {
-    let mut headers = Vec::new();
+    // Six of OpenAI's and the two IETF fields at most.
+    let mut headers = Vec::with_capacity(8);
     let pairs = || windows.iter().zip(states);
     // OpenAI's headers describe one requests limit and one tokens limit: the tightest of each.
     let tightest = |quantity| {
@@ -86,39 +89,56 @@ pub fn rate_limit_headers(
             headers.push((reset, go_duration(state.reset_ms)));
         }
     }
-    let mut policies: Vec<String> = pairs()
-        .map(|(w, _)| {
-            let unit = match w.quantity {
-                Quantity::Tokens => ";qu=\"tokens\"",
-                Quantity::Requests => "",
-            };
-            format!(
-                "\"{}\";q={};w={}{unit}",
-                w.name,
-                w.limit,
-                w.window_ms / 1000
-            )
-        })
-        .collect();
-    let mut remaining: Vec<String> = pairs()
-        .map(|(w, s)| {
-            format!(
-                "\"{}\";r={};t={}",
-                w.name,
-                s.limit.saturating_sub(s.used),
-                s.reset_ms.div_ceil(1000)
-            )
-        })
-        .collect();
-    if let Some((used, limit)) = concurrency {
-        policies.push(format!(
-            "\"concurrency\";q={limit};qu=\"concurrent-requests\""
-        ));
-        remaining.push(format!("\"concurrency\";r={}", limit.saturating_sub(used)));
+    // Each field written in place, one string each, not a string per window joined after.
+    let mut policy = String::new();
+    let mut remaining = String::new();
+    let separate = |field: &mut String| {
+        if !field.is_empty() {
+            field.push_str(", ");
+        }
+    };
+    for (w, s) in pairs() {
+        let unit = match w.quantity {
+            Quantity::Tokens => ";qu=\"tokens\"",
+            Quantity::Requests => "",
+        };
+        separate(&mut policy);
+        write!(
+            policy,
+            "\"{}\";q={};w={}{unit}",
+            w.name,
+            w.limit,
+            w.window_ms / 1000
+        )
+        .expect("writing to a String");
+        separate(&mut remaining);
+        write!(
+            remaining,
+            "\"{}\";r={};t={}",
+            w.name,
+            s.limit.saturating_sub(s.used),
+            s.reset_ms.div_ceil(1000)
+        )
+        .expect("writing to a String");
     }
-    if !policies.is_empty() {
-        headers.push(("ratelimit-policy", policies.join(", ")));
-        headers.push(("ratelimit", remaining.join(", ")));
+    if let Some((used, limit)) = concurrency {
+        separate(&mut policy);
+        write!(
+            policy,
+            "\"concurrency\";q={limit};qu=\"concurrent-requests\""
+        )
+        .expect("writing to a String");
+        separate(&mut remaining);
+        write!(
+            remaining,
+            "\"concurrency\";r={}",
+            limit.saturating_sub(used)
+        )
+        .expect("writing to a String");
+    }
+    if !policy.is_empty() {
+        headers.push(("ratelimit-policy", policy));
+        headers.push(("ratelimit", remaining));
     }
     headers
 }
@@ -208,17 +228,24 @@ pub fn go_duration(ms: u64) -> String {
     }
     let (hours, rest) = (ms / 3_600_000, ms % 3_600_000);
     let (minutes, rest) = (rest / 60_000, rest % 60_000);
-    let seconds = if rest % 1000 == 0 {
-        format!("{}s", rest / 1000)
-    } else {
-        let text = format!("{:.3}", rest as f64 / 1000.0);
-        format!("{}s", text.trim_end_matches('0'))
-    };
+    // One string written in place, the milliseconds as digits (not through a float): every
+    // admitted request's headers carry one or two of these.
+    let mut text = String::with_capacity(16);
     match (hours, minutes) {
-        (0, 0) => seconds,
-        (0, m) => format!("{m}m{seconds}"),
-        (h, m) => format!("{h}h{m}m{seconds}"),
+        (0, 0) => {}
+        (0, m) => write!(text, "{m}m").expect("writing to a String"),
+        (h, m) => write!(text, "{h}h{m}m").expect("writing to a String"),
     }
+    let (seconds, millis) = (rest / 1000, rest % 1000);
+    if millis == 0 {
+        write!(text, "{seconds}s").expect("writing to a String");
+    } else {
+        write!(text, "{seconds}.{millis:03}").expect("writing to a String");
+        // At least one digit after the point is not zero, so the point stays.
+        text.truncate(text.trim_end_matches('0').len());
+        text.push('s');
+    }
+    text
 }
 
 #[cfg(test)]

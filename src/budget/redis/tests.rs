@@ -76,11 +76,11 @@ fn every_key_of_a_tenant_hashes_on_its_tag() {
         let tag = tenant_tag(tenant);
         let keys = [
             leases_key(tenant),
-            window_key(tenant, "tokens_minute"),
-            window_key(tenant, "requests_day"),
+            TenantKeys::of(tenant).window("tokens_minute"),
+            TenantKeys::of(tenant).window("requests_day"),
             // Window names are key-safe by contract; even a brace in one cannot move the slot,
             // as only the first `{...}` counts.
-            window_key(tenant, "odd{name}"),
+            TenantKeys::of(tenant).window("odd{name}"),
         ];
         for key in &keys {
             assert_eq!(hash_tag(key), tag, "{tenant:?}: {key}");
@@ -93,8 +93,9 @@ fn every_key_of_a_tenant_hashes_on_its_tag() {
 fn key_layout() {
     let tag = tenant_tag("alice");
     assert_eq!(leases_key("alice"), format!("tollgate:{{{tag}}}:leases"));
+    assert_eq!(TenantKeys::of("alice").leases(), leases_key("alice"));
     assert_eq!(
-        window_key("alice", "tokens_hour"),
+        TenantKeys::of("alice").window("tokens_hour"),
         format!("tollgate:{{{tag}}}:w:tokens_hour")
     );
 }

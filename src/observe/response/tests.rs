@@ -566,6 +566,18 @@ fn generated_text_of_a_json_body_is_counted_at_the_end() {
     // A body that reports usage is charged by it; counting its text would be wasted work.
     let (a, b) = JSON_BODY.split_at(50);
     check_output_tokens(JSON, &[a, b], 0);
+    // ...and its usage is read all the same.
+    let mut counting = ResponseObserver::new(200, JSON.map(str::as_bytes), JSON_LIMIT)
+        .counting_output(Encoding::O200kBase);
+    counting.on_chunk(a.as_bytes(), false);
+    counting.on_chunk(b.as_bytes(), true);
+    assert_eq!(
+        counting.usage(),
+        Some(Usage {
+            prompt_tokens: 9,
+            completion_tokens: 3
+        })
+    );
     let without_usage = JSON_BODY.replace(
         r#","usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}"#,
         "",

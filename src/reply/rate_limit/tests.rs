@@ -29,8 +29,40 @@ fn go_durations() {
         (360_000, "6m0s"),
         (3_723_000, "1h2m3s"),
         (3_600_000, "1h0m0s"),
+        (1_050, "1.05s"),
+        (61_010, "1m1.01s"),
+        (3_600_001, "1h0m0.001s"),
+        (90_061_100, "25h1m1.1s"),
     ] {
         assert_eq!(go_duration(ms), text, "{ms}");
+    }
+}
+
+/// The digits written in place are what formatting the seconds as a float to three places and
+/// trimming its zeros gave (the way it was written before), for every millisecond of the first
+/// two minutes and a spread beyond.
+#[test]
+fn go_durations_match_the_float_formatting() {
+    let by_float = |ms: u64| {
+        if ms < 1000 {
+            return format!("{ms}ms");
+        }
+        let (hours, rest) = (ms / 3_600_000, ms % 3_600_000);
+        let (minutes, rest) = (rest / 60_000, rest % 60_000);
+        let seconds = if rest % 1000 == 0 {
+            format!("{}s", rest / 1000)
+        } else {
+            let text = format!("{:.3}", rest as f64 / 1000.0);
+            format!("{}s", text.trim_end_matches('0'))
+        };
+        match (hours, minutes) {
+            (0, 0) => seconds,
+            (0, m) => format!("{m}m{seconds}"),
+            (h, m) => format!("{h}h{m}m{seconds}"),
+        }
+    };
+    for ms in (0..120_000).chain((120_000..400_000_000).step_by(9_973)) {
+        assert_eq!(go_duration(ms), by_float(ms), "{ms}");
     }
 }
 
