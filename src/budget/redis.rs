@@ -363,7 +363,7 @@ impl RedisStore {
             pipe.cmd("EVALSHA")
                 .arg(script.get_hash())
                 .arg(1)
-                .arg(leases_key(tenant))
+                .arg(TenantKeys::of(tenant).leases())
                 .arg(exact(lease_ttl_ms))
                 .arg(ids);
         }
@@ -542,11 +542,6 @@ fn warm_up(mut manager: ConnectionManager, scripts: Scripts) {
 pub(crate) fn tenant_tag(tenant: &str) -> String {
     let digest = Sha256::digest(tenant.as_bytes());
     hex::encode(&digest[..16])
-}
-
-/// The tenant's lease ZSET.
-pub(crate) fn leases_key(tenant: &str) -> String {
-    TenantKeys::of(tenant).leases()
 }
 
 /// The keys of one tenant, from its tag hashed once: a call names the leases key and every

@@ -74,13 +74,14 @@ fn distinct_tenants_get_distinct_tags() {
 fn every_key_of_a_tenant_hashes_on_its_tag() {
     for tenant in AWKWARD_TENANTS {
         let tag = tenant_tag(tenant);
+        let named = TenantKeys::of(tenant);
         let keys = [
-            leases_key(tenant),
-            TenantKeys::of(tenant).window("tokens_minute"),
-            TenantKeys::of(tenant).window("requests_day"),
+            named.leases(),
+            named.window("tokens_minute"),
+            named.window("requests_day"),
             // Window names are key-safe by contract; even a brace in one cannot move the slot,
             // as only the first `{...}` counts.
-            TenantKeys::of(tenant).window("odd{name}"),
+            named.window("odd{name}"),
         ];
         for key in &keys {
             assert_eq!(hash_tag(key), tag, "{tenant:?}: {key}");
@@ -92,10 +93,10 @@ fn every_key_of_a_tenant_hashes_on_its_tag() {
 #[test]
 fn key_layout() {
     let tag = tenant_tag("alice");
-    assert_eq!(leases_key("alice"), format!("tollgate:{{{tag}}}:leases"));
-    assert_eq!(TenantKeys::of("alice").leases(), leases_key("alice"));
+    let keys = TenantKeys::of("alice");
+    assert_eq!(keys.leases(), format!("tollgate:{{{tag}}}:leases"));
     assert_eq!(
-        TenantKeys::of("alice").window("tokens_hour"),
+        keys.window("tokens_hour"),
         format!("tollgate:{{{tag}}}:w:tokens_hour")
     );
 }
