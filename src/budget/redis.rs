@@ -108,6 +108,7 @@ use redis::{
     ScriptInvocation, ServerErrorKind,
 };
 use sha2::{Digest, Sha256};
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{
@@ -203,6 +204,8 @@ struct Inner {
     connection: Mutex<Connection>,
     scripts: Scripts,
     timeout: Duration,
+    /// True once the start-up loading (`warm_up`) has sent its last command.
+    warmed_up: watch::Receiver<bool>,
 }
 
 /// The current connection manager and how many times it was replaced.
@@ -271,7 +274,7 @@ impl RedisStore {
                     StoreError::Unavailable(format!("cannot set up the Redis client: {e}"))
                 })?;
         let scripts = Scripts::new();
-        warm_up(manager.clone(), scripts.clone());
+        let warmed_up = warm_up(manager.clone(), scripts.clone());
         Ok(RedisStore {
             inner: Box::new(Inner {
                 client,
@@ -283,8 +286,19 @@ impl RedisStore {
                 }),
                 scripts,
                 timeout: settings.timeout,
+                warmed_up,
             }),
         })
+    }
+
+    /// Resolves once the start-up's background loading of the scripts has ended: every script
+    /// loaded, or given up at the first failure (Redis unreachable; a call then loads the
+    /// script it finds missing). When they all loaded, none of its commands can reach Redis
+    /// any more: for whoever counts Redis's commands, as the store's tests do.
+    pub async fn warmed_up(&self) {
+        let mut warmed_up = self.inner.warmed_up.clone();
+        // An error is the task gone, which it is only once it has ended.
+        let _ = warmed_up.wait_for(|done| *done).await;
     }
 
     /// One `EVALSHA` of `reserve.lua`.
@@ -520,8 +534,9 @@ fn tcp_settings() -> TcpSettings {
 
 /// Connects and loads the scripts in the background, so the first requests find both ready
 /// (instead of paying a connection and a `NOSCRIPT` round within their timeout). Its failure
-/// is only logged: calls report their own.
-fn warm_up(mut manager: ConnectionManager, scripts: Scripts) {
+/// is only logged: calls report their own. The receiver turns true when it has ended.
+fn warm_up(mut manager: ConnectionManager, scripts: Scripts) -> watch::Receiver<bool> {
+    let (ended, warmed_up) = watch::channel(false);
     tokio::spawn(async move {
         for script in scripts.all() {
             if let Err(e) = script.load_async(&mut manager).await {
@@ -530,11 +545,14 @@ fn warm_up(mut manager: ConnectionManager, scripts: Scripts) {
                     "Redis is not reachable yet: budget calls fail until it is (reconnecting in \
                      the background)"
                 );
+                ended.send_replace(true);
                 return;
             }
         }
         tracing::debug!("Redis budget scripts loaded");
+        ended.send_replace(true);
     });
+    warmed_up
 }
 
 /// The hash tag shared by every key of `tenant`: 32 hex characters of SHA-256, so any tenant id

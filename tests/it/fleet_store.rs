@@ -172,7 +172,7 @@ async fn join_publish_and_leave_are_one_command_each() {
         let store = store(&server).await;
         member(join(&store, &beat("a", "p1", "ra")).await);
         // Let the background loading of the scripts finish before watching.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        store.warmed_up().await;
         let mut monitor = server.monitor().await;
         let evalsha = vec!["EVALSHA".to_owned()];
 

@@ -126,9 +126,10 @@ fn delta(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> BTree
         .collect()
 }
 
-/// Waits until nothing but our own INFO runs between two reads of the command stats (the
-/// store's background script loading has finished).
-async fn quiesce(server: &RedisServer) {
+/// Waits until the store's start-up has loaded its scripts (a late load would land in what the
+/// test counts) and nothing but our own INFO runs between two reads of the command stats.
+async fn quiesce(server: &RedisServer, store: &RedisStore) {
+    store.warmed_up().await;
     let only_info = BTreeMap::from([("info".to_owned(), 1)]);
     for _ in 0..100 {
         let first = server.command_stats().await;
@@ -184,7 +185,7 @@ async fn reserve_settle_and_usage_are_one_command_each() {
             )
             .await
             .unwrap();
-        quiesce(&server).await;
+        quiesce(&server, &store).await;
 
         // INFO commandstats counts the commands scripts run as well (`hset`, `time`, ...), so
         // the clients' own commands are read from MONITOR, which tells them apart.
@@ -262,14 +263,7 @@ async fn a_flushed_script_cache_is_reloaded_and_usage_survives() {
         assert_eq!(first.windows[0].used, 100);
         // The store loads its scripts in the background at start (four for budgets, three for
         // the fleet): let it finish, or a late load would count as the reload below.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while server.command_calls("script|load").await < 7 {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the scripts never loaded"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        store.warmed_up().await;
 
         server.cmd(&["SCRIPT", "FLUSH"]).await;
         let loads = server.command_calls("script|load").await;
@@ -672,7 +666,7 @@ async fn a_steady_reserve_and_settle_make_few_calls() {
                 .settle(&settlement(&warm, &warm_grant, 5))
                 .await
                 .unwrap();
-            quiesce(&server).await;
+            quiesce(&server, &store).await;
 
             let before = server.command_stats().await;
             let r = reservation("alice", "lease", 100, &windows);
