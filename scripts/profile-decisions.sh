@@ -6,7 +6,10 @@
 #     context switches, to divide by the decisions the run reports;
 #   - `perf record --call-graph dwarf` samples each server, the echo too, for
 #     `perf report --children`: the echo's profile is the plumbing both share, so what tollgate
-#     spends beyond it shows side by side.
+#     spends beyond it shows side by side;
+#   - the self time of each server by crate, in us per decision, with what tollgate with the
+#     embedded store spends beyond the echo (docs/benchmarks.md, "By crate, beside the echo");
+#     each server's flat profile is left in OUT_DIR/NAME.self.txt.
 # Needs perf (linux-perf) and permission to attach to the servers (root, or
 # kernel.perf_event_paranoid <= 1). Attaching slows the servers a little; read the profile's
 # shares, and take decisions per CPU-second from scripts/bench-decisions.sh. perf attaches
@@ -25,6 +28,7 @@ mkdir -p "${out}"
 rm -f "${out}"/*.data "${out}"/*.stat "${out}/servers.txt"
 
 command -v perf >/dev/null || { echo "profile-decisions: perf is not installed (apt-get install linux-perf)" >&2; exit 1; }
+command -v python3 >/dev/null || { echo "profile-decisions: python3 is not installed (apt-get install python3)" >&2; exit 1; }
 cargo build --release --bin tollgate --example bench_decisions --example echo_extproc
 
 # No warm-up run, so each server's counts cover exactly its measured 5 s.
@@ -75,3 +79,55 @@ for name in echo tollgate-redis tollgate-memory; do
         END { printf "  %-16s%s\n", n, line }' "${out}/${name}.stat"
 done
 echo "profiles: perf report -i ${out}/tollgate-memory.data --children --sort symbol -g none (echo.data, tollgate-redis.data beside it)"
+
+# Where each server's CPU goes by crate: self time (perf report --no-children --sort dso,symbol),
+# each symbol's share times the server's us per decision, summed by the crate (the first path
+# segment) its symbol is in; the kernel, libc and jemalloc each as one. Sorted by what tollgate
+# with the embedded store spends beyond the echo: the plumbing both share nets out. A symbol
+# counts where its name puts it: the token counting loop, a closure inlined into std's
+# `LocalKey::with` (its scratch space is per thread), shows as std.
+for name in echo tollgate-redis tollgate-memory; do
+    perf report -i "${out}/${name}.data" --no-children --sort dso,symbol -g none 2>/dev/null \
+        > "${out}/${name}.self.txt"
+done
+echo "self time by crate, us per decision (perf attached; the shares are the reading):"
+python3 - "${out}" <<'PY'
+import collections, re, sys
+out = sys.argv[1]
+names = ["echo", "tollgate-redis", "tollgate-memory"]
+us = {}
+for line in open(f"{out}/bench.txt"):
+    fields = line.split()
+    # The table's row, the first line naming the server (later ones are its histograms').
+    if fields and fields[0] in names and fields[0] not in us:
+        us[fields[0]] = float(fields[7])
+def crate(dso, kind, symbol):
+    if kind == "k":
+        return "kernel"
+    if dso.startswith("libc") or dso.startswith("libm"):
+        return "libc"
+    if symbol.startswith(("_rjem_", "je_", "do_rallocx", "_rjem")):
+        return "jemalloc"
+    if dso == "[vdso]":
+        return "vdso"
+    symbol = re.sub(r"^(core::ptr::drop_in_place<|<)+", "", symbol)
+    head = symbol.split("::")[0]
+    return head if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", head) else "other"
+by_crate = {}
+for name in names:
+    totals = collections.Counter()
+    for line in open(f"{out}/{name}.self.txt"):
+        m = re.match(r"\s*([\d.]+)%\s+(\S+)\s+\[(.)\]\s+(.*)", line)
+        if m:
+            share, dso, kind, symbol = m.groups()
+            totals[crate(dso, kind, symbol.strip())] += float(share) * us[name] / 100
+    by_crate[name] = totals
+crates = sorted(set().union(*by_crate.values()),
+                key=lambda c: by_crate["echo"][c] - by_crate["tollgate-memory"][c])
+print(f"  {'crate':<22}{'echo':>8}{'tollgate-redis':>16}{'tollgate-memory':>17}{'memory - echo':>15}")
+for c in crates:
+    row = [by_crate[n][c] for n in names]
+    if max(row) >= 0.5:
+        print(f"  {c:<22}{row[0]:>8.1f}{row[1]:>16.1f}{row[2]:>17.1f}{row[2] - row[0]:>15.1f}")
+print(f"  {'(all)':<22}" + "".join(f"{sum(by_crate[n].values()):>{w}.1f}" for n, w in zip(names, (8, 16, 17))))
+PY
