@@ -81,14 +81,20 @@ done
 echo "profiles: perf report -i ${out}/tollgate-memory.data --children --sort symbol -g none (echo.data, tollgate-redis.data beside it)"
 
 # Where each server's CPU goes by crate: self time (perf report --no-children --sort dso,symbol),
-# each symbol's share times the server's us per decision, summed by the crate (the first path
-# segment) its symbol is in; the kernel, libc and jemalloc each as one. Sorted by what tollgate
-# with the embedded store spends beyond the echo: the plumbing both share nets out. A symbol
-# counts where its name puts it: the token counting loop, a closure inlined into std's
-# `LocalKey::with` (its scratch space is per thread), shows as std.
+# each symbol's share of the samples read (their sum taken as the whole) times the server's us
+# per decision, summed by the crate (the first path segment) its symbol is in; the kernel, libc
+# (with libm) and jemalloc (the binary's C symbols) each as one. Sorted by what tollgate with the
+# embedded store spends beyond the echo: the plumbing both share nets out. A symbol counts where
+# its name puts it: the token counting loop, a closure inlined into std's `LocalKey::with` (its
+# scratch space is per thread), shows as std. Only for CPU samples: with PERF_RECORD_EVENT the
+# samples are events, and a share of them is no share of the time.
+if [[ -n "${PERF_RECORD_EVENT:-}" ]]; then
+    exit 0
+fi
 for name in echo tollgate-redis tollgate-memory; do
-    perf report -i "${out}/${name}.data" --no-children --sort dso,symbol -g none 2>/dev/null \
-        > "${out}/${name}.self.txt"
+    perf report -i "${out}/${name}.data" --no-children --sort dso,symbol -g none \
+        > "${out}/${name}.self.txt" 2> "${out}/${name}.self.err" \
+        || { cat "${out}/${name}.self.err" >&2; exit 1; }
 done
 echo "self time by crate, us per decision (perf attached; the shares are the reading):"
 python3 - "${out}" <<'PY'
@@ -98,35 +104,40 @@ names = ["echo", "tollgate-redis", "tollgate-memory"]
 us = {}
 for line in open(f"{out}/bench.txt"):
     fields = line.split()
-    # The table's row, the first line naming the server (later ones are its histograms').
+    # The table's row, the first line naming the server (later ones are its histograms'):
+    # us per decision from its decisions per server CPU-second, which has more digits.
     if fields and fields[0] in names and fields[0] not in us:
-        us[fields[0]] = float(fields[7])
+        us[fields[0]] = 1e6 / float(fields[6])
 def crate(dso, kind, symbol):
     if kind == "k":
         return "kernel"
-    if dso.startswith("libc") or dso.startswith("libm"):
+    if dso.startswith(("libc.so", "libc-", "libm.so", "libm-")):
         return "libc"
-    if symbol.startswith(("_rjem_", "je_", "do_rallocx", "_rjem")):
-        return "jemalloc"
     if dso == "[vdso]":
         return "vdso"
     symbol = re.sub(r"^(core::ptr::drop_in_place<|<)+", "", symbol)
+    if "::" not in symbol:
+        # The servers' binaries hold no C but jemalloc's (`_rjem_*` and its static functions).
+        return "jemalloc" if dso in ("tollgate", "echo_extproc") else "other"
     head = symbol.split("::")[0]
     return head if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", head) else "other"
 by_crate = {}
 for name in names:
-    totals = collections.Counter()
+    shares = collections.Counter()
     for line in open(f"{out}/{name}.self.txt"):
         m = re.match(r"\s*([\d.]+)%\s+(\S+)\s+\[(.)\]\s+(.*)", line)
         if m:
             share, dso, kind, symbol = m.groups()
-            totals[crate(dso, kind, symbol.strip())] += float(share) * us[name] / 100
-    by_crate[name] = totals
+            shares[crate(dso, kind, symbol.strip())] += float(share)
+    whole = sum(shares.values())
+    if whole < 50:
+        sys.exit(f"profile-decisions: {out}/{name}.self.txt holds {whole:.1f} % of the samples")
+    by_crate[name] = {c: share / whole * us[name] for c, share in shares.items()}
 crates = sorted(set().union(*by_crate.values()),
-                key=lambda c: by_crate["echo"][c] - by_crate["tollgate-memory"][c])
+                key=lambda c: by_crate["echo"].get(c, 0) - by_crate["tollgate-memory"].get(c, 0))
 print(f"  {'crate':<22}{'echo':>8}{'tollgate-redis':>16}{'tollgate-memory':>17}{'memory - echo':>15}")
 for c in crates:
-    row = [by_crate[n][c] for n in names]
+    row = [by_crate[n].get(c, 0) for n in names]
     if max(row) >= 0.5:
         print(f"  {c:<22}{row[0]:>8.1f}{row[1]:>16.1f}{row[2]:>17.1f}{row[2] - row[0]:>15.1f}")
 print(f"  {'(all)':<22}" + "".join(f"{sum(by_crate[n].values()):>{w}.1f}" for n, w in zip(names, (8, 16, 17))))

@@ -204,7 +204,7 @@ struct Inner {
     connection: Mutex<Connection>,
     scripts: Scripts,
     timeout: Duration,
-    /// True once the start-up loading (`warm_up`) has sent its last command.
+    /// True once the start-up loading (`warm_up`) has ended: every script loaded, or given up.
     warmed_up: watch::Receiver<bool>,
 }
 

@@ -433,9 +433,24 @@ async fn script_flush_under_load_is_invisible() {
     warm_up(&clients, "replicas-flush-warm").await;
     let store = store(&redis).await;
     let windows = [tokens_minute(1_000_000), requests_minute(100_000)];
-    // This store's own loading at start would count as tollgate's reloads below.
+    // Loads at start, this store's or a replica's, would count as tollgate's reloads below:
+    // wait for this store's, then until every replica's seven are in and no more arrive.
     store.warmed_up().await;
-    let loads_before = redis.command_calls("script|load").await;
+    let at_start = 7 * (gates.len() as u64 + 1);
+    let mut loads_before = redis.command_calls("script|load").await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let loads = redis.command_calls("script|load").await;
+        if loads >= at_start && loads == loads_before {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the replicas' scripts kept loading: {loads} loads"
+        );
+        loads_before = loads;
+    }
 
     // Workers send requests back to back until the flusher is done, then one more each.
     let flushed = AtomicBool::new(false);
