@@ -19,20 +19,30 @@
 # Usage: scripts/profile-decisions.sh [OUT_DIR]   (default target/profile-decisions)
 #        PERF_RECORD_EVENT=syscalls:sys_enter_futex scripts/profile-decisions.sh OUT_DIR
 #            (samples where tollgate makes a system call instead of where it spends CPU)
+#        scripts/profile-decisions.sh --report-only OUT_DIR
+#            (prints the report again from a run's OUT_DIR, measuring nothing)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "${repo_root}"
+report_only=
+if [[ "${1:-}" == --report-only ]]; then
+    report_only=1
+    shift
+    [[ -f "${1:-}/bench.txt" ]] || { echo "profile-decisions: --report-only needs a run's OUT_DIR" >&2; exit 1; }
+fi
 out="${1:-target/profile-decisions}"
-mkdir -p "${out}"
-rm -f "${out}"/*.data "${out}"/*.stat "${out}/servers.txt"
+readonly SECONDS_PER_SERVER=5
 
 command -v perf >/dev/null || { echo "profile-decisions: perf is not installed (apt-get install linux-perf)" >&2; exit 1; }
 command -v python3 >/dev/null || { echo "profile-decisions: python3 is not installed (apt-get install python3)" >&2; exit 1; }
+
+if [[ -z "${report_only}" ]]; then
+mkdir -p "${out}"
+rm -f "${out}"/*.data "${out}"/*.stat "${out}/servers.txt"
 cargo build --release --bin tollgate --example bench_decisions --example echo_extproc
 
 # No warm-up run, so each server's counts cover exactly its measured 5 s.
-readonly SECONDS_PER_SERVER=5
 target/release/examples/bench_decisions --seconds "${SECONDS_PER_SERVER}" --rounds 1 \
     --check-requests 0 --warmup-seconds 0 > "${out}/bench.txt" 2>&1 &
 bench=$!
@@ -64,6 +74,7 @@ wait "${bench}" || { cat "${out}/bench.txt" >&2; exit 1; }
 for monitor in ${monitors[@]+"${monitors[@]}"}; do
     wait "${monitor}" || true
 done
+fi
 
 grep -E '^(echo|tollgate-redis|tollgate-memory) ' "${out}/bench.txt"
 echo "(columns: decisions/s, p50 / p99 ms, server cores, decisions per server CPU-second, server us per decision, ...)"
@@ -122,17 +133,24 @@ def crate(dso, kind, symbol):
     head = symbol.split("::")[0]
     return head if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", head) else "other"
 by_crate = {}
+# Per server: (crate, (us, share, symbol)) for every symbol, its us from its share.
+symbols = {}
 for name in names:
-    shares = collections.Counter()
+    read = []
     for line in open(f"{out}/{name}.self.txt"):
         m = re.match(r"\s*([\d.]+)%\s+(\S+)\s+\[(.)\]\s+(.*)", line)
         if m:
             share, dso, kind, symbol = m.groups()
-            shares[crate(dso, kind, symbol.strip())] += float(share)
-    whole = sum(shares.values())
+            symbol = re.sub(r"\s+-\s+-\s*$", "", symbol.strip())
+            read.append((crate(dso, kind, symbol), float(share), symbol))
+    whole = sum(share for _, share, _ in read)
     if whole < 50:
         sys.exit(f"profile-decisions: {out}/{name}.self.txt holds {whole:.1f} % of the samples")
-    by_crate[name] = {c: share / whole * us[name] for c, share in shares.items()}
+    symbols[name] = [(c, (share / whole * us[name], share, symbol)) for c, share, symbol in read]
+    shares = collections.Counter()
+    for c, (symbol_us, _, _) in symbols[name]:
+        shares[c] += symbol_us
+    by_crate[name] = dict(shares)
 crates = sorted(set().union(*by_crate.values()),
                 key=lambda c: by_crate["echo"].get(c, 0) - by_crate["tollgate-memory"].get(c, 0))
 print(f"  {'crate':<22}{'echo':>8}{'tollgate-redis':>16}{'tollgate-memory':>17}{'memory - echo':>15}")
@@ -141,4 +159,15 @@ for c in crates:
     if max(row) >= 0.5:
         print(f"  {c:<22}{row[0]:>8.1f}{row[1]:>16.1f}{row[2]:>17.1f}{row[2] - row[0]:>15.1f}")
 print(f"  {'(all)':<22}" + "".join(f"{sum(by_crate[n].values()):>{w}.1f}" for n, w in zip(names, (8, 16, 17))))
+# What the docs split tollgate's own column into, symbol by symbol.
+def show(title, picked, top=None):
+    print(f"{title}: {len(picked)} symbols, {sum(us for us, _, _ in picked):.1f} us" + (", the largest:" if top else ""))
+    for us, share, symbol in sorted(picked, reverse=True)[:top]:
+        print(f"  {share:5.2f} %  {us:5.2f} us  {symbol}")
+rows = symbols["tollgate-memory"]
+counting = re.compile(r"LocalKey<T>::with|tokens::ascii::piece_len|CountCache::count_till_limit")
+show("tollgate-memory, the counting loop", [r[1] for r in rows if counting.search(r[1][2])])
+show("tollgate-memory, tollgate's other symbols",
+     [r[1] for r in rows if r[0] == "tollgate" and not counting.search(r[1][2])], 3)
+show("tollgate-memory, libc", [r[1] for r in rows if r[0] == "libc"], 4)
 PY

@@ -204,8 +204,9 @@ struct Inner {
     connection: Mutex<Connection>,
     scripts: Scripts,
     timeout: Duration,
-    /// True once the start-up loading (`warm_up`) has ended: every script loaded, or given up.
-    warmed_up: watch::Receiver<bool>,
+    /// Closed (its sender dropped) once the start-up loading (`warm_up`) has ended: every
+    /// script loaded, or given up.
+    warmed_up: watch::Receiver<()>,
 }
 
 /// The current connection manager and how many times it was replaced.
@@ -296,9 +297,8 @@ impl RedisStore {
     /// script it finds missing). When they all loaded, none of its commands can reach Redis
     /// any more: for whoever counts Redis's commands, as the store's tests do.
     pub async fn warmed_up(&self) {
-        let mut warmed_up = self.inner.warmed_up.clone();
-        // An error is the task gone, which it is only once it has ended.
-        let _ = warmed_up.wait_for(|done| *done).await;
+        // Nothing is ever sent: `changed` answers only when the task ends and drops the sender.
+        let _ = self.inner.warmed_up.clone().changed().await;
     }
 
     /// One `EVALSHA` of `reserve.lua`.
@@ -534,10 +534,12 @@ fn tcp_settings() -> TcpSettings {
 
 /// Connects and loads the scripts in the background, so the first requests find both ready
 /// (instead of paying a connection and a `NOSCRIPT` round within their timeout). Its failure
-/// is only logged: calls report their own. The receiver turns true when it has ended.
-fn warm_up(mut manager: ConnectionManager, scripts: Scripts) -> watch::Receiver<bool> {
-    let (ended, warmed_up) = watch::channel(false);
+/// is only logged: calls report their own. The receiver is closed when it has ended.
+fn warm_up(mut manager: ConnectionManager, scripts: Scripts) -> watch::Receiver<()> {
+    let (running, warmed_up) = watch::channel(());
     tokio::spawn(async move {
+        // Held until the task ends, however it ends.
+        let _running = running;
         for script in scripts.all() {
             if let Err(e) = script.load_async(&mut manager).await {
                 tracing::warn!(
@@ -545,12 +547,10 @@ fn warm_up(mut manager: ConnectionManager, scripts: Scripts) -> watch::Receiver<
                     "Redis is not reachable yet: budget calls fail until it is (reconnecting in \
                      the background)"
                 );
-                ended.send_replace(true);
                 return;
             }
         }
         tracing::debug!("Redis budget scripts loaded");
-        ended.send_replace(true);
     });
     warmed_up
 }
