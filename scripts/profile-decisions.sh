@@ -165,7 +165,9 @@ def show(title, picked, top=None):
     for us, share, symbol in sorted(picked, reverse=True)[:top]:
         print(f"  {share:5.2f} %  {us:5.2f} us  {symbol}")
 rows = symbols["tollgate-memory"]
-counting = re.compile(r"LocalKey<T>::with|tokens::ascii::piece_len|CountCache::count_till_limit")
+# The loop's own symbols, wherever the compiler left them out of line: cutting pieces
+# (`Counter::next_piece`, `tokens::ascii::*`) and the count cache's lookup.
+counting = re.compile(r"LocalKey<T>::with|tokens::Counter::next_piece|tokens::ascii::|CountCache::count_till_limit")
 show("tollgate-memory, the counting loop", [r[1] for r in rows if counting.search(r[1][2])])
 show("tollgate-memory, tollgate's other symbols",
      [r[1] for r in rows if r[0] == "tollgate" and not counting.search(r[1][2])], 3)

@@ -337,13 +337,17 @@ impl Counter {
             let mut caches = caches.borrow_mut();
             let cache =
                 caches[self.cache_index].get_or_insert_with(|| self.splitter.create_cache());
+            let bytes = text.as_bytes();
             let mut total = 0usize;
             let mut at = 0;
             while at < text.len() {
-                let piece = self.next_piece(cache, text, at);
-                at += piece.len();
+                let start = at;
+                at += self.next_piece(cache, text, at).len();
+                let piece = &bytes[start..at];
                 let remaining = limit - total;
-                let tokens = if piece.len() == 1 || self.whole_tokens.contains(piece) {
+                let tokens = if piece.len() == 1
+                    || self.whole_tokens.contains_in(bytes, start, piece.len())
+                {
                     1
                 } else {
                     self.tokenizer.bpe.count_till_limit(piece, remaining)?
@@ -358,9 +362,14 @@ impl Counter {
     }
 
     /// The piece of `text` that starts at byte `at`, as `bpe-openai`'s splitter cuts it.
+    #[inline]
     fn next_piece<'t>(&self, cache: &mut Cache, text: &'t str, at: usize) -> &'t [u8] {
         let rest = &text[at..];
-        match ascii::piece_len(self.encoding, rest.as_bytes()) {
+        // A word first, inline: most pieces of ordinary text are one.
+        if let Some(len) = ascii::word_len(self.encoding, rest.as_bytes()) {
+            return &rest.as_bytes()[..len];
+        }
+        match ascii::piece_len_byte_by_byte(self.encoding, rest.as_bytes()) {
             Some(len) => &rest.as_bytes()[..len],
             None => regex_piece(&self.splitter, cache, rest),
         }

@@ -4,10 +4,11 @@
 //! On ordinary text the regex search for each piece was about half of counting's time
 //! (`perf` under `examples/bench_overhead.rs`): a piece is a few bytes, and every search pays
 //! the meta regex's dispatch and the lazy DFA's start-up. Most request text is ASCII, where
-//! the patterns reduce to a handful of byte classes. [`piece_len`] walks those classes and
-//! answers only when every byte it had to look at is ASCII; the moment a decision depends on
-//! a non-ASCII byte (a letter, digit, mark or space of another script could continue or end
-//! the piece) it answers `None` and the caller asks the regex. So it never has to know
+//! the patterns reduce to a handful of byte classes. [`word_len`] (the common piece, a word,
+//! eight bytes at a time) and [`piece_len_byte_by_byte`] (every piece, byte by byte) walk
+//! those classes and answer only when every byte they had to look at is ASCII; the moment a
+//! decision depends on a non-ASCII byte (a letter, digit, mark or space of another script
+//! could continue or end the piece) they answer `None` and the caller asks the regex. So it never has to know
 //! Unicode's classes, and agreeing with the regex is a property of ASCII only, which the tests
 //! check on random text built to cross every class boundary.
 //!
@@ -97,8 +98,113 @@ fn contraction(text: &[u8], at: usize) -> Result<Option<usize>, ()> {
 
 /// The length of the piece at the start of `text`, if deciding it took ASCII bytes only;
 /// `None` sends the caller to the regex (also for an empty `text`).
+///
+/// The count loop (`Counter::next_piece`) asks the two halves itself, [`word_len`] inline;
+/// this is what they answer together, which the tests hold to the regex.
+#[cfg(test)]
 pub fn piece_len(encoding: Encoding, text: &[u8]) -> Option<usize> {
+    word_len(encoding, text).or_else(|| piece_len_byte_by_byte(encoding, text))
+}
+
+/// [`piece_len`] without trying [`word_len`] first, for a caller that just did.
+pub fn piece_len_byte_by_byte(encoding: Encoding, text: &[u8]) -> Option<usize> {
     piece(encoding, text).ok().flatten()
+}
+
+/// The most common piece of ordinary text, a word with or without the space before it
+/// (` committee`, `The`), found eight bytes at a time; `None` for any other piece, and where
+/// fewer than eight bytes are left to read at a run's end, which [`piece`] then cuts.
+///
+/// Byte by byte, a word's end was where counting English spent half its time (`perf` of
+/// `Counter::next_piece`): the branch on each letter mispredicts where the word ends. Here a
+/// run's end is the first byte of an eight-byte load outside the run's class, found by
+/// arithmetic on the whole load, so a word of up to seven letters costs one load and no
+/// data-dependent branch.
+///
+/// Only the shapes whose end ASCII decides: a leading space (or none), then letters, ended by
+/// an ASCII byte that is neither a letter nor `'` (o200k's contraction suffix; cl100k's
+/// letters end at `'` too, but it is left to [`piece`] alike). A non-ASCII byte at the end
+/// could be a letter or a mark that continues the word: `None`.
+#[inline(always)]
+pub fn word_len(encoding: Encoding, text: &[u8]) -> Option<usize> {
+    let from = usize::from(*text.first()? == b' ');
+    if !text.get(from)?.is_ascii_alphabetic() {
+        return None;
+    }
+    let end = match encoding {
+        // `[^\r\n\p{L}\p{N}]?\p{L}+`: the letters of either case.
+        Encoding::Cl100kBase => run_end_by_words(text, from, letter_bytes)?,
+        // upper`*` lower`+` | upper`+` lower`*`: both end where the lower-case run after the
+        // upper-case run ends (see `piece`).
+        Encoding::O200kBase => match cased_word_end(text, from) {
+            Some(end) => end,
+            None => {
+                let upper_end = run_end_by_words(text, from, upper_bytes)?;
+                run_end_by_words(text, upper_end, lower_bytes)?
+            }
+        },
+        Encoding::Model(_) => return None,
+    };
+    let after = text[end];
+    (after.is_ascii() && after != b'\'').then_some(end)
+}
+
+/// Bit 7 of each byte of eight bytes (each at its little-endian place).
+const HIGH_BITS: u64 = 0x8080_8080_8080_8080;
+
+/// Bit 7 of each byte of the result is set where that byte of `bytes` is `a` to `z`, clear
+/// elsewhere (non-ASCII bytes included).
+///
+/// With bit 7 cleared a byte is at most 0x7f, so adding 0x1f or 0x05 carries into bit 7 of
+/// the same byte exactly when it is at least `a` (0x61) or at least `{` (0x7b), and never
+/// into the next byte.
+#[inline]
+fn lower_bytes(bytes: u64) -> u64 {
+    let low_seven = bytes & !HIGH_BITS;
+    let from_a = low_seven + 0x1f1f_1f1f_1f1f_1f1f;
+    let past_z = low_seven + 0x0505_0505_0505_0505;
+    from_a & !past_z & !bytes & HIGH_BITS
+}
+
+/// As [`lower_bytes`], for `A` to `Z`: flipping bit 5 swaps the two cases' ranges, and no other
+/// byte lands in `a` to `z`.
+#[inline]
+fn upper_bytes(bytes: u64) -> u64 {
+    lower_bytes(bytes ^ 0x2020_2020_2020_2020)
+}
+
+/// As [`lower_bytes`], for letters of either case: setting bit 5 brings `A` to `Z` onto `a` to
+/// `z`, and no byte outside the two ranges onto them.
+#[inline]
+fn letter_bytes(bytes: u64) -> u64 {
+    lower_bytes(bytes | 0x2020_2020_2020_2020)
+}
+
+/// Where upper`*` lower`*` starting at `from` ends, if it ends within the eight bytes loaded
+/// there (`None` otherwise, or with fewer than eight bytes left): one load for both runs.
+#[inline]
+fn cased_word_end(text: &[u8], from: usize) -> Option<usize> {
+    let bytes = u64::from_le_bytes(text.get(from..from + 8)?.try_into().ok()?);
+    let not_upper = !upper_bytes(bytes) & HIGH_BITS;
+    // Every bit below the first byte that is not upper case: the upper-case run.
+    let upper_run = not_upper.wrapping_sub(1) & !not_upper;
+    let outside = !(lower_bytes(bytes) | upper_run) & HIGH_BITS;
+    (outside != 0).then(|| from + outside.trailing_zeros() as usize / 8)
+}
+
+/// Where the run of bytes that `in_run` marks, starting at `from`, ends: the first byte not
+/// marked. `None` if the run reaches a point with fewer than eight bytes left to load.
+#[inline]
+fn run_end_by_words(text: &[u8], from: usize, in_run: fn(u64) -> u64) -> Option<usize> {
+    let mut at = from;
+    loop {
+        let bytes = u64::from_le_bytes(text.get(at..at + 8)?.try_into().ok()?);
+        let outside = !in_run(bytes) & HIGH_BITS;
+        if outside != 0 {
+            return Some(at + outside.trailing_zeros() as usize / 8);
+        }
+        at += 8;
+    }
 }
 
 fn piece(encoding: Encoding, text: &[u8]) -> Result<Option<usize>, ()> {
@@ -190,4 +296,60 @@ fn piece(encoding: Encoding, text: &[u8]) -> Result<Option<usize>, ()> {
     }
     // Give the last white-space byte back to the piece that follows (tiktoken's ` word`).
     Ok(Some(run - 1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each byte value at each place of the eight, among neighbours of every kind: marked
+    /// exactly when it is in the class, whatever stands beside it (no carry crosses a byte).
+    #[test]
+    fn byte_class_masks_mark_each_byte_on_its_own() {
+        type Class = (&'static str, fn(u64) -> u64, fn(u8) -> bool);
+        let classes: [Class; 3] = [
+            ("lower", lower_bytes, |b| b.is_ascii_lowercase()),
+            ("upper", upper_bytes, |b| b.is_ascii_uppercase()),
+            ("letter", letter_bytes, |b| b.is_ascii_alphabetic()),
+        ];
+        for (name, mask, is_in) in classes {
+            for byte in 0..=255u8 {
+                for neighbour in [0x00, 0x1f, 0x40, 0x5a, 0x60, 0x7a, 0x7f, 0x80, 0xff, byte] {
+                    for place in 0..8 {
+                        let mut bytes = [neighbour; 8];
+                        bytes[place] = byte;
+                        let marks = mask(u64::from_le_bytes(bytes)).to_le_bytes();
+                        for (at, (&b, &marked)) in bytes.iter().zip(&marks).enumerate() {
+                            let expected = if is_in(b) { 0x80 } else { 0 };
+                            assert_eq!(marked, expected, "{name}: {bytes:?}, byte {at}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs that end inside the first load, at a load's edge, in a later load, and too near
+    /// the end to load.
+    #[test]
+    fn runs_end_at_the_first_byte_outside() {
+        let cases: &[(&[u8], usize, Option<usize>)] = &[
+            (b"abc defgh", 0, Some(3)),
+            (b"abcdefgh ijklmnop", 0, Some(8)),
+            (b"abcdefgh ijk", 0, None),
+            (b"abcdefghijklmnopq,rstuvwxyz", 0, Some(17)),
+            (b" abcdefghijklmnop", 1, None),
+            (b"abcdefg", 0, None),
+            (b"abcdefgh", 0, None),
+            (b"ab\xc3\xa9cdefgh", 0, Some(2)),
+        ];
+        for &(text, from, expected) in cases {
+            assert_eq!(
+                run_end_by_words(text, from, lower_bytes),
+                expected,
+                "{:?} from {from}",
+                String::from_utf8_lossy(text)
+            );
+        }
+    }
 }

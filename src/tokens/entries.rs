@@ -32,6 +32,21 @@ impl EntrySet {
         }
     }
 
+    /// Whether the `len` bytes of `text` from `at` are one of the entries: [`Self::contains`]
+    /// on that piece, with the packed key read by one 16-byte load and a mask where `text`
+    /// holds 16 bytes from `at` (the piece's length decides no branch then).
+    #[inline]
+    pub fn contains_in(&self, text: &[u8], at: usize, len: usize) -> bool {
+        match text.get(at..at + 16) {
+            Some(window) if len <= SHORT_BYTES => {
+                let bytes = u128::from_le_bytes(window.try_into().expect("16 bytes"));
+                let piece = bytes & ((1u128 << (len * 8)) - 1);
+                self.short.contains(&(piece | (len as u128) << 120))
+            }
+            _ => self.contains(&text[at..at + len]),
+        }
+    }
+
     /// Adds one entry; `false` if it was there already.
     pub fn insert(&mut self, entry: &'static [u8]) -> bool {
         if entry.len() <= SHORT_BYTES {
@@ -171,6 +186,32 @@ mod tests {
         for &(piece, expected) in cases {
             assert_eq!(set.contains(piece), expected, "{piece:?}");
         }
+    }
+
+    /// The windowed lookup answers as the piece's own, at every place and length in a text:
+    /// away from its end (the 16-byte load) and within 16 bytes of it (the slice's way).
+    #[test]
+    fn contains_in_answers_as_contains() {
+        let text: &'static [u8] =
+            b" the quick brown fox, fifteen bytes!! sixteen bytes!!! \xff\x00\x00 the end\x00";
+        // Every piece that starts at an even byte is an entry; most at odd bytes are not.
+        let set: EntrySet = (0..text.len())
+            .step_by(2)
+            .flat_map(|at| (1..=(text.len() - at).min(20)).map(move |len| &text[at..at + len]))
+            .collect();
+        let mut answers = [0usize; 2];
+        for at in 0..=text.len() {
+            for len in 0..=(text.len() - at).min(20) {
+                let expected = set.contains(&text[at..at + len]);
+                assert_eq!(
+                    set.contains_in(text, at, len),
+                    expected,
+                    "at {at}, len {len}"
+                );
+                answers[usize::from(expected)] += 1;
+            }
+        }
+        assert!(answers[0] > 100 && answers[1] > 100, "{answers:?}");
     }
 
     #[test]
