@@ -8,9 +8,9 @@
 //! eight bytes at a time) and [`piece_len_byte_by_byte`] (every piece, byte by byte) walk
 //! those classes and answer only when every byte they had to look at is ASCII; the moment a
 //! decision depends on a non-ASCII byte (a letter, digit, mark or space of another script
-//! could continue or end the piece) they answer `None` and the caller asks the regex. So it never has to know
-//! Unicode's classes, and agreeing with the regex is a property of ASCII only, which the tests
-//! check on random text built to cross every class boundary.
+//! could continue or end the piece) they answer `None` and the caller asks the regex. So neither
+//! has to know Unicode's classes, and agreeing with the regex is a property of ASCII only,
+//! which the tests check on random text built to cross every class boundary.
 //!
 //! The patterns, as alternatives tried in order at the start of the text (leftmost-first), and
 //! the rules below that mirror them:
