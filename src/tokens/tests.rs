@@ -772,6 +772,34 @@ fn whole_vocabulary_entries_count_one() {
     }
 }
 
+/// Walks `text` piece by piece as the regex cuts it and checks that `shortcut` (one of
+/// `ascii`'s) cuts each piece it answers for exactly there; how many it answered.
+#[track_caller]
+fn shortcut_agrees_with_regex(
+    counter: &Counter,
+    cache: &mut Cache,
+    text: &str,
+    shortcut: fn(Encoding, &[u8]) -> Option<usize>,
+) -> usize {
+    let mut answered = 0;
+    let mut at = 0;
+    while at < text.len() {
+        let rest = &text[at..];
+        let expected = regex_piece(&counter.splitter, cache, rest);
+        if let Some(len) = shortcut(counter.encoding, rest.as_bytes()) {
+            assert_eq!(
+                &rest.as_bytes()[..len],
+                expected,
+                "{:?}: piece at byte {at} of {text:?}",
+                counter.encoding
+            );
+            answered += 1;
+        }
+        at += expected.len();
+    }
+    answered
+}
+
 /// The ASCII fast path (`ascii::piece_len`) cuts exactly where the regex does. Random text
 /// from an alphabet that crosses every class boundary the patterns draw: both letter cases
 /// and contractions, digits, each kind of ASCII white space, symbols, control bytes, and the
@@ -794,20 +822,7 @@ fn ascii_fast_path_cuts_where_the_regex_does() {
         for _ in 0..40_000 {
             let len = 1 + rng.below(16);
             let text: String = (0..len).map(|_| rng.pick(ALPHABET)).collect();
-            let mut at = 0;
-            while at < text.len() {
-                let rest = &text[at..];
-                let expected = regex_piece(&counter.splitter, &mut cache, rest);
-                if let Some(len) = ascii::piece_len(counter.encoding, rest.as_bytes()) {
-                    assert_eq!(
-                        &rest.as_bytes()[..len],
-                        expected,
-                        "{encoding:?}: piece at byte {at} of {text:?}"
-                    );
-                    fast_pieces += 1;
-                }
-                at += expected.len();
-            }
+            fast_pieces += shortcut_agrees_with_regex(counter, &mut cache, &text, ascii::piece_len);
         }
         // The fast path must actually have answered, or the comparison proves nothing.
         assert!(fast_pieces > 50_000, "{encoding:?}: {fast_pieces}");
@@ -880,20 +895,7 @@ fn word_shortcut_cuts_where_the_regex_does() {
                 }
                 text.push_str(rng.pick(AFTER));
             }
-            let mut at = 0;
-            while at < text.len() {
-                let rest = &text[at..];
-                let expected = regex_piece(&counter.splitter, &mut cache, rest);
-                if let Some(len) = ascii::word_len(counter.encoding, rest.as_bytes()) {
-                    assert_eq!(
-                        &rest.as_bytes()[..len],
-                        expected,
-                        "{encoding:?}: word at byte {at} of {text:?}"
-                    );
-                    words += 1;
-                }
-                at += expected.len();
-            }
+            words += shortcut_agrees_with_regex(counter, &mut cache, &text, ascii::word_len);
             // tiktoken is slow to build per text: every 20th, both encodings.
             if round % 20 == 0 {
                 check_parity(&text);
