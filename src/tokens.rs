@@ -28,7 +28,9 @@
 //! every piece, even a word that is a single vocabulary entry. [`Counter`] keeps one search cache
 //! per thread and answers a piece that is a whole vocabulary entry with 1, which is what
 //! tiktoken's own `encode_ordinary` does for such a piece before it merges anything. On ASCII
-//! text it cuts pieces without the regex (`ascii`), which was half of what remained.
+//! text it cuts pieces without the regex (`ascii`), which was half of what remained, and it
+//! keeps the counts of short pieces counted lately per thread (`piece_memo`), so a word that
+//! comes back is neither looked up among the entries nor counted by the encoder again.
 //!
 //! This module is pure: no I/O, no clocks, no async. The count cache remembers answers; it
 //! changes none.
@@ -45,6 +47,7 @@ mod ascii;
 mod count_cache;
 mod entries;
 mod model;
+mod piece_memo;
 mod template;
 #[cfg(test)]
 mod tests;
@@ -53,6 +56,7 @@ use count_cache::CountCache;
 pub use count_cache::CountCacheStats;
 use entries::EntrySet;
 pub use model::ModelVocabulary;
+use piece_memo::PieceMemo;
 pub use template::ChatTemplate;
 
 /// A BPE token encoding: one of OpenAI's, named in the configuration, or a model's own, loaded
@@ -294,10 +298,18 @@ static O200K: LazyLock<Counter> =
     LazyLock::new(|| Counter::new(Encoding::O200kBase, 1, &O200K_PATTERNS));
 
 thread_local! {
-    /// One regex search cache per thread and encoding (indexed by the encoding): the lazy
-    /// DFA it holds warms up once per thread instead of being taken from and returned to a
-    /// shared pool for every piece.
-    static SEARCH_CACHES: RefCell<[Option<Cache>; 2]> = const { RefCell::new([None, None]) };
+    /// One scratch per thread and encoding (indexed by the encoding), made on the thread's
+    /// first count of that encoding.
+    static SCRATCHES: RefCell<[Option<Scratch>; 2]> = const { RefCell::new([None, None]) };
+}
+
+/// What one thread's counting of one encoding keeps from piece to piece.
+struct Scratch {
+    /// The regex's search cache: the lazy DFA it holds warms up once per thread instead of
+    /// being taken from and returned to a shared pool for every piece.
+    search: Cache,
+    /// The counts of short pieces counted lately.
+    memo: PieceMemo,
 }
 
 /// Counts one encoding's tokens: pre-tokenise, then count each piece with `bpe`'s backtracking
@@ -306,8 +318,8 @@ struct Counter {
     tokenizer: &'static Tokenizer,
     /// Which patterns `ascii` follows to cut ASCII text without the regex.
     encoding: Encoding,
-    /// Which of the thread's search caches is this counter's.
-    cache_index: usize,
+    /// Which of the thread's scratches is this counter's.
+    scratch_index: usize,
     splitter: Regex,
     /// Every vocabulary entry's bytes (`entries`: packed, or borrowed from the `'static`
     /// tokenizer where longer than 15 bytes).
@@ -315,7 +327,7 @@ struct Counter {
 }
 
 impl Counter {
-    fn new(encoding: Encoding, cache_index: usize, patterns: &[&str]) -> Counter {
+    fn new(encoding: Encoding, scratch_index: usize, patterns: &[&str]) -> Counter {
         let tokenizer = encoding.tokenizer();
         let bpe = &tokenizer.bpe;
         let whole_tokens = (0..bpe.num_tokens())
@@ -324,7 +336,7 @@ impl Counter {
         Counter {
             tokenizer,
             encoding,
-            cache_index,
+            scratch_index,
             splitter: Regex::new_many(patterns).expect("the pre-tokenisation patterns compile"),
             whole_tokens,
         }
@@ -333,21 +345,38 @@ impl Counter {
     /// `Some(count)` if `text` has at most `limit` tokens, else `None`; see
     /// [`Encoding::count_till_limit`] for the early exit.
     fn count_till_limit(&self, text: &str, limit: usize) -> Option<usize> {
-        SEARCH_CACHES.with(|caches| {
-            let mut caches = caches.borrow_mut();
-            let cache =
-                caches[self.cache_index].get_or_insert_with(|| self.splitter.create_cache());
+        SCRATCHES.with(|scratches| {
+            let mut scratches = scratches.borrow_mut();
+            let scratch = scratches[self.scratch_index].get_or_insert_with(|| Scratch {
+                search: self.splitter.create_cache(),
+                memo: PieceMemo::new(),
+            });
             let bytes = text.as_bytes();
             let mut total = 0usize;
             let mut at = 0;
             while at < text.len() {
                 let start = at;
-                at += self.next_piece(cache, text, at).len();
+                at += self.next_piece(&mut scratch.search, text, at).len();
                 let piece = &bytes[start..at];
                 let remaining = limit - total;
-                let tokens = if piece.len() == 1
-                    || self.whole_tokens.contains_in(bytes, start, piece.len())
-                {
+                let tokens = if piece.len() == 1 {
+                    1
+                } else if let Some(key) = entries::short_key_in(bytes, start, piece.len()) {
+                    // A short piece: the memo first, then the entries or the encoder. Counted
+                    // whole, not till the limit: at most 15 tokens, and the memo keeps it.
+                    match scratch.memo.get(key) {
+                        Some(count) => count,
+                        None => {
+                            let count = if self.whole_tokens.contains_short(key) {
+                                1
+                            } else {
+                                self.tokenizer.bpe.count(piece)
+                            };
+                            scratch.memo.put(key, count);
+                            count
+                        }
+                    }
+                } else if self.whole_tokens.contains(piece) {
                     1
                 } else {
                     self.tokenizer.bpe.count_till_limit(piece, remaining)?

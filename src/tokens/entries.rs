@@ -32,19 +32,10 @@ impl EntrySet {
         }
     }
 
-    /// Whether the `len` bytes of `text` from `at` are one of the entries: [`Self::contains`]
-    /// on that piece, with the packed key read by one 16-byte load and a mask where `text`
-    /// holds 16 bytes from `at` (the piece's length decides no branch then).
+    /// Whether the piece packed as `key` (by [`short_key_in`]) is one of the entries.
     #[inline]
-    pub fn contains_in(&self, text: &[u8], at: usize, len: usize) -> bool {
-        match text.get(at..at + 16) {
-            Some(window) if len <= SHORT_BYTES => {
-                let bytes = u128::from_le_bytes(window.try_into().expect("16 bytes"));
-                let piece = bytes & ((1u128 << (len * 8)) - 1);
-                self.short.contains(&(piece | (len as u128) << 120))
-            }
-            _ => self.contains(&text[at..at + len]),
-        }
+    pub fn contains_short(&self, key: u128) -> bool {
+        self.short.contains(&key)
     }
 
     /// Adds one entry; `false` if it was there already.
@@ -91,6 +82,20 @@ impl Extend<&'static [u8]> for EntrySet {
             self.insert(entry);
         }
     }
+}
+
+/// The packed key of the `len` bytes of `text` from `at` (as [`short_key`] packs them), read
+/// by one 16-byte load and a mask, so the piece's length decides no branch; `None` where the
+/// piece is longer than [`SHORT_BYTES`] or `text` holds fewer than 16 bytes from `at`.
+#[inline]
+pub fn short_key_in(text: &[u8], at: usize, len: usize) -> Option<u128> {
+    if len > SHORT_BYTES {
+        return None;
+    }
+    let window = text.get(at..at + 16)?;
+    let bytes = u128::from_le_bytes(window.try_into().expect("16 bytes"));
+    let piece = bytes & ((1u128 << (len * 8)) - 1);
+    Some(piece | (len as u128) << 120)
 }
 
 /// `bytes` (at most [`SHORT_BYTES`] of them) as one number: byte `i` in bits `8i..8i+8`, the
@@ -188,10 +193,11 @@ mod tests {
         }
     }
 
-    /// The windowed lookup answers as the piece's own, at every place and length in a text:
-    /// away from its end (the 16-byte load) and within 16 bytes of it (the slice's way).
+    /// The key read from a text by one load is the piece's own key, and answers as the piece
+    /// does, at every place and length away from the text's end; within 16 bytes of the end,
+    /// and for a piece over 15 bytes, there is no such key (the count loop asks the slice).
     #[test]
-    fn contains_in_answers_as_contains() {
+    fn keys_read_in_place_answer_as_the_piece() {
         let text: &'static [u8] =
             b" the quick brown fox, fifteen bytes!! sixteen bytes!!! \xff\x00\x00 the end\x00";
         // Every piece that starts at an even byte is an entry; most at odd bytes are not.
@@ -203,12 +209,17 @@ mod tests {
         for at in 0..=text.len() {
             for len in 0..=(text.len() - at).min(20) {
                 let expected = set.contains(&text[at..at + len]);
-                assert_eq!(
-                    set.contains_in(text, at, len),
-                    expected,
-                    "at {at}, len {len}"
-                );
-                answers[usize::from(expected)] += 1;
+                match short_key_in(text, at, len) {
+                    Some(key) => {
+                        assert_eq!(key, key_by_copy(&text[at..at + len]), "at {at}, len {len}");
+                        assert_eq!(set.contains_short(key), expected, "at {at}, len {len}");
+                        answers[usize::from(expected)] += 1;
+                    }
+                    None => assert!(
+                        len > SHORT_BYTES || at + 16 > text.len(),
+                        "at {at}, len {len}"
+                    ),
+                }
             }
         }
         assert!(answers[0] > 100 && answers[1] > 100, "{answers:?}");

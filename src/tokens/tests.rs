@@ -954,3 +954,32 @@ fn cached_count_answers_as_the_count_does() {
         "the corpus must tell the encodings apart for the check above to mean anything"
     );
 }
+
+/// The per-thread memo of short pieces' counts answers as the encoder does when a piece comes
+/// back: texts of words drawn from a pool of 400 (most of them several tokens: random letters,
+/// digits, a capital or an apostrophe), so nearly every piece after the first few texts is
+/// answered by the memo, and thousands of distinct pieces contend for its slots. Each text's
+/// count is tiktoken's, and `count_till_limit` agrees at its boundary with the memo warm.
+#[test]
+fn memo_counts_come_back_exact() {
+    let mut rng = Lcg(7);
+    let pool: Vec<String> = (0..400)
+        .map(|n| {
+            let len = 2 + rng.below(11);
+            let letters = random_letters(&mut rng, len);
+            match n % 5 {
+                0 => format!(" {letters}"),
+                1 => format!(" {}{}", letters[..1].to_uppercase(), &letters[1..]),
+                2 => format!("{letters}'s"),
+                3 => format!(" {}", rng.below(1_000_000)),
+                _ => letters,
+            }
+        })
+        .collect();
+    for _ in 0..30 {
+        let text: String = (0..300)
+            .map(|_| pool[rng.below(pool.len())].as_str())
+            .collect();
+        check_parity(&text);
+    }
+}
