@@ -104,7 +104,7 @@ pub fn short_key_in(text: &[u8], at: usize, len: usize) -> Option<u128> {
 /// Read with overlapping loads rather than copied into a buffer: a copy of a length known
 /// only at run time is a `memcpy` call, which is what the packed keys are there to avoid.
 #[inline]
-fn short_key(bytes: &[u8]) -> u128 {
+pub(super) fn short_key(bytes: &[u8]) -> u128 {
     let len = bytes.len();
     debug_assert!(len <= SHORT_BYTES);
     let low: u64;

@@ -69,13 +69,7 @@ fn slot_of(key: u128) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn key(piece: &[u8]) -> u128 {
-        let mut bytes = [0u8; 16];
-        bytes[..piece.len()].copy_from_slice(piece);
-        bytes[15] = piece.len() as u8;
-        u128::from_le_bytes(bytes)
-    }
+    use crate::tokens::entries::short_key as key;
 
     #[test]
     fn answers_only_what_was_put_for_that_very_key() {
