@@ -313,7 +313,8 @@ struct Scratch {
 }
 
 /// Counts one encoding's tokens: pre-tokenise, then count each piece with `bpe`'s backtracking
-/// encoder, except pieces that are a single vocabulary entry.
+/// encoder, except pieces that are a single vocabulary entry and short pieces the thread's
+/// memo knows.
 struct Counter {
     tokenizer: &'static Tokenizer,
     /// Which patterns `ascii` follows to cut ASCII text without the regex.

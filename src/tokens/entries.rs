@@ -1,8 +1,9 @@
-//! The set of a vocabulary's entries, asked once per pre-tokenised piece whether the piece is
-//! one entry, and so one token.
+//! The set of a vocabulary's entries, asked whether a pre-tokenised piece is one entry, and so
+//! one token: for a short piece when the thread's memo (`piece_memo`) does not know it, and for
+//! every piece over 15 bytes or within 16 bytes of the text's end.
 //!
-//! On ordinary text nearly every piece is asked, so this lookup is a large part of counting.
-//! A set of byte slices hashes the piece byte by byte and confirms a hit with a `memcmp` call
+//! Before the memo, nearly every piece of ordinary text was asked, and this lookup was a large
+//! part of counting. A set of byte slices hashes the piece byte by byte and confirms a hit with a `memcmp` call
 //! through the entry's pointer; counting a decision's 4 KB English prompt, those were about
 //! half of counting's time (docs/benchmarks.md, "Two cuts, before and after"). Almost every
 //! piece is short, so entries of up to [`SHORT_BYTES`] bytes are kept packed, with their

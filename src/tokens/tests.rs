@@ -957,8 +957,8 @@ fn cached_count_answers_as_the_count_does() {
 
 /// The per-thread memo of short pieces' counts answers as the encoder does when a piece comes
 /// back: texts of words drawn from a pool of 400 (most of them several tokens: random letters,
-/// digits, a capital or an apostrophe), so nearly every piece after the first few texts is
-/// answered by the memo, and thousands of distinct pieces contend for its slots. Each text's
+/// digits, a capital or an apostrophe), so from the first text's second count on (`check_parity`
+/// counts each text three times per encoding) nearly every piece is answered by the memo, and thousands of distinct pieces contend for its slots. Each text's
 /// count is tiktoken's, and `count_till_limit` agrees at its boundary with the memo warm.
 #[test]
 fn memo_counts_come_back_exact() {
