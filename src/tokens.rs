@@ -378,6 +378,7 @@ impl Counter {
                         }
                     }
                 } else if self.whole_tokens.contains(piece) {
+                    // Longer than 15 bytes: rare, and counted till the limit.
                     1
                 } else {
                     self.tokenizer.bpe.count_till_limit(piece, remaining)?

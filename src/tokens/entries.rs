@@ -1,10 +1,10 @@
 //! The set of a vocabulary's entries, asked whether a pre-tokenised piece is one entry, and so
 //! one token: for a short piece when the thread's memo (`piece_memo`) does not know it, and for
-//! every piece over 15 bytes or within 16 bytes of the text's end.
+//! every piece over 15 bytes.
 //!
 //! Before the memo, nearly every piece of ordinary text was asked, and this lookup was a large
-//! part of counting. A set of byte slices hashes the piece byte by byte and confirms a hit with a `memcmp` call
-//! through the entry's pointer; counting a decision's 4 KB English prompt, those were about
+//! part of counting. A set of byte slices hashes the piece byte by byte and confirms a hit with
+//! a `memcmp` call through the entry's pointer; counting a decision's 4 KB English prompt, those were about
 //! half of counting's time (docs/benchmarks.md, "Two cuts, before and after"). Almost every
 //! piece is short, so entries of up to [`SHORT_BYTES`] bytes are kept packed, with their
 //! length, in one `u128` each ([`short_key`]): hashing and comparing a key is a few
@@ -85,18 +85,23 @@ impl Extend<&'static [u8]> for EntrySet {
     }
 }
 
-/// The packed key of the `len` bytes of `text` from `at` (as [`short_key`] packs them), read
-/// by one 16-byte load and a mask, so the piece's length decides no branch; `None` where the
-/// piece is longer than [`SHORT_BYTES`] or `text` holds fewer than 16 bytes from `at`.
+/// The packed key of the `len` bytes of `text` from `at` ([`short_key`]'s); `None` where the
+/// piece is longer than [`SHORT_BYTES`]. Where `text` holds 16 bytes from `at` (all but a
+/// text's last few pieces) the key is read by one 16-byte load and a mask, so the piece's
+/// length decides no branch.
 #[inline]
 pub fn short_key_in(text: &[u8], at: usize, len: usize) -> Option<u128> {
     if len > SHORT_BYTES {
         return None;
     }
-    let window = text.get(at..at + 16)?;
-    let bytes = u128::from_le_bytes(window.try_into().expect("16 bytes"));
-    let piece = bytes & ((1u128 << (len * 8)) - 1);
-    Some(piece | (len as u128) << 120)
+    Some(match text.get(at..at + 16) {
+        Some(window) => {
+            let bytes = u128::from_le_bytes(window.try_into().expect("16 bytes"));
+            let piece = bytes & ((1u128 << (len * 8)) - 1);
+            piece | (len as u128) << 120
+        }
+        None => short_key(&text[at..at + len]),
+    })
 }
 
 /// `bytes` (at most [`SHORT_BYTES`] of them) as one number: byte `i` in bits `8i..8i+8`, the
@@ -194,9 +199,9 @@ mod tests {
         }
     }
 
-    /// The key read from a text by one load is the piece's own key, and answers as the piece
-    /// does, at every place and length away from the text's end; within 16 bytes of the end,
-    /// and for a piece over 15 bytes, there is no such key (the count loop asks the slice).
+    /// The key read from a text is the piece's own key, and answers as the piece does, at every
+    /// place and length: away from the text's end (one load) and within 16 bytes of it (the
+    /// slice's key); a piece over 15 bytes has no key (the count loop asks the slice).
     #[test]
     fn keys_read_in_place_answer_as_the_piece() {
         let text: &'static [u8] =
@@ -216,10 +221,7 @@ mod tests {
                         assert_eq!(set.contains_short(key), expected, "at {at}, len {len}");
                         answers[usize::from(expected)] += 1;
                     }
-                    None => assert!(
-                        len > SHORT_BYTES || at + 16 > text.len(),
-                        "at {at}, len {len}"
-                    ),
+                    None => assert!(len > SHORT_BYTES, "at {at}, len {len}"),
                 }
             }
         }
