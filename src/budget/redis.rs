@@ -38,9 +38,12 @@
 //!
 //! Each is `common.lua` (the window arithmetic) followed by its own body, sent with `EVALSHA`
 //! (the fleet registry's `fleet_*.lua`, see [`fleet`], keep no windows and go without it).
+//! `reserve`, `settle` and `usage` go in batches ([`batch`]): the calls that came while the
+//! last batch was out go together as one pipeline, each still its own `EVALSHA`.
 //! Redis forgets scripts on restart, failover and `SCRIPT FLUSH`; `NOSCRIPT` is answered by
-//! `SCRIPT LOAD` and one retry (redis-rs `ScriptInvocation::invoke_async`), so only that rare
-//! call takes three round trips. Time inside them is Redis `TIME`, so replicas of tollgate never
+//! `SCRIPT LOAD` and one retry (redis-rs `ScriptInvocation::invoke_async`; in a batch, the
+//! calls so answered go again after their scripts are loaded), so only that rare call takes
+//! three round trips. Time inside them is Redis `TIME`, so replicas of tollgate never
 //! disagree about it. A window's meta and the bucket about to be written are read in one
 //! `HMGET` and written back in one `HSET` (only the meta fields that changed), so once a
 //! tenant's keys exist a reserve runs `TIME`, an `HMGET` and an `HSET` per window and four
@@ -74,7 +77,8 @@
 //! `StoreError::Protocol`. Nothing here panics on a bad reply. A call that timed out may still
 //! run on the server later (a paused Redis runs its queue when it resumes), but each script is
 //! atomic: a reservation is then either taken whole or not at all, and its lease expires by TTL
-//! since the request never learned it was granted. Likewise a timed-out settle may or may not
+//! since the request never learned it was granted. A reserve that timed out before its batch
+//! went is not sent at all. Likewise a timed-out settle may or may not
 //! have applied; settling twice adjusts twice (as in the embedded store), so a caller should not
 //! retry one blindly: a lost settle only leaves the reservation charged in full and the lease to
 //! expire.
@@ -95,21 +99,24 @@
 //! server's certificate is checked against the system roots (`SSL_CERT_FILE` / `SSL_CERT_DIR`
 //! point elsewhere, e.g. a private CA).
 
+mod batch;
 pub mod fleet;
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::io::tcp::TcpSettings;
 use redis::{
     Client, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult, Script,
-    ScriptInvocation, ServerErrorKind,
+    ScriptInvocation, ServerErrorKind, Value,
 };
 use sha2::{Digest, Sha256};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
+
+use self::batch::{Call, ScriptName};
 
 use super::{
     Denied, DeniedLimit, Granted, LeaseRef, Quantity, Reservation, Reserve, Settlement, StoreError,
@@ -192,10 +199,10 @@ pub(crate) fn redacted_url(url: &str) -> String {
 }
 
 /// The Redis budget store. Every method takes `&self` and may run concurrently: calls share one
-/// multiplexed connection.
+/// multiplexed connection, and the decision path's calls go on it in batches ([`batch`]).
 pub struct RedisStore {
-    /// Boxed: the client and its configuration are large, and `Store` is an enum of stores.
-    inner: Box<Inner>,
+    /// Shared with the batch sender, which holds it weakly, so dropping the store ends it.
+    inner: Arc<Inner>,
 }
 
 struct Inner {
@@ -207,6 +214,8 @@ struct Inner {
     /// Closed (its sender dropped) once the start-up loading (`warm_up`) has ended: every
     /// script loaded, or given up.
     warmed_up: watch::Receiver<()>,
+    /// To the batch sender ([`batch::run`]): `reserve`, `settle` and `usage` go through it.
+    calls: mpsc::UnboundedSender<Call>,
 }
 
 /// The current connection manager and how many times it was replaced.
@@ -239,6 +248,14 @@ impl Scripts {
             fleet_join: Script::new(FLEET_JOIN),
             fleet_publish: Script::new(FLEET_PUBLISH),
             fleet_leave: Script::new(FLEET_LEAVE),
+        }
+    }
+
+    fn named(&self, name: ScriptName) -> &Script {
+        match name {
+            ScriptName::Reserve => &self.reserve,
+            ScriptName::Settle => &self.settle,
+            ScriptName::Usage => &self.usage,
         }
     }
 
@@ -276,20 +293,22 @@ impl RedisStore {
                 })?;
         let scripts = Scripts::new();
         let warmed_up = warm_up(manager.clone(), scripts.clone());
-        Ok(RedisStore {
-            inner: Box::new(Inner {
-                client,
-                manager_config,
-                connection: Mutex::new(Connection {
-                    generation: 0,
-                    manager,
-                    replaced_at: None,
-                }),
-                scripts,
-                timeout: settings.timeout,
-                warmed_up,
+        let (calls, waiting) = mpsc::unbounded_channel();
+        let inner = Arc::new(Inner {
+            client,
+            manager_config,
+            connection: Mutex::new(Connection {
+                generation: 0,
+                manager,
+                replaced_at: None,
             }),
-        })
+            scripts,
+            timeout: settings.timeout,
+            warmed_up,
+            calls,
+        });
+        tokio::spawn(batch::run(waiting, Arc::downgrade(&inner)));
+        Ok(RedisStore { inner })
     }
 
     /// Resolves once the start-up's background loading of the scripts has ended: every script
@@ -301,13 +320,16 @@ impl RedisStore {
         let _ = self.inner.warmed_up.clone().changed().await;
     }
 
-    /// One `EVALSHA` of `reserve.lua`.
+    /// One `EVALSHA` of `reserve.lua`, sent in a batch.
     pub async fn reserve(&self, r: &Reservation<'_>) -> Result<Reserve, StoreError> {
         let this = &*self.inner;
         let keys = TenantKeys::of(r.tenant);
-        let mut invocation = this.scripts.reserve.prepare_invoke();
-        invocation
-            .key(keys.leases())
+        let mut command = evalsha(&this.scripts.reserve, 1 + r.windows.len());
+        command.arg(keys.leases());
+        for limit in r.windows {
+            command.arg(keys.window(&limit.name));
+        }
+        command
             .arg(r.lease_id)
             .arg(exact(r.lease_ttl_ms))
             .arg(r.max_concurrent.map_or(-1, i64::from));
@@ -316,24 +338,28 @@ impl RedisStore {
                 Quantity::Tokens => r.tokens,
                 Quantity::Requests => 1,
             };
-            invocation
-                .key(keys.window(&limit.name))
+            command
                 .arg(exact(cost))
                 .arg(exact(limit.window_ms))
                 .arg(exact(limit.bucket_ms))
                 .arg(exact(limit.limit));
         }
-        let reply = this.invoke::<Vec<i64>>(&invocation).await?;
+        let reply = this
+            .batched::<Vec<i64>>(ScriptName::Reserve, command)
+            .await?;
         decode_reserve(&reply, r.windows, r.max_concurrent)
     }
 
-    /// One `EVALSHA` of `settle.lua`.
+    /// One `EVALSHA` of `settle.lua`, sent in a batch.
     pub async fn settle(&self, s: &Settlement<'_>) -> Result<(), StoreError> {
         let this = &*self.inner;
         let keys = TenantKeys::of(s.tenant);
-        let mut invocation = this.scripts.settle.prepare_invoke();
-        invocation
-            .key(keys.leases())
+        let mut command = evalsha(&this.scripts.settle, 1 + s.windows.len());
+        command.arg(keys.leases());
+        for limit in s.windows {
+            command.arg(keys.window(&limit.name));
+        }
+        command
             .arg(s.lease_id)
             .arg(exact(s.reserved_at_ms))
             .arg(exact(s.reserved_tokens))
@@ -344,13 +370,14 @@ impl RedisStore {
                 Quantity::Tokens => "t",
                 Quantity::Requests => "r",
             };
-            invocation
-                .key(keys.window(&limit.name))
+            command
                 .arg(quantity)
                 .arg(exact(limit.window_ms))
                 .arg(exact(limit.bucket_ms));
         }
-        this.invoke::<redis::Value>(&invocation).await.map(drop)
+        this.batched::<Value>(ScriptName::Settle, command)
+            .await
+            .map(drop)
     }
 
     /// One `EVALSHA` of `renew.lua` per tenant, all in one pipeline (one round trip; a
@@ -403,25 +430,49 @@ impl RedisStore {
         Ok(())
     }
 
-    /// One `EVALSHA` of `usage.lua`, which writes nothing.
+    /// One `EVALSHA` of `usage.lua`, which writes nothing, sent in a batch.
     pub async fn usage(&self, tenant: &str, windows: &[WindowLimit]) -> Result<Usage, StoreError> {
         let this = &*self.inner;
         let keys = TenantKeys::of(tenant);
-        let mut invocation = this.scripts.usage.prepare_invoke();
-        invocation.key(keys.leases());
+        let mut command = evalsha(&this.scripts.usage, 1 + windows.len());
+        command.arg(keys.leases());
         for limit in windows {
-            invocation
-                .key(keys.window(&limit.name))
+            command.arg(keys.window(&limit.name));
+        }
+        for limit in windows {
+            command
                 .arg(exact(limit.window_ms))
                 .arg(exact(limit.bucket_ms));
         }
-        let reply = this.invoke::<Vec<i64>>(&invocation).await?;
+        let reply = this.batched::<Vec<i64>>(ScriptName::Usage, command).await?;
         decode_usage(&reply, windows)
     }
 }
 
 impl Inner {
-    /// The current connection manager (a cheap clone of a shared handle) and its generation.
+    /// `command` sent in the next batch ([`batch`]), its reply read as `T`; bounded by the
+    /// store's timeout from now, the wait for the batch ahead of it included.
+    async fn batched<T: FromRedisValue>(
+        &self,
+        script: ScriptName,
+        command: redis::Cmd,
+    ) -> Result<T, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let call = Call {
+            script,
+            command,
+            reply,
+        };
+        let stopped = || StoreError::Unavailable("the Redis store's batch sender stopped".into());
+        self.calls.send(call).map_err(|_| stopped())?;
+        let value = match tokio::time::timeout(self.timeout, answer).await {
+            Err(_) => return Err(StoreError::Timeout(self.timeout)),
+            Ok(Err(_)) => return Err(stopped()),
+            Ok(Ok(value)) => value?,
+        };
+        T::from_redis_value(value).map_err(|e| store_error(&e.into(), self.timeout))
+    }
+
     /// One `EVALSHA` of `invocation` (with redis-rs's one `SCRIPT LOAD` and retry on
     /// `NOSCRIPT`), bounded by the store's timeout, its outcome mapped by `answer`.
     async fn invoke<T: FromRedisValue>(
@@ -442,6 +493,7 @@ impl Inner {
         self.answer(generation, reply)
     }
 
+    /// The current connection manager (a cheap clone of a shared handle) and its generation.
     fn connection(&self) -> (u64, ConnectionManager) {
         let connection = self
             .connection
@@ -584,6 +636,13 @@ impl TenantKeys {
     pub(crate) fn window(&self, name: &str) -> String {
         format!("tollgate:{{{}}}:w:{name}", self.tag)
     }
+}
+
+/// `EVALSHA` of `script` with `keys` keys, its keys and arguments to follow.
+fn evalsha(script: &Script, keys: usize) -> redis::Cmd {
+    let mut command = redis::cmd("EVALSHA");
+    command.arg(script.get_hash()).arg(keys);
+    command
 }
 
 /// `value` as a script argument: clamped to what a Lua number holds exactly.

@@ -304,6 +304,89 @@ async fn a_flushed_script_cache_is_reloaded_and_usage_survives() {
 }
 
 #[tokio::test]
+async fn a_flushed_script_cache_is_reloaded_for_every_call_of_a_batch() {
+    within(async {
+        let server = RedisServer::start().await;
+        let store = store(&server, PATIENT).await;
+        let windows = windows();
+        let held = reservation("alice", "held", 100, &windows);
+        let granted_held = reserve_until_granted(&store, &held).await;
+        store.warmed_up().await;
+
+        // Calls made together go in one batch (the store's sender yields before it sends);
+        // with the scripts forgotten, each is answered NOSCRIPT, and each must still succeed:
+        // three scripts loaded once each, then the calls sent again.
+        server.cmd(&["SCRIPT", "FLUSH"]).await;
+        let loads = server.command_calls("script|load").await;
+        let (bob, carol) = (
+            reservation("bob", "b1", 20, &windows),
+            reservation("carol", "c1", 30, &windows),
+        );
+        let settle = settlement(&held, &granted_held, 60);
+        let (bob, carol, settled, usage) = tokio::join!(
+            store.reserve(&bob),
+            store.reserve(&carol),
+            store.settle(&settle),
+            store.usage("alice", &windows),
+        );
+        assert_eq!(granted(bob).windows[0].used, 20);
+        assert_eq!(granted(carol).windows[0].used, 30);
+        settled.expect("the settle succeeds after its script is loaded again");
+        // The usage went after the settle in the same batch, and Redis ran them in order.
+        let usage = usage.expect("the usage succeeds after its script is loaded again");
+        assert_eq!((usage.windows[0].used, usage.leases), (60, 0));
+        assert_eq!(
+            server.command_calls("script|load").await,
+            loads + 3,
+            "one SCRIPT LOAD per script the batch needed, not one per call"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_call_waits_for_the_batch_ahead_and_only_a_settle_goes_once_its_caller_left() {
+    within(async {
+        let server = RedisServer::start().await;
+        let store = store(&server, PATIENT).await;
+        let windows = windows();
+        let held = reservation("alice", "held", 100, &windows);
+        let granted_held = reserve_until_granted(&store, &held).await;
+        store.warmed_up().await;
+
+        // The batch ahead: a reserve that goes out and waits in a paused Redis.
+        server.cmd(&["CLIENT", "PAUSE", "1000", "ALL"]).await;
+        let ahead = reservation("bob", "ahead", 1, &windows);
+        let abandoned = reservation("carol", "abandoned", 5, &windows);
+        let settle = settlement(&held, &granted_held, 40);
+        let behind = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            // Callers that leave while their calls wait behind it.
+            let quick = Duration::from_millis(20);
+            let left = tokio::time::timeout(quick, store.reserve(&abandoned)).await;
+            assert!(left.is_err(), "the reserve waited behind the batch ahead");
+            let left = tokio::time::timeout(quick, store.settle(&settle)).await;
+            assert!(left.is_err(), "the settle waited behind the batch ahead");
+        };
+        let (ahead, ()) = tokio::join!(store.reserve(&ahead), behind);
+        assert_eq!(granted(ahead).windows[0].used, 1);
+
+        // The reserve whose caller left was never sent, so nothing of it is in Redis (sent,
+        // Redis would have run it when the pause ended). The settle went anyway: the lease is
+        // gone and the unused tokens are back.
+        let carol = store.usage("carol", &windows).await.unwrap();
+        assert_eq!(
+            (carol.windows[0].used, carol.windows[1].used, carol.leases),
+            (0, 0, 0),
+            "{carol:?}"
+        );
+        let alice = store.usage("alice", &windows).await.unwrap();
+        assert_eq!((alice.windows[0].used, alice.leases), (40, 0), "{alice:?}");
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_paused_redis_times_out_and_nothing_is_half_applied() {
     within(async {
         let server = RedisServer::start().await;
