@@ -6,7 +6,7 @@
 //!
 //! Why: Redis's one thread is the ceiling every replica sharing it meets, and sent one by one
 //! each call cost it a read, a reply's write and a turn of its event loop besides running the
-//! script: about 10 µs of Redis's CPU per decision beyond its two scripts' 35 to 40, and 3 to 4
+//! script: about 10 µs of Redis's CPU per decision beyond its two scripts' 35 to 40, and 3 to 5
 //! sent in batches (docs/benchmarks.md, "Calls that wait go together"). tollgate's own CPU per
 //! decision stays where it was: fewer writes, one more hand-over between tasks.
 //!

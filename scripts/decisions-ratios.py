@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Per-round ratios of bench_decisions runs (docs/benchmarks.md): for each `--json` file, each
+round's decisions per CPU-second of tollgate with Redis, with Redis's CPU added, and of tollgate
+with its embedded store, each as a ratio to the echo of the same round; and Redis's CPU per
+decision, split into the two scripts (twice `usec_per_evalsha`, from INFO commandstats) and the
+rest (reading the calls, writing the replies, its event loop). Medians over the rounds first,
+each round's figure in brackets.
+
+Usage: python3 scripts/decisions-ratios.py RUN.json [RUN.json ...]
+"""
+import json
+import statistics
+import sys
+
+
+def rounds(path):
+    runs = json.load(open(path))["runs"]
+    out = []
+    for i in range(0, len(runs), 3):
+        echo, redis, memory = runs[i : i + 3]
+        if (echo["server"], redis["server"], memory["server"]) != (
+            "echo",
+            "tollgate-redis",
+            "tollgate-memory",
+        ):
+            sys.exit(f"{path}: round {i // 3 + 1} is not echo, tollgate-redis, tollgate-memory")
+        base = echo["decisions_per_server_cpu_s"]
+        redis_us = redis["redis_cpu_s"] / redis["decisions"] * 1e6
+        scripts_us = 2 * redis["redis"]["usec_per_evalsha"]
+        out.append(
+            {
+                "redis": redis["decisions_per_server_cpu_s"] / base,
+                "redis+server": redis["decisions_per_server_and_redis_cpu_s"] / base,
+                "memory": memory["decisions_per_server_cpu_s"] / base,
+                "redis us/dec": redis_us,
+                "scripts us": scripts_us,
+                "rest us": redis_us - scripts_us,
+            }
+        )
+    return out
+
+
+for path in sys.argv[1:]:
+    rows = rounds(path)
+    cells = []
+    for key, form in [
+        ("redis", "{:.3f}"),
+        ("redis+server", "{:.3f}"),
+        ("memory", "{:.3f}"),
+        ("redis us/dec", "{:.1f}"),
+        ("scripts us", "{:.1f}"),
+        ("rest us", "{:.1f}"),
+    ]:
+        values = [row[key] for row in rows]
+        each = " ".join(form.format(v) for v in values)
+        cells.append(f"{key} {form.format(statistics.median(values))} [{each}]")
+    print(f"{path}\n  " + "\n  ".join(cells))
