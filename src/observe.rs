@@ -761,7 +761,7 @@ impl Metrics {
         r.describe_histogram(
             STORE_DURATION,
             Unit::Seconds,
-            "Budget store calls, by operation (reserve, settle, renew); with Redis, the wait for the batch ahead included.",
+            "Budget store calls, by operation (reserve, settle, renew); with Redis, a reserve's and a settle's wait for the batch ahead included.",
         );
         r.describe_counter(
             STORE_ERRORS,

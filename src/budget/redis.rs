@@ -41,9 +41,9 @@
 //! `reserve`, `settle` and `usage` go in batches ([`batch`]): the calls that came while the
 //! last batch was out go together as one pipeline, each still its own `EVALSHA`.
 //! Redis forgets scripts on restart, failover and `SCRIPT FLUSH`; `NOSCRIPT` is answered by
-//! `SCRIPT LOAD` and one retry (redis-rs `ScriptInvocation::invoke_async`; in a batch, the
-//! calls so answered go again after their scripts are loaded), so only that rare call takes
-//! three round trips. Time inside them is Redis `TIME`, so replicas of tollgate never
+//! `SCRIPT LOAD` and one retry (redis-rs `ScriptInvocation::invoke_async`), so only that rare
+//! call takes three round trips. In a batch, each script the batch needs is loaded (a round trip
+//! each, at most three), then the calls so answered go again. Time inside them is Redis `TIME`, so replicas of tollgate never
 //! disagree about it. A window's meta and the bucket about to be written are read in one
 //! `HMGET` and written back in one `HSET` (only the meta fields that changed), so once a
 //! tenant's keys exist a reserve runs `TIME`, an `HMGET` and an `HSET` per window and four
@@ -167,7 +167,8 @@ pub struct RedisSettings {
     /// Read from a file; overrides the URL's password. A trailing newline (as most secret files
     /// end) is not part of it.
     pub password: Option<String>,
-    /// Bound on each call, e.g. 50 ms.
+    /// Bound on each call, e.g. 50 ms, from when it is made: with the decision path's calls, the
+    /// wait for the batch ahead of it included.
     pub timeout: Duration,
 }
 

@@ -354,8 +354,10 @@ async fn a_call_waits_for_the_batch_ahead_and_only_a_settle_goes_once_its_caller
         let granted_held = reserve_until_granted(&store, &held).await;
         store.warmed_up().await;
 
-        // The batch ahead: a reserve that goes out and waits in a paused Redis.
-        server.cmd(&["CLIENT", "PAUSE", "1000", "ALL"]).await;
+        // The batch ahead: a reserve that goes out and waits in a paused Redis. The pause
+        // outlasts what follows by far, so a slow machine still queues both calls behind it.
+        let paused_at = tokio::time::Instant::now();
+        server.cmd(&["CLIENT", "PAUSE", "2000", "ALL"]).await;
         let ahead = reservation("bob", "ahead", 1, &windows);
         let abandoned = reservation("carol", "abandoned", 5, &windows);
         let settle = settlement(&held, &granted_held, 40);
@@ -367,6 +369,10 @@ async fn a_call_waits_for_the_batch_ahead_and_only_a_settle_goes_once_its_caller
             assert!(left.is_err(), "the reserve waited behind the batch ahead");
             let left = tokio::time::timeout(quick, store.settle(&settle)).await;
             assert!(left.is_err(), "the settle waited behind the batch ahead");
+            assert!(
+                paused_at.elapsed() < Duration::from_millis(1_500),
+                "the machine was too slow: the pause may have ended before both calls queued"
+            );
         };
         let (ahead, ()) = tokio::join!(store.reserve(&ahead), behind);
         assert_eq!(granted(ahead).windows[0].used, 1);
