@@ -3,8 +3,9 @@
 round's decisions per CPU-second of tollgate with Redis, with Redis's CPU added, and of tollgate
 with its embedded store, each as a ratio to the echo of the same round; and Redis's CPU per
 decision, split into the two scripts (twice `usec_per_evalsha`, from INFO commandstats) and the
-rest (reading the calls, writing the replies, its event loop). Medians over the rounds first,
-each round's figure in brackets.
+rest (reading the calls, writing the replies, its event loop); and the latency with Redis: a
+reserve's mean and p99 and a settle's mean as tollgate times them, and the streams' p50 and p99 as the load sees them.
+Medians over the rounds first, each round's figure in brackets.
 
 Usage: python3 scripts/decisions-ratios.py RUN.json [RUN.json ...]
 """
@@ -35,6 +36,11 @@ def rounds(path):
                 "redis us/dec": redis_us,
                 "scripts us": scripts_us,
                 "rest us": redis_us - scripts_us,
+                "reserve mean us": redis["tollgate"]["reserve_mean_us"],
+                "reserve p99 us": redis["tollgate"]["reserve_p99_us"],
+                "settle mean us": redis["tollgate"]["settle_mean_us"],
+                "p50 ms": redis["latency_p50_ms"],
+                "p99 ms": redis["latency_p99_ms"],
             }
         )
     return out
@@ -50,6 +56,11 @@ for path in sys.argv[1:]:
         ("redis us/dec", "{:.1f}"),
         ("scripts us", "{:.1f}"),
         ("rest us", "{:.1f}"),
+        ("reserve mean us", "{:.0f}"),
+        ("reserve p99 us", "{:.0f}"),
+        ("settle mean us", "{:.0f}"),
+        ("p50 ms", "{:.2f}"),
+        ("p99 ms", "{:.2f}"),
     ]:
         values = [row[key] for row in rows]
         each = " ".join(form.format(v) for v in values)

@@ -43,13 +43,13 @@
 //! Redis forgets scripts on restart, failover and `SCRIPT FLUSH`; `NOSCRIPT` is answered by
 //! `SCRIPT LOAD` and one retry (redis-rs `ScriptInvocation::invoke_async`), so only that rare
 //! call takes three round trips. In a batch, each script the batch needs is loaded (a round trip
-//! each, at most three), then the calls so answered go again. Time inside them is Redis `TIME`, so replicas of tollgate never
-//! disagree about it. A window's meta and the bucket about to be written are read in one
-//! `HMGET` and written back in one `HSET` (only the meta fields that changed), so once a
-//! tenant's keys exist a reserve runs `TIME`, an `HMGET` and an `HSET` per window and four
-//! lease commands (purge, count, add, `PTTL`), and a settle `TIME`, `ZREM` and an `HMGET` and
-//! an `HSET` per window it adjusts: fewer commands to run, and fewer writes to send replicas
-//! and the AOF (docs/benchmarks.md, "What Redis runs per decision";
+//! each, at most three), then the calls so answered go again. Time inside them is Redis `TIME`,
+//! so replicas of tollgate never disagree about it. A window's meta and the bucket about to be
+//! written are read in one `HMGET` and written back in one `HSET` (only the meta fields that
+//! changed), so once a tenant's keys exist a reserve runs `TIME`, an `HMGET` and an `HSET` per
+//! window and four lease commands (purge, count, add, `PTTL`), and a settle `TIME`, `ZREM` and
+//! an `HMGET` and an `HSET` per window it adjusts: fewer commands to run, and fewer writes to
+//! send replicas and the AOF (docs/benchmarks.md, "What Redis runs per decision";
 //! `redis_store::a_steady_reserve_and_settle_make_few_calls` holds the counts).
 //!
 //! - **reserve** (one `EVALSHA`): loads every window, deleting buckets that rolled off on the
@@ -78,10 +78,9 @@
 //! run on the server later (a paused Redis runs its queue when it resumes), but each script is
 //! atomic: a reservation is then either taken whole or not at all, and its lease expires by TTL
 //! since the request never learned it was granted. A reserve that timed out before its batch
-//! went is not sent at all. Likewise a timed-out settle may or may not
-//! have applied; settling twice adjusts twice (as in the embedded store), so a caller should not
-//! retry one blindly: a lost settle only leaves the reservation charged in full and the lease to
-//! expire.
+//! went is not sent at all. Likewise a timed-out settle may or may not have applied; settling
+//! twice adjusts twice (as in the embedded store), so a caller should not retry one blindly: a
+//! lost settle only leaves the reservation charged in full and the lease to expire.
 //!
 //! **Redis down at start-up**: [`RedisStore::connect`] does not wait for Redis. It fails only
 //! for settings that can never work (an unparsable URL); otherwise
@@ -325,11 +324,7 @@ impl RedisStore {
     pub async fn reserve(&self, r: &Reservation<'_>) -> Result<Reserve, StoreError> {
         let this = &*self.inner;
         let keys = TenantKeys::of(r.tenant);
-        let mut command = evalsha(&this.scripts.reserve, 1 + r.windows.len());
-        command.arg(keys.leases());
-        for limit in r.windows {
-            command.arg(keys.window(&limit.name));
-        }
+        let mut command = evalsha(&this.scripts.reserve, &keys, r.windows);
         command
             .arg(r.lease_id)
             .arg(exact(r.lease_ttl_ms))
@@ -355,11 +350,7 @@ impl RedisStore {
     pub async fn settle(&self, s: &Settlement<'_>) -> Result<(), StoreError> {
         let this = &*self.inner;
         let keys = TenantKeys::of(s.tenant);
-        let mut command = evalsha(&this.scripts.settle, 1 + s.windows.len());
-        command.arg(keys.leases());
-        for limit in s.windows {
-            command.arg(keys.window(&limit.name));
-        }
+        let mut command = evalsha(&this.scripts.settle, &keys, s.windows);
         command
             .arg(s.lease_id)
             .arg(exact(s.reserved_at_ms))
@@ -435,11 +426,7 @@ impl RedisStore {
     pub async fn usage(&self, tenant: &str, windows: &[WindowLimit]) -> Result<Usage, StoreError> {
         let this = &*self.inner;
         let keys = TenantKeys::of(tenant);
-        let mut command = evalsha(&this.scripts.usage, 1 + windows.len());
-        command.arg(keys.leases());
-        for limit in windows {
-            command.arg(keys.window(&limit.name));
-        }
+        let mut command = evalsha(&this.scripts.usage, &keys, windows);
         for limit in windows {
             command
                 .arg(exact(limit.window_ms))
@@ -639,10 +626,17 @@ impl TenantKeys {
     }
 }
 
-/// `EVALSHA` of `script` with `keys` keys, its keys and arguments to follow.
-fn evalsha(script: &Script, keys: usize) -> redis::Cmd {
+/// `EVALSHA` of a window script with the keys every one of them takes (`KEYS[1]` the tenant's
+/// leases, then one per window, in order); its arguments to follow.
+fn evalsha(script: &Script, keys: &TenantKeys, windows: &[WindowLimit]) -> redis::Cmd {
     let mut command = redis::cmd("EVALSHA");
-    command.arg(script.get_hash()).arg(keys);
+    command
+        .arg(script.get_hash())
+        .arg(1 + windows.len())
+        .arg(keys.leases());
+    for limit in windows {
+        command.arg(keys.window(&limit.name));
+    }
     command
 }
 
