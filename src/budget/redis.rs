@@ -108,8 +108,8 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::io::tcp::TcpSettings;
 use redis::{
-    Client, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult, Script,
-    ScriptInvocation, ServerErrorKind, Value,
+    Client, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult, RedisWrite,
+    Script, ScriptInvocation, ServerErrorKind, Value,
 };
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -324,7 +324,7 @@ impl RedisStore {
     pub async fn reserve(&self, r: &Reservation<'_>) -> Result<Reserve, StoreError> {
         let this = &*self.inner;
         let keys = TenantKeys::of(r.tenant);
-        let mut command = evalsha(&this.scripts.reserve, &keys, r.windows);
+        let mut command = evalsha(&this.scripts.reserve, &keys, r.windows, 3, 4);
         command
             .arg(r.lease_id)
             .arg(exact(r.lease_ttl_ms))
@@ -350,7 +350,7 @@ impl RedisStore {
     pub async fn settle(&self, s: &Settlement<'_>) -> Result<(), StoreError> {
         let this = &*self.inner;
         let keys = TenantKeys::of(s.tenant);
-        let mut command = evalsha(&this.scripts.settle, &keys, s.windows);
+        let mut command = evalsha(&this.scripts.settle, &keys, s.windows, 5, 3);
         command
             .arg(s.lease_id)
             .arg(exact(s.reserved_at_ms))
@@ -426,7 +426,7 @@ impl RedisStore {
     pub async fn usage(&self, tenant: &str, windows: &[WindowLimit]) -> Result<Usage, StoreError> {
         let this = &*self.inner;
         let keys = TenantKeys::of(tenant);
-        let mut command = evalsha(&this.scripts.usage, &keys, windows);
+        let mut command = evalsha(&this.scripts.usage, &keys, windows, 0, 2);
         for limit in windows {
             command
                 .arg(exact(limit.window_ms))
@@ -617,25 +617,83 @@ impl TenantKeys {
 
     /// The tenant's lease ZSET.
     pub(crate) fn leases(&self) -> String {
-        format!("tollgate:{{{}}}:leases", self.tag)
+        self.leases_key().to_string()
     }
 
     /// The tenant's HASH for the window named `name`.
+    #[cfg(test)]
     pub(crate) fn window(&self, name: &str) -> String {
-        format!("tollgate:{{{}}}:w:{name}", self.tag)
+        self.window_key(name).to_string()
+    }
+
+    fn leases_key(&self) -> TenantKey<'_> {
+        TenantKey {
+            tag: &self.tag,
+            window: None,
+        }
+    }
+
+    fn window_key<'a>(&'a self, name: &'a str) -> TenantKey<'a> {
+        TenantKey {
+            tag: &self.tag,
+            window: Some(name),
+        }
     }
 }
 
+/// One of a tenant's keys, written where it goes rather than made a string of its own first:
+/// its leases (no `window`) or a window's.
+struct TenantKey<'a> {
+    tag: &'a str,
+    window: Option<&'a str>,
+}
+
+impl std::fmt::Display for TenantKey<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.window {
+            None => write!(f, "tollgate:{{{}}}:leases", self.tag),
+            Some(name) => write!(f, "tollgate:{{{}}}:w:{name}", self.tag),
+        }
+    }
+}
+
+/// The bytes a numeric argument is given in `evalsha`'s estimate: 16 digits, `MAX_EXACT`'s, and
+/// its framing.
+const NUMBER_ARG_BYTES: usize = 24;
+
 /// `EVALSHA` of a window script with the keys every one of them takes (`KEYS[1]` the tenant's
-/// leases, then one per window, in order); its arguments to follow.
-fn evalsha(script: &Script, keys: &TenantKeys, windows: &[WindowLimit]) -> redis::Cmd {
-    let mut command = redis::cmd("EVALSHA");
+/// leases, then one per window, in order); its arguments to follow, `per_call` of them and
+/// `per_window` for each window, all numbers or a lease id.
+///
+/// Sized for the whole command up front, the keys written straight into it: grown argument by
+/// argument, each call's two buffers were moved about nine times and each key was a string of
+/// its own first (docs/benchmarks.md, "Commands built at their size").
+fn evalsha(
+    script: &Script,
+    keys: &TenantKeys,
+    windows: &[WindowLimit],
+    per_call: usize,
+    per_window: usize,
+) -> redis::Cmd {
+    let key_bytes = |name_len: usize| "tollgate:{}:w:".len() + keys.tag.len() + name_len;
+    let values = per_call + per_window * windows.len();
+    let bytes = "EVALSHA".len()
+        + script.get_hash().len()
+        + NUMBER_ARG_BYTES
+        + key_bytes("leases".len())
+        + windows
+            .iter()
+            .map(|w| key_bytes(w.name.len()))
+            .sum::<usize>()
+        + values * NUMBER_ARG_BYTES;
+    let mut command = redis::Cmd::with_capacity(4 + windows.len() + values, bytes);
     command
+        .arg("EVALSHA")
         .arg(script.get_hash())
-        .arg(1 + windows.len())
-        .arg(keys.leases());
+        .arg(1 + windows.len());
+    command.write_arg_fmt(keys.leases_key());
     for limit in windows {
-        command.arg(keys.window(&limit.name));
+        command.write_arg_fmt(keys.window_key(&limit.name));
     }
     command
 }

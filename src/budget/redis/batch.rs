@@ -103,7 +103,7 @@ impl Inner {
     async fn send_batch(&self, batch: &mut [Call]) -> Vec<Result<Value, StoreError>> {
         let deadline = tokio::time::Instant::now() + self.timeout;
         let (generation, mut connection) = self.connection();
-        let mut pipe = redis::pipe();
+        let mut pipe = redis::Pipeline::with_capacity(batch.len());
         pipe.ignore_errors();
         for call in batch.iter_mut() {
             pipe.add_command(std::mem::replace(&mut call.command, Cmd::new()));

@@ -102,6 +102,35 @@ fn key_layout() {
 }
 
 #[test]
+fn evalsha_writes_the_keys_the_strings_name() {
+    let scripts = Scripts::new();
+    let mut windows = two_windows();
+    windows.push(limit("odd{name}", Quantity::Tokens, 7));
+    for tenant in AWKWARD_TENANTS {
+        let keys = TenantKeys::of(tenant);
+        for windows in [&windows[..0], &windows[..]] {
+            let mut expected = redis::cmd("EVALSHA");
+            expected
+                .arg(scripts.reserve.get_hash())
+                .arg(1 + windows.len())
+                .arg(keys.leases());
+            for w in windows {
+                expected.arg(keys.window(&w.name));
+            }
+            let mut command = evalsha(&scripts.reserve, &keys, windows, 1, 1);
+            command.arg("lease").arg(exact(u64::MAX));
+            expected.arg("lease").arg(exact(u64::MAX));
+            assert_eq!(
+                command.get_packed_command(),
+                expected.get_packed_command(),
+                "{tenant:?}, {} windows",
+                windows.len()
+            );
+        }
+    }
+}
+
+#[test]
 fn arguments_are_clamped_to_what_a_lua_number_holds_exactly() {
     assert_eq!(exact(0), 0);
     assert_eq!(exact(123_456), 123_456);
