@@ -4,122 +4,164 @@
 # depend on what else the machine is doing, where the CPU per decision does (docs/benchmarks.md,
 # "Commands built at their size").
 #
-# `perf probe` puts a uprobe on each jemalloc entry point (`_rjem_malloc`, `_rjem_mallocx`,
-# `_rjem_calloc`, `_rjem_realloc`) of the binaries the benchmark runs, and `perf stat -I 1000`
-# counts each server's hits per second. The benchmark starts and checks every server before the
-# first run, and each then idles while the others run, so a server's one-second counts are its
-# start-up (building tables allocates a few hundred thousand times), idle seconds near zero, and
-# the seconds of its own run. Its figure is the median of its busiest SECONDS_PER_SERVER seconds
-# after the first two, divided by the decisions per second its run reports: the run's seconds,
-# the median leaving out the partial ones at its ends and a first count's burst.
-# The probes slow every allocation down a lot, so the run's decisions per second mean nothing
-# here beyond that division; they are removed on exit.
+# `perf probe` puts a uprobe on each of jemalloc's allocating entry points (`_rjem_malloc`,
+# `_rjem_mallocx`, `_rjem_calloc`, `_rjem_realloc`, `_rjem_rallocx`) in the echo and in the
+# tollgate binary, and `perf stat -I 1000` counts each server's hits per second. The benchmark
+# starts and checks every server before the first run, then runs them one after another, so a
+# server's one-second counts are its start-up (tens of thousands), idle seconds near zero, and
+# its run, at the highest rate. The run is the longest stretch of seconds above half the
+# server's busiest; its figure is the median of that stretch less its first and last seconds
+# (each partly outside the run, or holding the start-up where the run follows it at once),
+# divided by the decisions per second the run reports.
+#
+# The probes slow every allocation down a lot, so a run's decisions per second mean nothing here
+# beyond that division. A run the benchmark flags (see its `clean`) is reported with why: under
+# the probes, a run with Redis has counted one EVALSHA fewer than two per decision with no error
+# of any kind (the slowdown stretches the moments between the benchmark's reads of Redis's
+# counts and of its own), which the benchmark flags all the same.
 #
 # Usage: scripts/count-allocations.sh [OUT_DIR] [TOLLGATE_BIN]
 #            (default target/count-allocations and target/release/tollgate)
 #        scripts/count-allocations.sh --report-only OUT_DIR
 #            (prints the figures again from a run's OUT_DIR, measuring nothing)
 # Needs perf (linux-perf) with uprobes, as root (or kernel.perf_event_paranoid <= 1 and write
-# access to the tracing file system), and python3.
+# access to the tracing file system), and python3. About a minute.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "${repo_root}"
-report_only=
-if [[ "${1:-}" == --report-only ]]; then
-    report_only=1
-    shift
-    [[ -f "${1:-}/bench.json" ]] || { echo "count-allocations: --report-only needs a run's OUT_DIR" >&2; exit 1; }
-fi
-out="${1:-target/count-allocations}"
-tollgate="${2:-target/release/tollgate}"
-echo_bin=target/release/examples/echo_extproc
 readonly SECONDS_PER_SERVER=6
+readonly ENTRY_POINTS=(_rjem_malloc _rjem_mallocx _rjem_calloc _rjem_realloc _rjem_rallocx)
 
-if [[ -z "${report_only}" ]]; then
-command -v perf >/dev/null || { echo "count-allocations: perf is not installed (apt-get install linux-perf)" >&2; exit 1; }
-command -v python3 >/dev/null || { echo "count-allocations: python3 is not installed (apt-get install python3)" >&2; exit 1; }
-mkdir -p "${out}"
-rm -f "${out}"/*.stat "${out}/bench.txt"
-cargo build --release --bin tollgate --example bench_decisions --example echo_extproc
-tollgate="$(realpath "${tollgate}")"
-echo_bin="$(realpath "${echo_bin}")"
+need() { # TOOL PACKAGE
+    command -v "$1" >/dev/null || {
+        echo "count-allocations: $1 is not installed (apt-get install $2)" >&2
+        exit 1
+    }
+}
 
-readonly ENTRY_POINTS=(_rjem_malloc _rjem_mallocx _rjem_calloc _rjem_realloc)
-remove_probes() {
+# The run's children and the probes go whichever way the script ends.
+children=()
+clean_up() {
+    for child in ${children[@]+"${children[@]}"}; do
+        kill "${child}" 2>/dev/null || true
+    done
     perf probe -q -d 'probe_tgalloc_tollgate:*' 2>/dev/null || true
     perf probe -q -d 'probe_tgalloc_echo:*' 2>/dev/null || true
 }
-remove_probes
-trap remove_probes EXIT
-for entry in "${ENTRY_POINTS[@]}"; do
-    # perf refuses an event name already taken in another group, so each binary's are prefixed.
-    perf probe -q -x "${tollgate}" -a "probe_tgalloc_tollgate:t_${entry#_rjem_}=${entry}"
-    perf probe -q -x "${echo_bin}" -a "probe_tgalloc_echo:e_${entry#_rjem_}=${entry}"
-done
 
-target/release/examples/bench_decisions --tollgate-bin "${tollgate}" --echo-bin "${echo_bin}" \
-    --seconds "${SECONDS_PER_SERVER}" --rounds 1 --check-requests 0 --warmup-seconds 0 \
-    --json "${out}/bench.json" > "${out}/bench.txt" 2>&1 &
-bench=$!
-declare -A seen
-monitors=()
-while kill -0 "${bench}" 2>/dev/null; do
-    for pid in $(pgrep -f "${echo_bin}|${tollgate} --config" || true); do
-        [[ -n "${seen[${pid}]:-}" ]] && continue
-        seen[${pid}]=1
-        cmdline="$(tr '\0' ' ' < "/proc/${pid}/cmdline" 2>/dev/null || true)"
-        case "${cmdline}" in
-            *echo_extproc*) name=echo events='probe_tgalloc_echo:*' ;;
-            *redis*) name=tollgate-redis events='probe_tgalloc_tollgate:*' ;;
-            *) name=tollgate-memory events='probe_tgalloc_tollgate:*' ;;
-        esac
-        perf stat -I 1000 -x, -e "${events}" -p "${pid}" -o "${out}/${name}.stat" &
-        monitors+=($!)
+measure() { # OUT_DIR TOLLGATE_BIN
+    local out="$1" tollgate echo_bin
+    need perf linux-perf
+    mkdir -p "${out}"
+    rm -f "${out}"/*.stat "${out}/bench.txt" "${out}/bench.json"
+    cargo build --release --bin tollgate --example bench_decisions --example echo_extproc
+    tollgate="$(realpath "$2")"
+    echo_bin="$(realpath target/release/examples/echo_extproc)"
+
+    clean_up
+    trap clean_up EXIT
+    local entry
+    for entry in "${ENTRY_POINTS[@]}"; do
+        # perf refuses an event name another group has, so each binary's are prefixed.
+        perf probe -q -x "${tollgate}" -a "probe_tgalloc_tollgate:t_${entry#_rjem_}=${entry}"
+        perf probe -q -x "${echo_bin}" -a "probe_tgalloc_echo:e_${entry#_rjem_}=${entry}"
     done
-    sleep 0.05
-done
-# 3 is a run the benchmark flagged: the probes slow tollgate down enough that a store call can
-# time out. The counts stand; what was flagged is printed with them.
-status=0
-wait "${bench}" || status=$?
-if [[ "${status}" != 0 && "${status}" != 3 ]]; then
-    cat "${out}/bench.txt" >&2
-    exit 1
-fi
-for monitor in ${monitors[@]+"${monitors[@]}"}; do
-    wait "${monitor}" || true
-done
-fi
 
-python3 - "${out}" "${SECONDS_PER_SERVER}" <<'EOF'
-import csv, re, statistics, sys
+    target/release/examples/bench_decisions --tollgate-bin "${tollgate}" --echo-bin "${echo_bin}" \
+        --seconds "${SECONDS_PER_SERVER}" --rounds 1 --check-requests 0 --warmup-seconds 0 \
+        --json "${out}/bench.json" > "${out}/bench.txt" 2>&1 &
+    local bench=$!
+    children+=("${bench}")
+    local -A seen
+    local pid exe name events
+    while kill -0 "${bench}" 2>/dev/null; do
+        # By the executable, not the command line: the benchmark's own names the echo's path.
+        for pid in $(pgrep -f "${echo_bin}|${tollgate}" || true); do
+            [[ -n "${seen[${pid}]:-}" ]] && continue
+            seen[${pid}]=1
+            exe="$(readlink "/proc/${pid}/exe" 2>/dev/null || true)"
+            if [[ "${exe}" == "${echo_bin}" ]]; then
+                name=echo events='probe_tgalloc_echo:*'
+            elif [[ "${exe}" == "${tollgate}" ]]; then
+                events='probe_tgalloc_tollgate:*'
+                if tr '\0' ' ' < "/proc/${pid}/cmdline" | grep -q -- --redis-url; then
+                    name=tollgate-redis
+                else
+                    name=tollgate-memory
+                fi
+            else
+                continue
+            fi
+            [[ -e "${out}/${name}.stat" ]] && { echo "count-allocations: a second ${name}" >&2; exit 1; }
+            perf stat -I 1000 -x, -e "${events}" -p "${pid}" -o "${out}/${name}.stat" &
+            children+=($!)
+        done
+        sleep 0.05
+    done
+    # 3 is a run the benchmark flagged; the counts stand, and the report says why.
+    local status=0
+    wait "${bench}" || status=$?
+    if [[ "${status}" != 0 && "${status}" != 3 ]]; then
+        cat "${out}/bench.txt" >&2
+        exit 1
+    fi
+    # perf stat ends when the process it counts does.
+    local child
+    for child in "${children[@]}"; do
+        wait "${child}" 2>/dev/null || true
+    done
+}
+
+if [[ "${1:-}" == --report-only ]]; then
+    out="${2:-}"
+    [[ -f "${out}/bench.json" ]] || { echo "count-allocations: --report-only needs a run's OUT_DIR" >&2; exit 1; }
+else
+    out="${1:-target/count-allocations}"
+    measure "${out}" "${2:-target/release/tollgate}"
+fi
+need python3 python3
+
+python3 - "${out}" <<'EOF'
+import csv, json, statistics, sys
 from collections import defaultdict
-out, SECONDS = sys.argv[1], int(sys.argv[2])
-ENTRY_POINTS = ("malloc", "mallocx", "calloc", "realloc")
-rates = {}
-for line in open(f"{out}/bench.txt"):
-    m = re.match(r"^(echo|tollgate-redis|tollgate-memory)\s+(\d+)\s", line)
-    if m:
-        rates[m.group(1)] = int(m.group(2))
-import json
-for run in json.load(open(f"{out}/bench.json"))["runs"]:
-    t = run.get("tollgate") or {}
-    if run.get("errors") or t.get("store_errors") or t.get("degraded"):
-        print(f"flagged: {run.get('server')}: errors {run.get('errors')}, store errors "
-              f"{t.get('store_errors')}, decisions that skipped the store {t.get('degraded')}")
-print("allocator calls per decision (median one-second count / decisions per second):")
-print(f"  {'server':<18}{'malloc':>9}{'mallocx':>9}{'calloc':>9}{'realloc':>9}{'all':>9}")
+
+out = sys.argv[1]
+ENTRY_POINTS = ("malloc", "mallocx", "calloc", "realloc", "rallocx")
+runs = {run["server"]: run for run in json.load(open(f"{out}/bench.json"))["runs"]}
+for name, run in runs.items():
+    if not run["clean"]:
+        t, r = run.get("tollgate") or {}, run.get("redis") or {}
+        # `evalsha_calls` is already less the fleet's own (`fleet_calls`).
+        print(f"flagged by the benchmark: {name}: errors {run['errors']}, store errors "
+              f"{t.get('store_errors')}, decisions past the store {t.get('degraded')}, "
+              f"EVALSHA {r.get('evalsha_calls')} for {run['decisions']} decisions")
+print("allocator calls per decision (the run's one-second counts, median, / decisions per second):")
+print(f"  {'server':<18}" + "".join(f"{e:>9}" for e in ENTRY_POINTS) + f"{'all':>9}  seconds")
 for name in ("echo", "tollgate-redis", "tollgate-memory"):
-    per_second = defaultdict(list)
-    for row in csv.reader(line for line in open(f"{out}/{name}.stat") if line.strip() and not line.startswith("#")):
-        if len(row) > 3 and row[1].replace(".", "").isdigit():
-            per_second[row[3].split(":")[-1][2:]].append(float(row[1]))
-    # The busiest seconds after start-up are the run's (see the top of this script); they are
-    # told apart by the sum over the entry points.
-    seconds = [sum(c) for c in zip(*(per_second[e] for e in ENTRY_POINTS))][2:]
-    busiest = sorted(range(len(seconds)), key=lambda i: seconds[i])[-SECONDS:]
-    cells = [statistics.median(per_second[e][2:][i] for i in busiest) / rates[name]
+    # time -> entry point -> count; rows perf could not count ("<not counted>") are left out.
+    counts = defaultdict(dict)
+    for row in csv.reader(l for l in open(f"{out}/{name}.stat") if l.strip() and l[0] != "#"):
+        if len(row) > 3 and row[1].isdigit():
+            counts[float(row[0])][row[3].split(":")[-1][2:]] = int(row[1])
+    times = sorted(counts)
+    totals = [sum(counts[t].values()) for t in times]
+    busy = [total > max(totals) / 2 for total in totals]
+    # The longest stretch of busy seconds is the run.
+    best, start = (0, 0), None
+    for i, b in enumerate(busy + [False]):
+        if b and start is None:
+            start = i
+        elif not b and start is not None:
+            best = max(best, (i - start, start))
+            start = None
+    length, first = best
+    run_times = times[first + 1:first + length - 1]
+    if not run_times:
+        sys.exit(f"count-allocations: {name}: no full second of its run was counted")
+    rate = runs[name]["decisions_per_s"]
+    cells = [statistics.median(counts[t].get(e, 0) for t in run_times) / rate
              for e in ENTRY_POINTS]
-    print(f"  {name:<18}" + "".join(f"{c:9.1f}" for c in cells) + f"{sum(cells):9.1f}")
+    print(f"  {name:<18}" + "".join(f"{c:9.1f}" for c in cells) + f"{sum(cells):9.1f}"
+          + f"  {len(run_times)}")
 EOF

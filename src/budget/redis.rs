@@ -657,13 +657,14 @@ impl std::fmt::Display for TenantKey<'_> {
     }
 }
 
-/// The bytes a numeric argument is given in `evalsha`'s estimate: 16 digits, `MAX_EXACT`'s, and
-/// its framing.
-const NUMBER_ARG_BYTES: usize = 24;
+/// The bytes `evalsha` sets aside for each argument after the keys. A number takes at most 16
+/// (`MAX_EXACT`'s digits) and most far fewer, so the total leaves room for a lease id (the
+/// replica's id, `-` and a serial number) longer than this; past it, the buffer grows once.
+const VALUE_ARG_BYTES: usize = 24;
 
 /// `EVALSHA` of a window script with the keys every one of them takes (`KEYS[1]` the tenant's
 /// leases, then one per window, in order); its arguments to follow, `per_call` of them and
-/// `per_window` for each window, all numbers or a lease id.
+/// `per_window` for each window.
 ///
 /// Sized for the whole command up front, the keys written straight into it: grown argument by
 /// argument, each call's two buffers were moved about nine times and each key was a string of
@@ -675,17 +676,18 @@ fn evalsha(
     per_call: usize,
     per_window: usize,
 ) -> redis::Cmd {
-    let key_bytes = |name_len: usize| "tollgate:{}:w:".len() + keys.tag.len() + name_len;
+    let window_key_bytes = |name_len: usize| "tollgate:{}:w:".len() + keys.tag.len() + name_len;
     let values = per_call + per_window * windows.len();
     let bytes = "EVALSHA".len()
         + script.get_hash().len()
-        + NUMBER_ARG_BYTES
-        + key_bytes("leases".len())
+        + VALUE_ARG_BYTES
+        + "tollgate:{}:leases".len()
+        + keys.tag.len()
         + windows
             .iter()
-            .map(|w| key_bytes(w.name.len()))
+            .map(|w| window_key_bytes(w.name.len()))
             .sum::<usize>()
-        + values * NUMBER_ARG_BYTES;
+        + values * VALUE_ARG_BYTES;
     let mut command = redis::Cmd::with_capacity(4 + windows.len() + values, bytes);
     command
         .arg("EVALSHA")
