@@ -10,9 +10,11 @@
 # starts and checks every server before the first run, then runs them one after another, so a
 # server's one-second counts are its start-up (tens of thousands), idle seconds near zero, and
 # its run, at the highest rate. The run is the longest stretch of seconds above half the
-# server's busiest; its figure is the median of that stretch less its first and last seconds
-# (each partly outside the run, or holding the start-up where the run follows it at once),
-# divided by the decisions per second the run reports.
+# server's busiest, with the second on each side (where the run starts or ends partway); its
+# figure is all the calls counted in those seconds over the decisions the run reports. The
+# echo's run follows its start-up at once, so its figure also holds the echo's start-up, a few
+# thousand calls against the hundreds of thousands of its run. (A median second over the run's
+# mean rate was noisier: the rate under the probes swings by a fifth from second to second.)
 #
 # The probes slow every allocation down a lot, so a run's decisions per second mean nothing here
 # beyond that division. A run the benchmark flags (see its `clean`) is reported with why: under
@@ -77,15 +79,15 @@ measure() { # OUT_DIR TOLLGATE_BIN
     local pid exe name events
     while kill -0 "${bench}" 2>/dev/null; do
         # By the executable, not the command line: the benchmark's own names the echo's path.
-        for pid in $(pgrep -f "${echo_bin}|${tollgate}" || true); do
+        for pid in $(pgrep -f -- "$(basename "${echo_bin}")|$(basename "${tollgate}")" || true); do
             [[ -n "${seen[${pid}]:-}" ]] && continue
-            seen[${pid}]=1
             exe="$(readlink "/proc/${pid}/exe" 2>/dev/null || true)"
+            # A server caught between fork and exec is still the benchmark: looked at again.
             if [[ "${exe}" == "${echo_bin}" ]]; then
                 name=echo events='probe_tgalloc_echo:*'
             elif [[ "${exe}" == "${tollgate}" ]]; then
                 events='probe_tgalloc_tollgate:*'
-                if tr '\0' ' ' < "/proc/${pid}/cmdline" | grep -q -- --redis-url; then
+                if grep -qzx -- --redis-url "/proc/${pid}/cmdline" 2>/dev/null; then
                     name=tollgate-redis
                 else
                     name=tollgate-memory
@@ -93,6 +95,7 @@ measure() { # OUT_DIR TOLLGATE_BIN
             else
                 continue
             fi
+            seen[${pid}]=1
             [[ -e "${out}/${name}.stat" ]] && { echo "count-allocations: a second ${name}" >&2; exit 1; }
             perf stat -I 1000 -x, -e "${events}" -p "${pid}" -o "${out}/${name}.stat" &
             children+=($!)
@@ -111,6 +114,8 @@ measure() { # OUT_DIR TOLLGATE_BIN
     for child in "${children[@]}"; do
         wait "${child}" 2>/dev/null || true
     done
+    # All ended: none left for the exit's clean-up to stop (their ids may be reused by then).
+    children=()
 }
 
 if [[ "${1:-}" == --report-only ]]; then
@@ -136,14 +141,16 @@ for name, run in runs.items():
         print(f"flagged by the benchmark: {name}: errors {run['errors']}, store errors "
               f"{t.get('store_errors')}, decisions past the store {t.get('degraded')}, "
               f"EVALSHA {r.get('evalsha_calls')} for {run['decisions']} decisions")
-print("allocator calls per decision (the run's one-second counts, median, / decisions per second):")
+print("allocator calls per decision (all counted over the run's seconds / its decisions):")
 print(f"  {'server':<18}" + "".join(f"{e:>9}" for e in ENTRY_POINTS) + f"{'all':>9}  seconds")
 for name in ("echo", "tollgate-redis", "tollgate-memory"):
-    # time -> entry point -> count; rows perf could not count ("<not counted>") are left out.
-    counts = defaultdict(dict)
+    # time -> entry point -> count; a row perf could not count ("<not counted>") counts 0, so
+    # every second perf reported is there and a stretch is a stretch of seconds.
+    counts = defaultdict(lambda: defaultdict(int))
     for row in csv.reader(l for l in open(f"{out}/{name}.stat") if l.strip() and l[0] != "#"):
-        if len(row) > 3 and row[1].isdigit():
-            counts[float(row[0])][row[3].split(":")[-1][2:]] = int(row[1])
+        if len(row) > 3:
+            entry = row[3].split(":")[-1][2:]
+            counts[float(row[0])][entry] = int(row[1]) if row[1].isdigit() else 0
     times = sorted(counts)
     totals = [sum(counts[t].values()) for t in times]
     busy = [total > max(totals) / 2 for total in totals]
@@ -156,12 +163,11 @@ for name in ("echo", "tollgate-redis", "tollgate-memory"):
             best = max(best, (i - start, start))
             start = None
     length, first = best
-    run_times = times[first + 1:first + length - 1]
-    if not run_times:
-        sys.exit(f"count-allocations: {name}: no full second of its run was counted")
-    rate = runs[name]["decisions_per_s"]
-    cells = [statistics.median(counts[t].get(e, 0) for t in run_times) / rate
-             for e in ENTRY_POINTS]
+    if length == 0:
+        sys.exit(f"count-allocations: {name}: no second of its run was counted")
+    run_times = times[max(first - 1, 0):first + length + 1]
+    decisions = runs[name]["decisions"]
+    cells = [sum(counts[t][e] for t in run_times) / decisions for e in ENTRY_POINTS]
     print(f"  {name:<18}" + "".join(f"{c:9.1f}" for c in cells) + f"{sum(cells):9.1f}"
           + f"  {len(run_times)}")
 EOF

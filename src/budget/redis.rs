@@ -657,9 +657,10 @@ impl std::fmt::Display for TenantKey<'_> {
     }
 }
 
-/// The bytes `evalsha` sets aside for each argument after the keys. A number takes at most 16
-/// (`MAX_EXACT`'s digits) and most far fewer, so the total leaves room for a lease id (the
-/// replica's id, `-` and a serial number) longer than this; past it, the buffer grows once.
+/// The bytes `evalsha` sets aside for the key count and each argument after the keys. A number
+/// takes at most 16 (`MAX_EXACT`'s digits) and most far fewer, so the total leaves room for a
+/// lease id (the replica's id, `-` and a serial number) longer than this; past it, the buffer
+/// grows once.
 const VALUE_ARG_BYTES: usize = 24;
 
 /// `EVALSHA` of a window script with the keys every one of them takes (`KEYS[1]` the tenant's
