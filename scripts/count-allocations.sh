@@ -128,7 +128,7 @@ fi
 need python3 python3
 
 python3 - "${out}" <<'EOF'
-import csv, json, statistics, sys
+import csv, json, sys
 from collections import defaultdict
 
 out = sys.argv[1]

@@ -4,7 +4,8 @@ round's decisions per CPU-second of tollgate with Redis, with Redis's CPU added,
 with its embedded store, each as a ratio to the echo of the same round; and Redis's CPU per
 decision, split into the two scripts (twice `usec_per_evalsha`, from INFO commandstats) and the
 rest (reading the calls, writing the replies, its event loop); and the latency with Redis: a
-reserve's mean and p99 and a settle's mean as tollgate times them, and the streams' p50 and p99 as the load sees them.
+reserve's mean and p99 and a settle's mean as tollgate times them, and the streams' p50 and p99
+as the load sees them.
 Medians over the rounds first, each round's figure in brackets.
 
 Usage: python3 scripts/decisions-ratios.py RUN.json [RUN.json ...]
