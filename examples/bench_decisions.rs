@@ -146,6 +146,12 @@ struct Args {
     /// Tokio worker threads of the load generator.
     #[arg(long, default_value_t = 1)]
     client_threads: usize,
+    /// Count with a model's own tokenizer, as a deployment serving that model does: one
+    /// encoding rule for every model name, `DIR/tokenizer.json`, with the chat template of
+    /// `DIR/tokenizer_config.json` (e.g. `.tools/tokenizers/llama3`, which
+    /// scripts/install-test-deps.sh installs) [default: the model's OpenAI encoding].
+    #[arg(long, value_name = "DIR")]
+    tokenizer: Option<PathBuf>,
     /// tollgate's `store.timeout_ms`: large, so a slow moment is latency, not a skipped store.
     #[arg(long, default_value_t = 1000)]
     store_timeout_ms: u64,
@@ -218,8 +224,11 @@ async fn bench(args: &Args) -> Result<bool> {
     .await?;
     let monitor = Monitor::start(redis.port).await?;
     let config_path = dir.path().join("tollgate.yaml");
-    std::fs::write(&config_path, tollgate_config(args.store_timeout_ms))
-        .context("write tollgate.yaml")?;
+    std::fs::write(
+        &config_path,
+        tollgate_config(args.store_timeout_ms, args.tokenizer.as_deref())?,
+    )
+    .context("write tollgate.yaml")?;
     let with_redis = ServerProc::tollgate(
         &tollgate_bin,
         &config_path,
@@ -345,6 +354,7 @@ async fn bench(args: &Args) -> Result<bool> {
                 "shared_system_bytes": args.shared_system_bytes,
                 "client_threads": args.client_threads,
                 "store_timeout_ms": args.store_timeout_ms,
+                "tokenizer": args.tokenizer,
             },
             "round_trip_check": check.as_ref().map(RoundTripCheck::json),
             "runs": runs.iter().map(Run::json).collect::<Vec<_>>(),
@@ -364,9 +374,10 @@ async fn bench(args: &Args) -> Result<bool> {
 }
 
 /// tollgate's configuration for every tollgate run: budgets that never refuse, a scheduler that
-/// never queues, no controller, and no lease renewal during the run.
-fn tollgate_config(store_timeout_ms: u64) -> String {
-    format!(
+/// never queues, no controller, and no lease renewal during the run; with `tokenizer`, every
+/// model counted with the tokenizer and chat template in that folder.
+fn tollgate_config(store_timeout_ms: u64, tokenizer: Option<&Path>) -> Result<String> {
+    let mut config = format!(
         "# Written by examples/bench_decisions.rs.\n\
          default_tier: free\n\
          tiers:\n\
@@ -376,7 +387,28 @@ fn tollgate_config(store_timeout_ms: u64) -> String {
          # Renewal every hour (TTL two hours): no renewal falls into a run, so every Redis\n\
          # command seen is a reserve or a settle.\n\
          store: {{lease_renew_ms: 3600000, lease_ttl_ms: 7200000, timeout_ms: {store_timeout_ms}}}\n"
-    )
+    );
+    if let Some(dir) = tokenizer {
+        let dir = dir
+            .canonicalize()
+            .with_context(|| format!("--tokenizer {}", dir.display()))?;
+        let file = |name: &str| -> Result<String> {
+            let path = dir.join(name);
+            ensure!(path.is_file(), "--tokenizer: {} is missing", path.display());
+            // A JSON string is a YAML scalar, whatever the path holds.
+            Ok(serde_json::to_string(&path)?)
+        };
+        config.push_str(&format!(
+            "tokens:\n\
+             \x20 encodings:\n\
+             \x20   - pattern: \"*\"\n\
+             \x20     tokenizer_file: {}\n\
+             \x20     chat_template_file: {}\n",
+            file("tokenizer.json")?,
+            file("tokenizer_config.json")?
+        ));
+    }
+    Ok(config)
 }
 
 // ---------------------------------------------------------------------------------------------

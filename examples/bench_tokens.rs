@@ -123,7 +123,7 @@ fn run(args: &Args) -> Result<(), String> {
         std::fs::write(path, corpus.text.as_bytes())
             .map_err(|error| format!("cannot write the corpus to {path}: {error}"))?;
     }
-    let (models, model_adversarial) = measure_models(&args.tokenizers, &corpus.text)?;
+    let (models, model_adversarial) = measure_models(&args.tokenizers, &corpus)?;
     let encodings: &[(Encoding, &str)] = if args.models_only { &[] } else { &ENCODINGS };
     let references = [
         tiktoken_rs::cl100k_base().map_err(|error| format!("tiktoken-rs cl100k: {error}"))?,
@@ -257,9 +257,12 @@ fn run(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
-/// Times each model's own tokenizer on the corpus (throughput) and on the adversarial bodies
-/// (`count_till_limit` at the prompt budget, and a full count).
-fn measure_models(tokenizers: &[(String, String)], corpus: &str) -> Result<(Value, Value), String> {
+/// Times each model's own tokenizer on the corpus (throughput, also kind by kind) and on the
+/// adversarial bodies (`count_till_limit` at the prompt budget, and a full count).
+fn measure_models(
+    tokenizers: &[(String, String)],
+    corpus: &Corpus,
+) -> Result<(Value, Value), String> {
     let mut throughput = Vec::new();
     let mut adversarial = Vec::new();
     // One more body for the models: a word of Llama 3 that merging makes only in context,
@@ -278,15 +281,22 @@ fn measure_models(tokenizers: &[(String, String)], corpus: &str) -> Result<(Valu
         ));
         let encoding = Encoding::Model(vocabulary);
         encoding.warm_up();
-        let (tokens, seconds) = best_time(THROUGHPUT_RUNS, || encoding.count(corpus));
+        let (tokens, seconds) = best_time(THROUGHPUT_RUNS, || encoding.count(&corpus.text));
+        let mut by_kind = serde_json::Map::new();
+        for (kind, text) in &corpus.text_by_kind {
+            let (_, seconds) = best_time(THROUGHPUT_RUNS, || encoding.count(text));
+            by_kind.insert((*kind).to_owned(), json!(text.len() as f64 / 1e6 / seconds));
+        }
         throughput.push(json!({
             "model": name,
-            "bytes": corpus.len(),
+            "bytes": corpus.text.len(),
             "tokens": tokens,
             "seconds": seconds,
             "load_seconds": load_seconds,
             "context_only_entries": vocabulary.context_only_entries(),
-            "mb_per_s": corpus.len() as f64 / 1e6 / seconds,
+            "cuts_ascii_without_regex": vocabulary.cuts_ascii_without_regex(),
+            "mb_per_s": corpus.text.len() as f64 / 1e6 / seconds,
+            "mb_per_s_by_kind": by_kind,
         }));
         for (input, body) in &bodies {
             let (limited, limited_seconds) = best_time(ADVERSARIAL_RUNS, || {
@@ -394,6 +404,18 @@ fn print_tables(report: &Value) {
             row["mb_per_s"].as_f64().unwrap_or_default(),
             row["load_seconds"].as_f64().unwrap_or_default(),
             row["context_only_entries"],
+        );
+        let kinds: Vec<String> = row["mb_per_s_by_kind"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(kind, mb_per_s)| format!("{kind} {:.1}", mb_per_s.as_f64().unwrap_or_default()))
+            .collect();
+        println!(
+            "model {:<14} MB/s by kind: {}; ASCII cut without the regex: {}",
+            row["model"].as_str().unwrap_or_default(),
+            kinds.join(", "),
+            row["cuts_ascii_without_regex"],
         );
     }
     for row in report["model_adversarial"].as_array().into_iter().flatten() {

@@ -16,7 +16,10 @@
 # within 50 ms of a server's start, and the benchmark starts and checks every server before the
 # first run, so the counts cover each server's whole measured run (and a few checking requests).
 #
-# Usage: scripts/profile-decisions.sh [OUT_DIR]   (default target/profile-decisions)
+# Usage: scripts/profile-decisions.sh [OUT_DIR [BENCH_DECISIONS_ARG ...]]
+#            (default target/profile-decisions; the arguments after OUT_DIR go to bench_decisions,
+#            e.g. --tokenizer .tools/tokenizers/llama3; perf is attached as each server starts, so
+#            its profile then also holds the vocabulary's loading, BytePairEncoding::from_dictionary)
 #        PERF_RECORD_EVENT=syscalls:sys_enter_futex scripts/profile-decisions.sh OUT_DIR
 #            (samples where tollgate makes a system call instead of where it spends CPU)
 #        scripts/profile-decisions.sh --report-only OUT_DIR
@@ -32,6 +35,7 @@ if [[ "${1:-}" == --report-only ]]; then
     [[ -f "${1:-}/bench.txt" ]] || { echo "profile-decisions: --report-only needs a run's OUT_DIR" >&2; exit 1; }
 fi
 out="${1:-target/profile-decisions}"
+bench_args=("${@:2}")
 readonly SECONDS_PER_SERVER=5
 
 command -v perf >/dev/null || { echo "profile-decisions: perf is not installed (apt-get install linux-perf)" >&2; exit 1; }
@@ -44,7 +48,7 @@ cargo build --release --bin tollgate --example bench_decisions --example echo_ex
 
 # No warm-up run, so each server's counts cover exactly its measured 5 s.
 target/release/examples/bench_decisions --seconds "${SECONDS_PER_SERVER}" --rounds 1 \
-    --check-requests 0 --warmup-seconds 0 > "${out}/bench.txt" 2>&1 &
+    --check-requests 0 --warmup-seconds 0 "${bench_args[@]}" > "${out}/bench.txt" 2>&1 &
 bench=$!
 declare -A seen
 monitors=()

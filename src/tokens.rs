@@ -30,7 +30,9 @@
 //! tiktoken's own `encode_ordinary` does for such a piece before it merges anything. On ASCII
 //! text it cuts pieces without the regex (`ascii`), which was half of what remained, and it
 //! keeps the counts of short pieces counted lately per thread (`piece_memo`), so a word that
-//! comes back is neither looked up among the entries nor counted by the encoder again.
+//! comes back is neither looked up among the entries nor counted by the encoder again. A
+//! model's own vocabulary (`model`) does both too: `ascii` knows the regexes Llama 3, Qwen and
+//! Mistral's Tekken ship, and each vocabulary has a memo of its own per thread.
 //!
 //! This module is pure: no I/O, no clocks, no async. The count cache remembers answers; it
 //! changes none.
@@ -292,10 +294,16 @@ const O200K_PATTERNS: [&str; 3] = [
 /// Index of the pattern whose match ends with one look-ahead character to give back.
 const LOOKAHEAD_PATTERN: usize = 1;
 
-static CL100K: LazyLock<Counter> =
-    LazyLock::new(|| Counter::new(Encoding::Cl100kBase, 0, &CL100K_PATTERNS));
+static CL100K: LazyLock<Counter> = LazyLock::new(|| {
+    Counter::new(
+        Encoding::Cl100kBase,
+        ascii::Split::CL100K,
+        0,
+        &CL100K_PATTERNS,
+    )
+});
 static O200K: LazyLock<Counter> =
-    LazyLock::new(|| Counter::new(Encoding::O200kBase, 1, &O200K_PATTERNS));
+    LazyLock::new(|| Counter::new(Encoding::O200kBase, ascii::Split::O200K, 1, &O200K_PATTERNS));
 
 thread_local! {
     /// One scratch per thread and encoding (indexed by the encoding), made on the thread's
@@ -317,8 +325,8 @@ struct Scratch {
 /// memo knows.
 struct Counter {
     tokenizer: &'static Tokenizer,
-    /// Which patterns `ascii` follows to cut ASCII text without the regex.
-    encoding: Encoding,
+    /// How `ascii` cuts ASCII text without the regex: as these patterns do.
+    split: ascii::Split,
     /// Which of the thread's scratches is this counter's.
     scratch_index: usize,
     splitter: Regex,
@@ -328,7 +336,12 @@ struct Counter {
 }
 
 impl Counter {
-    fn new(encoding: Encoding, scratch_index: usize, patterns: &[&str]) -> Counter {
+    fn new(
+        encoding: Encoding,
+        split: ascii::Split,
+        scratch_index: usize,
+        patterns: &[&str],
+    ) -> Counter {
         let tokenizer = encoding.tokenizer();
         let bpe = &tokenizer.bpe;
         let whole_tokens = (0..bpe.num_tokens())
@@ -336,7 +349,7 @@ impl Counter {
             .collect();
         Counter {
             tokenizer,
-            encoding,
+            split,
             scratch_index,
             splitter: Regex::new_many(patterns).expect("the pre-tokenisation patterns compile"),
             whole_tokens,
@@ -397,10 +410,10 @@ impl Counter {
     fn next_piece<'t>(&self, cache: &mut Cache, text: &'t str, at: usize) -> &'t [u8] {
         let rest = &text[at..];
         // A word first, inline: most pieces of ordinary text are one.
-        if let Some(len) = ascii::word_len(self.encoding, rest.as_bytes()) {
+        if let Some(len) = ascii::word_len(self.split, rest.as_bytes()) {
             return &rest.as_bytes()[..len];
         }
-        match ascii::piece_len_byte_by_byte(self.encoding, rest.as_bytes()) {
+        match ascii::piece_len_byte_by_byte(self.split, rest.as_bytes()) {
             Some(len) => &rest.as_bytes()[..len],
             None => regex_piece(&self.splitter, cache, rest),
         }

@@ -13,17 +13,106 @@
 //! which the tests check on random text built to cross every class boundary.
 //!
 //! The patterns, as alternatives tried in order at the start of the text (leftmost-first), and
-//! the rules below that mirror them:
+//! the rules below that mirror them ([`Split`] says which of each row a pattern has):
 //!
-//! | cl100k | o200k |
+//! | cl100k (and Llama 3's, Qwen's) | o200k (and Mistral's Tekken) |
 //! |---|---|
 //! | `(?i:'s\|'t\|'re\|'ve\|'m\|'ll\|'d)` | |
-//! | `[^\r\n\p{L}\p{N}]?\p{L}+` | `[^\r\n\p{L}\p{N}]?` upper`*` lower`+` contraction`?`, then upper`+` lower`*` contraction`?` |
-//! | `\p{N}{1,3}` | `\p{N}{1,3}` |
+//! | `[^\r\n\p{L}\p{N}]?\p{L}+` | `[^\r\n\p{L}\p{N}]?` upper`*` lower`+` contraction`?`, then upper`+` lower`*` contraction`?` (Tekken: no contraction) |
+//! | `\p{N}{1,3}` (Qwen: `\p{N}`) | `\p{N}{1,3}` (Tekken: `\p{N}`) |
 //! | ` ?[^\s\p{L}\p{N}]+[\r\n]*` | ` ?[^\s\p{L}\p{N}]+[\r\n/]*` |
 //! | `\s*[\r\n]+`, `\s+$`, then `\s+(?!\S)`, then `\s+` | the same |
+//!
+//! A model's own pre-tokenizer (`model`) is cut here only when its regex is, character for
+//! character, one of the few this module knows ([`Split::of_model_pattern`]): the regexes that
+//! Llama 3, Qwen 2 to 3 and Mistral's Tekken ship, each a variant of OpenAI's two. Any other is
+//! cut by its regex alone.
 
-use super::Encoding;
+/// How a pre-tokenizer's patterns cut ASCII text: the few ways the patterns this module knows
+/// differ (see the table above).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Split {
+    letters: Letters,
+    /// `\p{N}{1,3}` (3) or `\p{N}` (1).
+    max_digits: usize,
+    /// Whether a run of symbols takes the `/` after it, as it takes `\r` and `\n` (`[\r\n/]*`).
+    slash_after_symbols: bool,
+}
+
+/// The letter patterns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Letters {
+    /// `(?i:'s|'t|'re|'ve|'m|'ll|'d)` on its own first, then `[^\r\n\p{L}\p{N}]?\p{L}+`.
+    AnyCase,
+    /// `[^\r\n\p{L}\p{N}]?` upper`*` lower`+` | upper`+` lower`*`, each with an optional
+    /// contraction after it or not.
+    Cased { contraction_after: bool },
+}
+
+impl Split {
+    /// tiktoken's cl100k_base, as `tokens.rs` spells it.
+    pub const CL100K: Split = Split {
+        letters: Letters::AnyCase,
+        max_digits: 3,
+        slash_after_symbols: false,
+    };
+    /// tiktoken's o200k_base.
+    pub const O200K: Split = Split {
+        letters: Letters::Cased {
+            contraction_after: true,
+        },
+        max_digits: 3,
+        slash_after_symbols: true,
+    };
+    /// Qwen 2, 2.5 and 3: cl100k's with one digit a piece.
+    const QWEN: Split = Split {
+        max_digits: 1,
+        ..Split::CL100K
+    };
+    /// Mistral's Tekken (Nemo and after): o200k's with one digit a piece and no contractions.
+    const TEKKEN: Split = Split {
+        letters: Letters::Cased {
+            contraction_after: false,
+        },
+        max_digits: 1,
+        slash_after_symbols: true,
+    };
+
+    /// The split a model's `tokenizer.json` pre-tokenizer regex makes, if it is one of those
+    /// this module knows, exactly as written (then its pieces of ASCII text are cut here
+    /// without the regex); `None` for any other.
+    pub fn of_model_pattern(pattern: &str) -> Option<Split> {
+        MODEL_PATTERNS
+            .iter()
+            .find(|(known, _)| *known == pattern)
+            .map(|&(_, split)| split)
+    }
+}
+
+/// The pre-tokenizer regexes of the open models' `tokenizer.json` files this module cuts ASCII
+/// text for, as the files spell them (the tests build each into the model's splitter and hold
+/// the cuts here to it).
+pub const MODEL_PATTERNS: [(&str, Split); 3] = [
+    // Llama 3 and 3.x: cl100k's.
+    (
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+        Split::CL100K,
+    ),
+    // Qwen 2, 2.5 and 3.
+    (
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+        Split::QWEN,
+    ),
+    // Mistral's Tekken.
+    (
+        concat!(
+            "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+",
+            "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*",
+            "|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+        ),
+        Split::TEKKEN,
+    ),
+];
 
 /// What an ASCII byte is to the patterns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,13 +191,13 @@ fn contraction(text: &[u8], at: usize) -> Result<Option<usize>, ()> {
 /// The count loop (`Counter::next_piece`) asks the two halves itself, [`word_len`] inline;
 /// this is what they answer together, which the tests hold to the regex.
 #[cfg(test)]
-pub fn piece_len(encoding: Encoding, text: &[u8]) -> Option<usize> {
-    word_len(encoding, text).or_else(|| piece_len_byte_by_byte(encoding, text))
+pub fn piece_len(split: Split, text: &[u8]) -> Option<usize> {
+    word_len(split, text).or_else(|| piece_len_byte_by_byte(split, text))
 }
 
 /// [`piece_len`] without trying [`word_len`] first, for a caller that just did.
-pub fn piece_len_byte_by_byte(encoding: Encoding, text: &[u8]) -> Option<usize> {
-    piece(encoding, text).ok().flatten()
+pub fn piece_len_byte_by_byte(split: Split, text: &[u8]) -> Option<usize> {
+    piece(split, text).ok().flatten()
 }
 
 /// The most common piece of ordinary text, a word with or without the space before it
@@ -126,24 +215,23 @@ pub fn piece_len_byte_by_byte(encoding: Encoding, text: &[u8]) -> Option<usize> 
 /// letters end at `'` too, but it is left to [`piece`] alike). A non-ASCII byte at the end
 /// could be a letter or a mark that continues the word: `None`.
 #[inline(always)]
-pub fn word_len(encoding: Encoding, text: &[u8]) -> Option<usize> {
+pub fn word_len(split: Split, text: &[u8]) -> Option<usize> {
     let from = usize::from(*text.first()? == b' ');
     if !text.get(from)?.is_ascii_alphabetic() {
         return None;
     }
-    let end = match encoding {
+    let end = match split.letters {
         // `[^\r\n\p{L}\p{N}]?\p{L}+`: the letters of either case.
-        Encoding::Cl100kBase => run_end_by_words(text, from, letter_bytes)?,
+        Letters::AnyCase => run_end_by_words(text, from, letter_bytes)?,
         // upper`*` lower`+` | upper`+` lower`*`: both end where the lower-case run after the
         // upper-case run ends (see `piece`).
-        Encoding::O200kBase => match cased_word_end(text, from) {
+        Letters::Cased { .. } => match cased_word_end(text, from) {
             Some(end) => end,
             None => {
                 let upper_end = run_end_by_words(text, from, upper_bytes)?;
                 run_end_by_words(text, upper_end, lower_bytes)?
             }
         },
-        Encoding::Model(_) => return None,
     };
     let after = text[end];
     (after.is_ascii() && after != b'\'').then_some(end)
@@ -207,7 +295,7 @@ fn run_end_by_words(text: &[u8], from: usize, in_run: fn(u64) -> u64) -> Option<
     }
 }
 
-fn piece(encoding: Encoding, text: &[u8]) -> Result<Option<usize>, ()> {
+fn piece(split: Split, text: &[u8]) -> Result<Option<usize>, ()> {
     let Some(first) = class(text, 0)? else {
         return Ok(None);
     };
@@ -221,10 +309,8 @@ fn piece(encoding: Encoding, text: &[u8]) -> Result<Option<usize>, ()> {
     } else {
         None
     };
-    match encoding {
-        // A model's own tokenizer cuts with its regex only.
-        Encoding::Model(_) => return Ok(None),
-        Encoding::Cl100kBase => {
+    match split.letters {
+        Letters::AnyCase => {
             // The contractions come first, on their own.
             if let Some(len) = contraction(text, 0)? {
                 return Ok(Some(len));
@@ -234,25 +320,29 @@ fn piece(encoding: Encoding, text: &[u8]) -> Result<Option<usize>, ()> {
                 return Ok(Some(run_end(text, from, is_letter)?));
             }
         }
-        Encoding::O200kBase => {
+        Letters::Cased { contraction_after } => {
             if let Some(from) = letters_from {
                 // upper* lower+ | upper+ lower*: ASCII letters are one case or the other, so
                 // both alternatives end where the lower-case run after the upper-case run ends,
                 // and either may take a contraction after it.
                 let upper_end = run_end(text, from, |c| c == Class::Upper)?;
                 let end = run_end(text, upper_end, |c| c == Class::Lower)?;
-                let suffix = contraction(text, end)?.unwrap_or(0);
+                let suffix = if contraction_after {
+                    contraction(text, end)?.unwrap_or(0)
+                } else {
+                    0
+                };
                 return Ok(Some(end + suffix));
             }
         }
     }
-    // `\p{N}{1,3}`
+    // `\p{N}{1,3}` or `\p{N}`
     if first == Class::Digit {
         let mut end = 1;
-        while end < 3 && class(text, end)? == Some(Class::Digit) {
+        while end < split.max_digits && class(text, end)? == Some(Class::Digit) {
             end += 1;
         }
-        if end < 3 {
+        if end < split.max_digits {
             // A digit of another script after the run would extend it.
             class(text, end)?;
         }
@@ -268,7 +358,7 @@ fn piece(encoding: Encoding, text: &[u8]) -> Result<Option<usize>, ()> {
     };
     if let Some(from) = symbols_from {
         let end = run_end(text, from, |c| c == Class::Other)?;
-        let slash_too = encoding == Encoding::O200kBase;
+        let slash_too = split.slash_after_symbols;
         let trailing = text[end..]
             .iter()
             .take_while(|&&b| b == b'\r' || b == b'\n' || (slash_too && b == b'/'))

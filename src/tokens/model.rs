@@ -18,8 +18,10 @@
 //!    each, as `tokenizers` does: a chat template's output carries them, and a user's text that
 //!    spells one is tokenized upstream as that token too.
 //! 2. Each stretch between them is normalized (NFC, where the tokenizer says so), split by the
-//!    pre-tokenizer's regex (its `\s+(?!\S)` look-ahead rewritten as in `tokens.rs`), and each
-//!    piece counted by `bpe`'s backtracking encoder, linear in the piece, with three exceptions:
+//!    pre-tokenizer's regex (its `\s+(?!\S)` look-ahead rewritten as in `tokens.rs`; ASCII text
+//!    is cut without it where the regex is one `ascii` knows: Llama 3's, Qwen's, Tekken's), and
+//!    each piece counted by `bpe`'s backtracking encoder, linear in the piece, but for a short
+//!    piece the thread's memo knows (`piece_memo`, one per vocabulary) and three exceptions:
 //!    - a long piece that cannot fit is refused by its length (`longest_within`);
 //!    - a long run of one byte is counted by its period (`count_run`);
 //!    - a piece holding an entry that merging makes only in context (Llama 3 has 695: `bpe`,
@@ -43,7 +45,9 @@ use rustc_hash::FxHashMap;
 use serde_json::Value;
 use unicode_normalization::UnicodeNormalization;
 
-use super::entries::EntrySet;
+use super::ascii::{self, Split};
+use super::entries::{self, EntrySet};
+use super::piece_memo::PieceMemo;
 use super::regex_piece;
 use super::template::ChatTemplate;
 
@@ -65,6 +69,8 @@ pub struct ModelVocabulary {
     source: String,
     bpe: &'static BytePairEncoding,
     splitter: Regex,
+    /// How `ascii` cuts ASCII text as `splitter` does, where the regex is one it knows.
+    ascii_split: Option<Split>,
     nfc: bool,
     /// The added tokens, matched leftmost-longest; `None` if there are none.
     added: Option<AhoCorasick>,
@@ -119,9 +125,17 @@ impl PartialEq for ModelVocabulary {
 impl Eq for ModelVocabulary {}
 
 thread_local! {
-    /// One regex search cache per thread and loaded vocabulary (by address; a process loads a
-    /// handful), as `tokens.rs` keeps one per built-in encoding.
-    static MODEL_CACHES: RefCell<Vec<(usize, Cache)>> = const { RefCell::new(Vec::new()) };
+    /// One scratch per thread and loaded vocabulary (by address; a process loads a handful), as
+    /// `tokens.rs` keeps one per built-in encoding.
+    static MODEL_SCRATCHES: RefCell<Vec<(usize, Scratch)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// What one thread's counting with one vocabulary keeps from piece to piece.
+struct Scratch {
+    /// The regex's search cache.
+    search: Cache,
+    /// The counts of short pieces counted lately (`piece_memo`).
+    memo: PieceMemo,
 }
 
 impl ModelVocabulary {
@@ -155,6 +169,7 @@ impl ModelVocabulary {
         };
         let pattern = split_pattern(json.get("pre_tokenizer").unwrap_or(&Value::Null))?;
         let splitter = splitter(&pattern)?;
+        let ascii_split = Split::of_model_pattern(&pattern);
         let model = json
             .get("model")
             .filter(|m| m.get("type") == Some(&Value::from("BPE")))
@@ -318,6 +333,7 @@ impl ModelVocabulary {
             source: source.to_owned(),
             bpe,
             splitter,
+            ascii_split,
             nfc,
             added: added_matcher,
             unreachable,
@@ -353,6 +369,12 @@ impl ModelVocabulary {
     /// The chat template, if one was loaded with it.
     pub fn template(&self) -> Option<&ChatTemplate> {
         self.template.as_ref()
+    }
+
+    /// Whether its pre-tokenizer's regex is one `ascii` knows, so that ASCII text is cut
+    /// without the regex (`ascii::MODEL_PATTERNS`); `bench_tokens` reports it.
+    pub fn cuts_ascii_without_regex(&self) -> bool {
+        self.ascii_split.is_some()
     }
 
     /// Entries in the BPE vocabulary (added tokens not included).
@@ -398,56 +420,51 @@ impl ModelVocabulary {
 
     fn count_pieces(&self, text: &str, limit: usize) -> Option<usize> {
         let key = self as *const ModelVocabulary as usize;
-        MODEL_CACHES.with(|caches| {
-            let mut caches = caches.borrow_mut();
-            let index = match caches.iter().position(|(k, _)| *k == key) {
+        MODEL_SCRATCHES.with(|scratches| {
+            let mut scratches = scratches.borrow_mut();
+            let index = match scratches.iter().position(|(k, _)| *k == key) {
                 Some(index) => index,
                 None => {
-                    caches.push((key, self.splitter.create_cache()));
-                    caches.len() - 1
+                    let scratch = Scratch {
+                        search: self.splitter.create_cache(),
+                        memo: PieceMemo::new(),
+                    };
+                    scratches.push((key, scratch));
+                    scratches.len() - 1
                 }
             };
-            let cache = &mut caches[index].1;
+            let scratch = &mut scratches[index].1;
+            let bytes = text.as_bytes();
             let mut total = 0usize;
             let mut at = 0;
             while at < text.len() {
-                let piece = regex_piece(&self.splitter, cache, &text[at..]);
+                let start = at;
+                let piece = self.next_piece(&mut scratch.search, text, at);
                 at += piece.len();
                 let remaining = limit - total;
-                if piece.len() > RUN_MIN_BYTES {
-                    let longest = usize::from(self.longest_within[classes_of(piece)]);
-                    if piece.len().div_ceil(longest) > remaining {
-                        return None;
+                let tokens = if piece.len() == 1 {
+                    1
+                } else if let Some(key) = entries::short_key_in(bytes, start, piece.len()) {
+                    // A short piece: the memo first, then counted whole (at most 15 tokens),
+                    // and remembered. Its count depends on its bytes alone, however it is
+                    // reached.
+                    match scratch.memo.get(key) {
+                        Some(count) => count,
+                        None => {
+                            // Never None: no limit, and far from 4 GiB.
+                            let count = self.count_piece(piece, usize::MAX)?;
+                            scratch.memo.put(key, count);
+                            count
+                        }
                     }
-                }
-                let holds_unreachable = || {
-                    self.unreachable
-                        .as_ref()
-                        .is_some_and(|matcher| matcher.is_match(piece))
-                };
-                let tokens = if let Some(tokens) = self.count_run(piece) {
-                    tokens
-                } else if piece.len() == 1 {
-                    1
-                } else if self.ignore_merges && self.whole_tokens.contains(piece) {
-                    // Hugging Face looks the whole piece up before merging anything.
-                    1
-                } else if holds_unreachable() {
-                    // Parts are numbered in u32; no body comes near 4 GiB (tokens.max_body_bytes
-                    // and Envoy's buffer limit stop it long before), but never misnumber one.
-                    if piece.len() >= u32::MAX as usize {
-                        return None;
-                    }
-                    self.count_cut(piece, remaining)?
-                } else if self.whole_tokens.contains(piece) {
-                    // An entry `bpe` holds merges into itself (its constructor checks).
-                    1
                 } else {
-                    // `bpe` gives up once it holds more than its limit plus a little slack,
-                    // which was measured for OpenAI's vocabularies only: a wider margin here,
-                    // and the exact comparison below.
-                    self.bpe
-                        .count_till_limit(piece, remaining.saturating_add(BPE_LIMIT_MARGIN))?
+                    if piece.len() > RUN_MIN_BYTES {
+                        let longest = usize::from(self.longest_within[classes_of(piece)]);
+                        if piece.len().div_ceil(longest) > remaining {
+                            return None;
+                        }
+                    }
+                    self.count_piece(piece, remaining)?
                 };
                 if tokens > remaining {
                     return None;
@@ -455,6 +472,56 @@ impl ModelVocabulary {
                 total += tokens;
             }
             Some(total)
+        })
+    }
+
+    /// The piece of `text` that starts at byte `at`, as the pre-tokenizer's regex cuts it: cut
+    /// by `ascii` where it knows the regex and the text there is ASCII.
+    #[inline]
+    fn next_piece<'t>(&self, search: &mut Cache, text: &'t str, at: usize) -> &'t [u8] {
+        let rest = &text[at..];
+        if let Some(split) = self.ascii_split {
+            if let Some(len) = ascii::word_len(split, rest.as_bytes()) {
+                return &rest.as_bytes()[..len];
+            }
+            if let Some(len) = ascii::piece_len_byte_by_byte(split, rest.as_bytes()) {
+                return &rest.as_bytes()[..len];
+            }
+        }
+        regex_piece(&self.splitter, search, rest)
+    }
+
+    /// One piece's tokens, or `None` once they are clearly more than `limit` (the caller
+    /// compares exactly).
+    fn count_piece(&self, piece: &[u8], limit: usize) -> Option<usize> {
+        let holds_unreachable = || {
+            self.unreachable
+                .as_ref()
+                .is_some_and(|matcher| matcher.is_match(piece))
+        };
+        Some(if let Some(tokens) = self.count_run(piece) {
+            tokens
+        } else if piece.len() == 1 {
+            1
+        } else if self.ignore_merges && self.whole_tokens.contains(piece) {
+            // Hugging Face looks the whole piece up before merging anything.
+            1
+        } else if holds_unreachable() {
+            // Parts are numbered in u32; no body comes near 4 GiB (tokens.max_body_bytes
+            // and Envoy's buffer limit stop it long before), but never misnumber one.
+            if piece.len() >= u32::MAX as usize {
+                return None;
+            }
+            self.count_cut(piece, limit)?
+        } else if self.whole_tokens.contains(piece) {
+            // An entry `bpe` holds merges into itself (its constructor checks).
+            1
+        } else {
+            // `bpe` gives up once it holds more than its limit plus a little slack, which
+            // was measured for OpenAI's vocabularies only: a wider margin here, and the
+            // caller's exact comparison.
+            self.bpe
+                .count_till_limit(piece, limit.saturating_add(BPE_LIMIT_MARGIN))?
         })
     }
 }
@@ -607,7 +674,7 @@ fn split_pattern(pre: &Value) -> Result<String, String> {
 /// The patterns for `regex_automata`, which has no look-around: `\s+(?!\S)` becomes `\s+$` in
 /// the first pattern and `\s+\s` (whose last character `regex_piece` gives back) as the second,
 /// exactly as `tokens.rs` spells tiktoken's.
-fn splitter(pattern: &str) -> Result<Regex, String> {
+pub(super) fn splitter(pattern: &str) -> Result<Regex, String> {
     let head = pattern.strip_suffix(LOOKAHEAD_TAIL).ok_or_else(|| {
         format!(
             "pre_tokenizer regex {pattern:?} is not supported: it must end with {LOOKAHEAD_TAIL:?}"
