@@ -1,5 +1,5 @@
 //! Pre-tokenisation of ASCII text without the regex: the same pieces as the patterns in
-//! `tokens.rs`, found by looking at bytes.
+//! `tokens.rs` and the open models' in [`MODEL_PATTERNS`], found by looking at bytes.
 //!
 //! On ordinary text the regex search for each piece was about half of counting's time
 //! (`perf` under `examples/bench_overhead.rs`): a piece is a few bytes, and every search pays
@@ -18,7 +18,8 @@
 //! | cl100k (and Llama 3's, Qwen's) | o200k (and Mistral's Tekken) |
 //! |---|---|
 //! | `(?i:'s\|'t\|'re\|'ve\|'m\|'ll\|'d)` | |
-//! | `[^\r\n\p{L}\p{N}]?\p{L}+` | `[^\r\n\p{L}\p{N}]?` upper`*` lower`+` contraction`?`, then upper`+` lower`*` contraction`?` (Tekken: no contraction) |
+//! | `[^\r\n\p{L}\p{N}]?\p{L}+` | `[^\r\n\p{L}\p{N}]?` upper`*` lower`+` contraction`?`, |
+//! | | then upper`+` lower`*` contraction`?` (Tekken: no contraction) |
 //! | `\p{N}{1,3}` (Qwen: `\p{N}`) | `\p{N}{1,3}` (Tekken: `\p{N}`) |
 //! | ` ?[^\s\p{L}\p{N}]+[\r\n]*` | ` ?[^\s\p{L}\p{N}]+[\r\n/]*` |
 //! | `\s*[\r\n]+`, `\s+$`, then `\s+(?!\S)`, then `\s+` | the same |
@@ -78,40 +79,53 @@ impl Split {
         slash_after_symbols: true,
     };
 
-    /// The split a model's `tokenizer.json` pre-tokenizer regex makes, if it is one of those
-    /// this module knows, exactly as written (then its pieces of ASCII text are cut here
-    /// without the regex); `None` for any other.
-    pub fn of_model_pattern(pattern: &str) -> Option<Split> {
-        MODEL_PATTERNS
-            .iter()
-            .find(|(known, _)| *known == pattern)
-            .map(|&(_, split)| split)
+    /// The known pre-tokenizer a model's `tokenizer.json` regex is, if it is one of those this
+    /// module knows, exactly as written (then its pieces of ASCII text are cut here without the
+    /// regex); `None` for any other.
+    pub fn of_model_pattern(pattern: &str) -> Option<&'static ModelPattern> {
+        MODEL_PATTERNS.iter().find(|known| known.pattern == pattern)
     }
 }
 
+/// A model's pre-tokenizer regex this module cuts ASCII text for.
+pub struct ModelPattern {
+    /// Whose it is, for reports and messages.
+    pub name: &'static str,
+    /// As the model's `tokenizer.json` spells it.
+    pub pattern: &'static str,
+    pub split: Split,
+}
+
 /// The pre-tokenizer regexes of the open models' `tokenizer.json` files this module cuts ASCII
-/// text for, as the files spell them (the tests build each into the model's splitter and hold
-/// the cuts here to it).
-pub const MODEL_PATTERNS: [(&str, Split); 3] = [
-    // Llama 3 and 3.x: cl100k's.
-    (
-        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
-        Split::CL100K,
-    ),
-    // Qwen 2, 2.5 and 3.
-    (
-        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
-        Split::QWEN,
-    ),
-    // Mistral's Tekken.
-    (
-        concat!(
-            "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+",
-            "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*",
+/// text for (the tests build each into the model's splitter and hold the cuts here to it).
+pub static MODEL_PATTERNS: [ModelPattern; 3] = [
+    ModelPattern {
+        name: "Llama 3 (cl100k's)",
+        pattern: concat!(
+            "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}",
+            "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+        ),
+        split: Split::CL100K,
+    },
+    ModelPattern {
+        name: "Qwen 2 to 3",
+        pattern: concat!(
+            "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}",
+            "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+        ),
+        split: Split::QWEN,
+    },
+    ModelPattern {
+        name: "Mistral's Tekken",
+        pattern: concat!(
+            "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*",
+            "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+",
+            "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+",
+            "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*",
             "|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
         ),
-        Split::TEKKEN,
-    ),
+        split: Split::TEKKEN,
+    },
 ];
 
 /// What an ASCII byte is to the patterns.
@@ -348,7 +362,7 @@ fn piece(split: Split, text: &[u8]) -> Result<Option<usize>, ()> {
         }
         return Ok(Some(end));
     }
-    // ` ?[^\s\p{L}\p{N}]+` then `[\r\n]*` (cl100k) or `[\r\n/]*` (o200k)
+    // ` ?[^\s\p{L}\p{N}]+` then `[\r\n]*` (cl100k) or `[\r\n/]*` (o200k, Tekken)
     let symbols_from = if first == Class::Other {
         Some(0)
     } else if text[0] == b' ' && class(text, 1)? == Some(Class::Other) {

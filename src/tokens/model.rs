@@ -45,7 +45,7 @@ use rustc_hash::FxHashMap;
 use serde_json::Value;
 use unicode_normalization::UnicodeNormalization;
 
-use super::ascii::{self, Split};
+use super::ascii::{self, ModelPattern, Split};
 use super::entries::{self, EntrySet};
 use super::piece_memo::PieceMemo;
 use super::regex_piece;
@@ -69,8 +69,9 @@ pub struct ModelVocabulary {
     source: String,
     bpe: &'static BytePairEncoding,
     splitter: Regex,
-    /// How `ascii` cuts ASCII text as `splitter` does, where the regex is one it knows.
-    ascii_split: Option<Split>,
+    /// The pre-tokenizer `ascii` knows the regex to be, if it does: it then cuts ASCII text as
+    /// `splitter` does, without it.
+    ascii_pattern: Option<&'static ModelPattern>,
     nfc: bool,
     /// The added tokens, matched leftmost-longest; `None` if there are none.
     added: Option<AhoCorasick>,
@@ -169,7 +170,7 @@ impl ModelVocabulary {
         };
         let pattern = split_pattern(json.get("pre_tokenizer").unwrap_or(&Value::Null))?;
         let splitter = splitter(&pattern)?;
-        let ascii_split = Split::of_model_pattern(&pattern);
+        let ascii_pattern = Split::of_model_pattern(&pattern);
         let model = json
             .get("model")
             .filter(|m| m.get("type") == Some(&Value::from("BPE")))
@@ -333,7 +334,7 @@ impl ModelVocabulary {
             source: source.to_owned(),
             bpe,
             splitter,
-            ascii_split,
+            ascii_pattern,
             nfc,
             added: added_matcher,
             unreachable,
@@ -371,10 +372,11 @@ impl ModelVocabulary {
         self.template.as_ref()
     }
 
-    /// Whether its pre-tokenizer's regex is one `ascii` knows, so that ASCII text is cut
-    /// without the regex (`ascii::MODEL_PATTERNS`); `bench_tokens` reports it.
-    pub fn cuts_ascii_without_regex(&self) -> bool {
-        self.ascii_split.is_some()
+    /// Whose pre-tokenizer its regex is, where `ascii` knows it and so cuts ASCII text without
+    /// the regex (`ascii::MODEL_PATTERNS`); `None` where the regex cuts everything.
+    /// `bench_tokens` reports it.
+    pub fn ascii_cut_as(&self) -> Option<&'static str> {
+        self.ascii_pattern.map(|known| known.name)
     }
 
     /// Entries in the BPE vocabulary (added tokens not included).
@@ -384,7 +386,11 @@ impl ModelVocabulary {
 
     /// `Some(count)` if `text` has at most `limit` tokens, else `None` (inclusive, as
     /// `Encoding::count_till_limit`).
-    pub fn count_till_limit(&self, text: &str, limit: usize) -> Option<usize> {
+    ///
+    /// `'static`: each thread keeps a scratch per vocabulary by its address (its memo's counts
+    /// are this vocabulary's), which must then never be another's. Vocabularies are loaded once
+    /// and never freed.
+    pub fn count_till_limit(&'static self, text: &str, limit: usize) -> Option<usize> {
         // NFC can shrink a text (decomposed Hangul to a third), so the bound on the raw bytes
         // holds only without it; the pieces, normalized, are bounded again below.
         if !self.nfc && text.len().div_ceil(self.max_token_bytes) > limit {
@@ -407,7 +413,7 @@ impl ModelVocabulary {
     }
 
     /// Counts a stretch without added tokens: normalize, split, count each piece.
-    fn count_stretch(&self, text: &str, limit: usize) -> Option<usize> {
+    fn count_stretch(&'static self, text: &str, limit: usize) -> Option<usize> {
         if text.is_empty() {
             return Some(0);
         }
@@ -418,7 +424,7 @@ impl ModelVocabulary {
         self.count_pieces(text, limit)
     }
 
-    fn count_pieces(&self, text: &str, limit: usize) -> Option<usize> {
+    fn count_pieces(&'static self, text: &str, limit: usize) -> Option<usize> {
         let key = self as *const ModelVocabulary as usize;
         MODEL_SCRATCHES.with(|scratches| {
             let mut scratches = scratches.borrow_mut();
@@ -480,7 +486,7 @@ impl ModelVocabulary {
     #[inline]
     fn next_piece<'t>(&self, search: &mut Cache, text: &'t str, at: usize) -> &'t [u8] {
         let rest = &text[at..];
-        if let Some(split) = self.ascii_split {
+        if let Some(&ModelPattern { split, .. }) = self.ascii_pattern {
             if let Some(len) = ascii::word_len(split, rest.as_bytes()) {
                 return &rest.as_bytes()[..len];
             }
@@ -499,10 +505,9 @@ impl ModelVocabulary {
                 .as_ref()
                 .is_some_and(|matcher| matcher.is_match(piece))
         };
+        // One-byte pieces are answered by `count_pieces` itself.
         Some(if let Some(tokens) = self.count_run(piece) {
             tokens
-        } else if piece.len() == 1 {
-            1
         } else if self.ignore_merges && self.whole_tokens.contains(piece) {
             // Hugging Face looks the whole piece up before merging anything.
             1

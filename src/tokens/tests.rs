@@ -794,20 +794,18 @@ fn splitters() -> Vec<Splitter> {
             split: counter.split,
         }
     });
-    let models = ascii::MODEL_PATTERNS.map(|(pattern, split)| {
-        assert_eq!(ascii::Split::of_model_pattern(pattern), Some(split));
+    let models = ascii::MODEL_PATTERNS.iter().map(|known| {
+        let found = ascii::Split::of_model_pattern(known.pattern).map(|found| found.name);
+        assert_eq!(found, Some(known.name));
         Splitter {
-            name: pattern,
-            regex: model::splitter(pattern).expect("a known pattern builds"),
-            split,
+            name: known.name,
+            regex: model::splitter(known.pattern).expect("a known pattern builds"),
+            split: known.split,
         }
     });
     // A regex that differs by a character is not one `ascii` knows: the regex cuts it.
-    let (llama3, _) = ascii::MODEL_PATTERNS[0];
-    assert_eq!(
-        ascii::Split::of_model_pattern(&llama3.replace("{1,3}", "{1,2}")),
-        None
-    );
+    let llama3 = ascii::MODEL_PATTERNS[0].pattern;
+    assert!(ascii::Split::of_model_pattern(&llama3.replace("{1,3}", "{1,2}")).is_none());
     builtin.into_iter().chain(models).collect()
 }
 
