@@ -126,7 +126,7 @@ impl std::fmt::Display for LoadedTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "tokens.encodings {:?}: {} ({} BPE entries{}), ",
+            "tokens.encodings {:?}: {} ({} BPE entries{}; {}), ",
             self.pattern,
             self.vocabulary.source(),
             self.vocabulary.vocabulary_size(),
@@ -134,6 +134,13 @@ impl std::fmt::Display for LoadedTokenizer {
                 ", with its chat template"
             } else {
                 ""
+            },
+            // An operator whose model is not on the fast path should know why it counts slower.
+            match self.vocabulary.ascii_cut_as() {
+                Some(name) => format!("{name}'s pre-tokenizer: ASCII text cut without its regex"),
+                None => "a pre-tokenizer tollgate has no fast cut for: its regex cuts all text, \
+                         the slower way"
+                    .to_owned(),
             }
         )?;
         match self.resident_bytes {

@@ -100,7 +100,8 @@ pub struct ModelPattern {
 /// text for (the tests build each into the model's splitter and hold the cuts here to it).
 pub static MODEL_PATTERNS: [ModelPattern; 3] = [
     ModelPattern {
-        name: "Llama 3 (cl100k's)",
+        name: "Llama 3",
+        // cl100k's.
         pattern: concat!(
             "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}",
             "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
@@ -116,7 +117,7 @@ pub static MODEL_PATTERNS: [ModelPattern; 3] = [
         split: Split::QWEN,
     },
     ModelPattern {
-        name: "Mistral's Tekken",
+        name: "Mistral Tekken",
         pattern: concat!(
             "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*",
             "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+",

@@ -578,7 +578,10 @@ fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
     );
     assert!(
         stdout.contains("tokens.encodings \"qwen*\": ")
-            && stdout.contains("151643 BPE entries, with its chat template")
+            && stdout.contains(
+                "151643 BPE entries, with its chat template; Qwen 2 to 3's \
+                pre-tokenizer: ASCII text cut without its regex)"
+            )
             && stdout.contains("MiB (resident memory grew that much while it was built)"),
         "{stdout}"
     );
@@ -599,6 +602,36 @@ fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
         stderr.contains("tokens.encodings[0].tokenizer_file")
             && stderr.contains(&missing.display().to_string()),
         "{stderr}"
+    );
+
+    // A pre-tokenizer regex tollgate has no fast cut for (Qwen's, but two digits a piece) loads
+    // and is said to be cut by its regex.
+    let json = std::fs::read_to_string(dir.join("tokenizer.json")).expect("qwen's tokenizer.json");
+    let qwen = r#"|\\p{N}| ?[^"#;
+    assert_eq!(
+        json.matches(qwen).count(),
+        1,
+        "Qwen's regex as the test knows it"
+    );
+    let other = tempfile::Builder::new()
+        .suffix(".json")
+        .tempfile()
+        .expect("a temp file");
+    std::fs::write(other.path(), json.replace(qwen, r#"|\\p{N}{1,2}| ?[^"#)).expect("write");
+    std::fs::write(
+        config.path(),
+        format!(
+            "tokens:\n  encodings:\n    - pattern: \"qwen*\"\n      tokenizer_file: {}\n",
+            other.path().display()
+        ),
+    )
+    .expect("write");
+    let output = check_config(config.path());
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("a pre-tokenizer tollgate has no fast cut for: its regex cuts all text"),
+        "{stdout}"
     );
 }
 
