@@ -16,8 +16,9 @@
 //! * `--write-corpus PATH`: also write the corpus, byte for byte, to PATH, so another
 //!   implementation can count the identical text.
 //! * `--tokenizer NAME=DIR`: also time a model's own tokenizer (`DIR/tokenizer.json`, as a
-//!   `tokens.encodings[].tokenizer_file` rule loads it) on the corpus and the adversarial bodies
-//!   (`models` and `model_adversarial` in the JSON). `scripts/bench-model-tokens.sh` runs it
+//!   `tokens.encodings[].tokenizer_file` rule loads it) on the corpus, each kind of text in it,
+//!   and the adversarial bodies (`models`, with `mb_per_s_by_kind` and the
+//!   `known_pre_tokenizer` whose ASCII cut it uses, and `model_adversarial` in the JSON). `scripts/bench-model-tokens.sh` runs it
 //!   next to Hugging Face `tokenizers` (Python) on the same text.
 //! * `--models-only`: skip the built-in encodings and tiktoken-rs.
 //!
@@ -294,7 +295,7 @@ fn measure_models(
             "seconds": seconds,
             "load_seconds": load_seconds,
             "context_only_entries": vocabulary.context_only_entries(),
-            "ascii_cut_as": vocabulary.ascii_cut_as(),
+            "known_pre_tokenizer": vocabulary.known_pre_tokenizer(),
             "mb_per_s": corpus.text.len() as f64 / 1e6 / seconds,
             "mb_per_s_by_kind": by_kind,
         }));
@@ -415,7 +416,7 @@ fn print_tables(report: &Value) {
             "model {:<14} MB/s by kind: {}; ASCII cut without the regex as: {}",
             row["model"].as_str().unwrap_or_default(),
             kinds.join(", "),
-            row["ascii_cut_as"]
+            row["known_pre_tokenizer"]
                 .as_str()
                 .unwrap_or("(none: the regex cuts it)"),
         );

@@ -2,7 +2,8 @@
 # The open models' tokenizers: tollgate's counter (tokens.encodings[].tokenizer_file) against
 # Hugging Face `tokenizers` (Python) on the same text, in one run on one machine: throughput on
 # bench_tokens' ~1 MiB mixed corpus and time on three 1 MiB adversarial bodies, every count
-# checked equal. Prints the tables docs/benchmarks.md quotes ("Open models' tokenizers").
+# checked equal. Prints the tables docs/benchmarks.md quotes ("Open models' tokenizers", and
+# "Open models cut and remembered as OpenAI's are" for the current figures).
 #
 # Uses what scripts/install-test-deps.sh installs: the tokenizer files in .tools/tokenizers/ and
 # tokenizers in .tools/py-tokenizers/ (it runs the script first).

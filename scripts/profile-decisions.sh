@@ -20,8 +20,8 @@
 #            (default target/profile-decisions; the arguments after OUT_DIR go to bench_decisions,
 #            e.g. --tokenizer .tools/tokenizers/llama3; perf is attached as each server
 #            starts, so with a model's tokenizer each tollgate's profile also holds the loading
-#            of its vocabulary, about 0.7 s of CPU against 5 s of run on a 2-core AMD EPYC: some
-#            tenths of the samples, in bpe's and serde_json's symbols)
+#            of its vocabulary, about 0.7 s of CPU against 5 s of run on a 2-core AMD EPYC:
+#            about a tenth of the samples, in bpe's and serde_json's symbols)
 #        PERF_RECORD_EVENT=syscalls:sys_enter_futex scripts/profile-decisions.sh OUT_DIR
 #            (samples where tollgate makes a system call instead of where it spends CPU)
 #        scripts/profile-decisions.sh --report-only OUT_DIR
@@ -54,7 +54,8 @@ cargo build --release --bin tollgate --example bench_decisions --example echo_ex
 
 # No warm-up run, so each server's counts cover exactly its measured 5 s.
 target/release/examples/bench_decisions --seconds "${SECONDS_PER_SERVER}" --rounds 1 \
-    --check-requests 0 --warmup-seconds 0 ${bench_args[@]+"${bench_args[@]}"} > "${out}/bench.txt" 2>&1 &
+    --check-requests 0 --warmup-seconds 0 ${bench_args[@]+"${bench_args[@]}"} \
+    > "${out}/bench.txt" 2>&1 &
 bench=$!
 declare -A seen
 monitors=()

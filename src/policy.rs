@@ -126,7 +126,7 @@ impl std::fmt::Display for LoadedTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "tokens.encodings {:?}: {} ({} BPE entries{}; {}), ",
+            "tokens.encodings {:?}: {} ({} BPE entries{}; ",
             self.pattern,
             self.vocabulary.source(),
             self.vocabulary.vocabulary_size(),
@@ -135,14 +135,20 @@ impl std::fmt::Display for LoadedTokenizer {
             } else {
                 ""
             },
-            // An operator whose model is not on the fast path should know why it counts slower.
-            match self.vocabulary.ascii_cut_as() {
-                Some(name) => format!("{name}'s pre-tokenizer: ASCII text cut without its regex"),
-                None => "a pre-tokenizer tollgate has no fast cut for: its regex cuts all text, \
-                         the slower way"
-                    .to_owned(),
-            }
         )?;
+        // An operator whose model is not on the fast path should know why it counts slower.
+        match self.vocabulary.known_pre_tokenizer() {
+            Some(name) => write!(
+                f,
+                "{name}'s pre-tokenizer: ASCII text cut without its regex"
+            ),
+            None => write!(
+                f,
+                "a pre-tokenizer tollgate has no fast cut for: its regex cuts all text, the \
+                 slower way"
+            ),
+        }?;
+        write!(f, "), ")?;
         match self.resident_bytes {
             // The growth includes the parsed file's freed buffers: an upper bound on what it keeps.
             Some(bytes) => write!(
@@ -150,7 +156,7 @@ impl std::fmt::Display for LoadedTokenizer {
                 "at most {:.1} MiB (resident memory grew that much while it was built)",
                 bytes as f64 / (1 << 20) as f64
             ),
-            None => write!(f, "memory not measured (no /proc/self/statm)"),
+            None => write!(f, "memory not measured (no /proc/self/status)"),
         }
     }
 }

@@ -25,7 +25,7 @@
 //! | `\s*[\r\n]+`, `\s+$`, then `\s+(?!\S)`, then `\s+` | the same |
 //!
 //! A model's own pre-tokenizer (`model`) is cut here only when its regex is, character for
-//! character, one of the few this module knows ([`Split::of_model_pattern`]): the regexes that
+//! character, one of the few this module knows ([`ModelPattern::known`]): the regexes that
 //! Llama 3, Qwen 2 to 3 and Mistral's Tekken ship, each a variant of OpenAI's two. Any other is
 //! cut by its regex alone.
 
@@ -78,13 +78,6 @@ impl Split {
         max_digits: 1,
         slash_after_symbols: true,
     };
-
-    /// The known pre-tokenizer a model's `tokenizer.json` regex is, if it is one of those this
-    /// module knows, exactly as written (then its pieces of ASCII text are cut here without the
-    /// regex); `None` for any other.
-    pub fn of_model_pattern(pattern: &str) -> Option<&'static ModelPattern> {
-        MODEL_PATTERNS.iter().find(|known| known.pattern == pattern)
-    }
 }
 
 /// A model's pre-tokenizer regex this module cuts ASCII text for.
@@ -94,6 +87,15 @@ pub struct ModelPattern {
     /// As the model's `tokenizer.json` spells it.
     pub pattern: &'static str,
     pub split: Split,
+}
+
+impl ModelPattern {
+    /// The known pre-tokenizer a model's `tokenizer.json` regex is, if it is one of those this
+    /// module knows, exactly as written (then its pieces of ASCII text are cut here without the
+    /// regex); `None` for any other.
+    pub fn known(pattern: &str) -> Option<&'static ModelPattern> {
+        MODEL_PATTERNS.iter().find(|known| known.pattern == pattern)
+    }
 }
 
 /// The pre-tokenizer regexes of the open models' `tokenizer.json` files this module cuts ASCII
@@ -203,8 +205,9 @@ fn contraction(text: &[u8], at: usize) -> Result<Option<usize>, ()> {
 /// The length of the piece at the start of `text`, if deciding it took ASCII bytes only;
 /// `None` sends the caller to the regex (also for an empty `text`).
 ///
-/// The count loop (`Counter::next_piece`) asks the two halves itself, [`word_len`] inline;
-/// this is what they answer together, which the tests hold to the regex.
+/// The count loops (`Counter::next_piece`, `ModelVocabulary::next_piece`) ask the two halves
+/// themselves, [`word_len`] inline; this is what they answer together, which the tests hold to
+/// the regex.
 #[cfg(test)]
 pub fn piece_len(split: Split, text: &[u8]) -> Option<usize> {
     word_len(split, text).or_else(|| piece_len_byte_by_byte(split, text))

@@ -69,9 +69,10 @@ pub struct ModelVocabulary {
     source: String,
     bpe: &'static BytePairEncoding,
     splitter: Regex,
-    /// The pre-tokenizer `ascii` knows the regex to be, if it does: it then cuts ASCII text as
-    /// `splitter` does, without it.
-    ascii_pattern: Option<&'static ModelPattern>,
+    /// How `ascii` cuts ASCII text as `splitter` does, where the regex is one it knows.
+    ascii_split: Option<Split>,
+    /// Whose pre-tokenizer that regex is (`ascii::MODEL_PATTERNS`), for reports.
+    known_pre_tokenizer: Option<&'static str>,
     nfc: bool,
     /// The added tokens, matched leftmost-longest; `None` if there are none.
     added: Option<AhoCorasick>,
@@ -127,7 +128,9 @@ impl Eq for ModelVocabulary {}
 
 thread_local! {
     /// One scratch per thread and loaded vocabulary (by address; a process loads a handful), as
-    /// `tokens.rs` keeps one per built-in encoding.
+    /// `tokens.rs` keeps one per built-in encoding. It grows by one entry per vocabulary the
+    /// thread has counted with; vocabularies are never freed (`policy/files.rs`), so it is
+    /// bounded by them and small beside them (a 64 KiB memo and a regex cache each).
     static MODEL_SCRATCHES: RefCell<Vec<(usize, Scratch)>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -170,7 +173,7 @@ impl ModelVocabulary {
         };
         let pattern = split_pattern(json.get("pre_tokenizer").unwrap_or(&Value::Null))?;
         let splitter = splitter(&pattern)?;
-        let ascii_pattern = Split::of_model_pattern(&pattern);
+        let known = ModelPattern::known(&pattern);
         let model = json
             .get("model")
             .filter(|m| m.get("type") == Some(&Value::from("BPE")))
@@ -334,7 +337,8 @@ impl ModelVocabulary {
             source: source.to_owned(),
             bpe,
             splitter,
-            ascii_pattern,
+            ascii_split: known.map(|known| known.split),
+            known_pre_tokenizer: known.map(|known| known.name),
             nfc,
             added: added_matcher,
             unreachable,
@@ -373,10 +377,10 @@ impl ModelVocabulary {
     }
 
     /// Whose pre-tokenizer its regex is, where `ascii` knows it and so cuts ASCII text without
-    /// the regex (`ascii::MODEL_PATTERNS`); `None` where the regex cuts everything.
-    /// `bench_tokens` reports it.
-    pub fn ascii_cut_as(&self) -> Option<&'static str> {
-        self.ascii_pattern.map(|known| known.name)
+    /// the regex (`ascii::MODEL_PATTERNS`); `None` where the regex cuts everything. The start-up
+    /// log, `check-config` and `bench_tokens` report it.
+    pub fn known_pre_tokenizer(&self) -> Option<&'static str> {
+        self.known_pre_tokenizer
     }
 
     /// Entries in the BPE vocabulary (added tokens not included).
@@ -389,7 +393,7 @@ impl ModelVocabulary {
     ///
     /// `'static`: each thread keeps a scratch per vocabulary by its address (its memo's counts
     /// are this vocabulary's), which must then never be another's. Vocabularies are loaded once
-    /// and never freed.
+    /// and never freed (`policy/files.rs` leaks each, interned by its files' contents).
     pub fn count_till_limit(&'static self, text: &str, limit: usize) -> Option<usize> {
         // NFC can shrink a text (decomposed Hangul to a third), so the bound on the raw bytes
         // holds only without it; the pieces, normalized, are bounded again below.
@@ -486,7 +490,7 @@ impl ModelVocabulary {
     #[inline]
     fn next_piece<'t>(&self, search: &mut Cache, text: &'t str, at: usize) -> &'t [u8] {
         let rest = &text[at..];
-        if let Some(&ModelPattern { split, .. }) = self.ascii_pattern {
+        if let Some(split) = self.ascii_split {
             if let Some(len) = ascii::word_len(split, rest.as_bytes()) {
                 return &rest.as_bytes()[..len];
             }

@@ -1,4 +1,5 @@
-//! The token counts of short pieces counted lately, kept per thread and encoding.
+//! The token counts of short pieces counted lately, kept per thread and encoding (or model
+//! vocabulary).
 //!
 //! Ordinary text is made of a few thousand distinct words used over and over. Without a memo,
 //! every piece asks the vocabulary's entry set (a hash set of about 200,000 packed keys, several

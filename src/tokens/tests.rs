@@ -795,7 +795,7 @@ fn splitters() -> Vec<Splitter> {
         }
     });
     let models = ascii::MODEL_PATTERNS.iter().map(|known| {
-        let found = ascii::Split::of_model_pattern(known.pattern).map(|found| found.name);
+        let found = ascii::ModelPattern::known(known.pattern).map(|found| found.name);
         assert_eq!(found, Some(known.name));
         Splitter {
             name: known.name,
@@ -805,7 +805,7 @@ fn splitters() -> Vec<Splitter> {
     });
     // A regex that differs by a character is not one `ascii` knows: the regex cuts it.
     let llama3 = ascii::MODEL_PATTERNS[0].pattern;
-    assert!(ascii::Split::of_model_pattern(&llama3.replace("{1,3}", "{1,2}")).is_none());
+    assert!(ascii::ModelPattern::known(&llama3.replace("{1,3}", "{1,2}")).is_none());
     builtin.into_iter().chain(models).collect()
 }
 

@@ -359,7 +359,7 @@ fn counts_equal_hugging_face_tokenizers() {
         };
         // Else ASCII text is cut by the regex alone: the same counts, slower.
         assert!(
-            vocabulary.ascii_cut_as().is_some(),
+            vocabulary.known_pre_tokenizer().is_some(),
             "{model}'s pre-tokenizer regex is one tokens::ascii knows (MODEL_PATTERNS)"
         );
         let expected = reference(model, &texts, &[], &[]).texts;
@@ -552,7 +552,9 @@ fn check_config(file: &std::path::Path) -> std::process::Output {
 }
 
 /// `tollgate check-config` loads the model's files, reports each tokenizer with the memory it
-/// took, and refuses a rule whose file is missing, naming it (exit status 2).
+/// took and whether its ASCII text is cut without its regex, and refuses a rule whose file is
+/// missing, naming it (exit status 2); a tokenizer whose regex tollgate has no fast cut for
+/// loads, and is said to be cut by its regex.
 #[test]
 fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
     let dir = model_dir("qwen2_5");
@@ -628,7 +630,11 @@ fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
     .expect("write");
     let output = check_config(config.path());
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{stdout}");
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     assert!(
         stdout.contains("a pre-tokenizer tollgate has no fast cut for: its regex cuts all text"),
         "{stdout}"
