@@ -562,22 +562,12 @@ fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
         .suffix(".yaml")
         .tempfile()
         .expect("a temp file");
-    std::fs::write(
+    let template = dir.join("tokenizer_config.json");
+    let stdout = succeeded(&check_rule(
         config.path(),
-        format!(
-            "tokens:\n  encodings:\n    - pattern: \"qwen*\"\n      tokenizer_file: {}\n      chat_template_file: {}\n",
-            dir.join("tokenizer.json").display(),
-            dir.join("tokenizer_config.json").display()
-        ),
-    )
-    .expect("write");
-    let output = check_config(config.path());
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+        &dir.join("tokenizer.json"),
+        Some(&template),
+    ));
     assert!(
         stdout.contains("tokens.encodings \"qwen*\": ")
             && stdout.contains(
@@ -589,15 +579,7 @@ fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
     );
 
     let missing = dir.join("no-such-tokenizer.json");
-    std::fs::write(
-        config.path(),
-        format!(
-            "tokens:\n  encodings:\n    - pattern: \"qwen*\"\n      tokenizer_file: {}\n",
-            missing.display()
-        ),
-    )
-    .expect("write");
-    let output = check_config(config.path());
+    let output = check_rule(config.path(), &missing, None);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert!(
@@ -620,25 +602,44 @@ fn check_config_reports_each_tokenizer_and_refuses_a_missing_file() {
         .tempfile()
         .expect("a temp file");
     std::fs::write(other.path(), json.replace(qwen, r#"|\\p{N}{1,2}| ?[^"#)).expect("write");
-    std::fs::write(
-        config.path(),
-        format!(
-            "tokens:\n  encodings:\n    - pattern: \"qwen*\"\n      tokenizer_file: {}\n",
-            other.path().display()
-        ),
-    )
-    .expect("write");
-    let output = check_config(config.path());
-    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stdout = succeeded(&check_rule(config.path(), other.path(), None));
+    assert!(
+        stdout.contains("a pre-tokenizer tollgate has no fast cut for: its regex cuts all text"),
+        "{stdout}"
+    );
+}
+
+/// Writes into `config` a configuration whose one rule sends `qwen*` to `tokenizer_file` (with
+/// `chat_template_file`, if given), and runs `tollgate check-config` on it.
+fn check_rule(
+    config: &std::path::Path,
+    tokenizer_file: &std::path::Path,
+    chat_template_file: Option<&std::path::Path>,
+) -> std::process::Output {
+    let mut rule = format!(
+        "tokens:\n  encodings:\n    - pattern: \"qwen*\"\n      tokenizer_file: {}\n",
+        tokenizer_file.display()
+    );
+    if let Some(template) = chat_template_file {
+        rule.push_str(&format!(
+            "      chat_template_file: {}\n",
+            template.display()
+        ));
+    }
+    std::fs::write(config, rule).expect("write the configuration");
+    check_config(config)
+}
+
+/// What a `check-config` that succeeded printed.
+#[track_caller]
+fn succeeded(output: &std::process::Output) -> String {
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
         "{stdout}{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    assert!(
-        stdout.contains("a pre-tokenizer tollgate has no fast cut for: its regex cuts all text"),
-        "{stdout}"
-    );
+    stdout
 }
 
 /// Through the gRPC server: a chat Mistral's template refuses is admitted, counted as the
