@@ -423,7 +423,7 @@ impl ModelVocabulary {
         }
         // ASCII text is always in NFC (no ASCII character composes with another), and telling
         // it so is a word-at-a-time scan, where `is_nfc` walks it character by character: about
-        // a sixth of counting ASCII text's time with Qwen's tokenizer.
+        // a tenth of counting ASCII code's time with Qwen's tokenizer (docs/benchmarks.md).
         if self.nfc && !text.is_ascii() && !unicode_normalization::is_nfc(text) {
             let normalized: String = text.nfc().collect();
             return self.count_pieces(&normalized, limit);
