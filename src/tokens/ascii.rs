@@ -205,9 +205,8 @@ fn contraction(text: &[u8], at: usize) -> Result<Option<usize>, ()> {
 /// The length of the piece at the start of `text`, if deciding it took ASCII bytes only;
 /// `None` sends the caller to the regex (also for an empty `text`).
 ///
-/// The count loops (`Counter::next_piece`, `ModelVocabulary::next_piece`) ask the two halves
-/// themselves, [`word_len`] inline; this is what they answer together, which the tests hold to
-/// the regex.
+/// The count loops (through `cut_piece` in `tokens.rs`) ask the two halves themselves,
+/// [`word_len`] inline; this is what they answer together, which the tests hold to the regex.
 #[cfg(test)]
 pub fn piece_len(split: Split, text: &[u8]) -> Option<usize> {
     word_len(split, text).or_else(|| piece_len_byte_by_byte(split, text))

@@ -45,10 +45,10 @@ use rustc_hash::FxHashMap;
 use serde_json::Value;
 use unicode_normalization::UnicodeNormalization;
 
-use super::ascii::{self, ModelPattern, Split};
+use super::ascii::{ModelPattern, Split};
+use super::cut_piece;
 use super::entries::{self, EntrySet};
 use super::piece_memo::PieceMemo;
-use super::regex_piece;
 use super::template::ChatTemplate;
 
 /// How far past the tokens left `bpe` may run before it gives up (see `count_pieces`).
@@ -452,24 +452,23 @@ impl ModelVocabulary {
             let mut at = 0;
             while at < text.len() {
                 let start = at;
-                let piece = self.next_piece(&mut scratch.search, text, at);
+                let piece = cut_piece(
+                    self.ascii_split,
+                    &self.splitter,
+                    &mut scratch.search,
+                    &text[at..],
+                );
                 at += piece.len();
                 let remaining = limit - total;
                 let tokens = if piece.len() == 1 {
                     1
                 } else if let Some(key) = entries::short_key_in(bytes, start, piece.len()) {
-                    // A short piece: the memo first, then counted whole (at most 15 tokens),
-                    // and remembered. Its count depends on its bytes alone, however it is
-                    // reached.
-                    match scratch.memo.get(key) {
-                        Some(count) => count,
-                        None => {
-                            // Never None: no limit, and far from 4 GiB.
-                            let count = self.count_piece(piece, usize::MAX)?;
-                            scratch.memo.put(key, count);
-                            count
-                        }
-                    }
+                    // A short piece: the memo first, then counted whole (at most 15 tokens: no
+                    // limit, so never None), and remembered. Its count depends on its bytes
+                    // alone, however it is reached.
+                    scratch
+                        .memo
+                        .get_or_count(key, || self.count_piece(piece, usize::MAX))?
                 } else {
                     if piece.len() > RUN_MIN_BYTES {
                         let longest = usize::from(self.longest_within[classes_of(piece)]);
@@ -486,22 +485,6 @@ impl ModelVocabulary {
             }
             Some(total)
         })
-    }
-
-    /// The piece of `text` that starts at byte `at`, as the pre-tokenizer's regex cuts it: cut
-    /// by `ascii` where it knows the regex and the text there is ASCII.
-    #[inline]
-    fn next_piece<'t>(&self, search: &mut Cache, text: &'t str, at: usize) -> &'t [u8] {
-        let rest = &text[at..];
-        if let Some(split) = self.ascii_split {
-            if let Some(len) = ascii::word_len(split, rest.as_bytes()) {
-                return &rest.as_bytes()[..len];
-            }
-            if let Some(len) = ascii::piece_len_byte_by_byte(split, rest.as_bytes()) {
-                return &rest.as_bytes()[..len];
-            }
-        }
-        regex_piece(&self.splitter, search, rest)
     }
 
     /// One piece's tokens, or `None` once they are clearly more than `limit` (the caller

@@ -45,6 +45,23 @@ impl PieceMemo {
         (count != 0 && slot & KEY_BITS == key).then_some(count)
     }
 
+    /// The count remembered for the piece packed as `key`, or else `count`'s answer, which is
+    /// remembered (a `None` from `count` is passed on, and nothing is remembered): the count
+    /// loops' one way to ask the memo.
+    #[inline(always)]
+    pub fn get_or_count(
+        &mut self,
+        key: u128,
+        count: impl FnOnce() -> Option<usize>,
+    ) -> Option<usize> {
+        if let Some(known) = self.get(key) {
+            return Some(known);
+        }
+        let counted = count()?;
+        self.put(key, counted);
+        Some(counted)
+    }
+
     /// Remembers `count` for the piece packed as `key`, in place of whatever its slot held.
     #[inline]
     pub fn put(&mut self, key: u128, count: usize) {
