@@ -1000,6 +1000,18 @@ impl RawRedis {
             .collect())
     }
 
+    /// `total_reads_processed` from `INFO stats` (Redis 6 and later): how many times Redis read
+    /// from a client's socket. A batch of calls written at once is read at once unless it is
+    /// longer than Redis's 16 KiB read buffer, so over a run this counts the store's batches
+    /// (and the fleet's calls, each a read of its own).
+    async fn reads_processed(&mut self) -> Result<u64> {
+        let info = self.command(&["INFO", "stats"]).await?;
+        info.lines()
+            .find_map(|line| line.trim().strip_prefix("total_reads_processed:"))
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| anyhow!("INFO stats has no total_reads_processed (Redis before 6?)"))
+    }
+
     async fn command_calls(&mut self, name: &str) -> Result<u64> {
         Ok(self
             .command_stats()
@@ -1283,6 +1295,8 @@ struct TollgateStats {
     reserve_p99_us: f64,
     settle_mean_us: f64,
     settle_p99_us: f64,
+    /// `tollgate_store_batch_calls`: calls per batch the Redis store sent (NaN with none).
+    batch_calls_mean: f64,
     store_errors: f64,
     degraded: f64,
 }
@@ -1295,6 +1309,8 @@ struct RedisStats {
     fleet_calls: u64,
     /// Time Redis spent executing them (its main thread), µs per call.
     usec_per_evalsha: f64,
+    /// Reads from client sockets (`total_reads_processed`): about one per batch of calls.
+    reads: u64,
 }
 
 impl Run {
@@ -1345,6 +1361,10 @@ impl Run {
         if let Some(per) = self.evalsha_per_decision() {
             let _ = write!(line, "  EVALSHA/decision {per:.3}");
         }
+        if let Some(redis) = &self.redis {
+            let reads = redis.reads as f64 / self.decisions.max(1) as f64;
+            let _ = write!(line, "  Redis reads/decision {reads:.3}");
+        }
         if !self.errors.is_empty() {
             let _ = write!(line, "  ERRORS {:?}", self.errors);
         }
@@ -1384,6 +1404,7 @@ impl Run {
                 "reserve_p99_us": t.reserve_p99_us,
                 "settle_mean_us": t.settle_mean_us,
                 "settle_p99_us": t.settle_p99_us,
+                "batch_calls_mean": t.batch_calls_mean,
                 "store_errors": t.store_errors,
                 "degraded": t.degraded,
             })),
@@ -1391,6 +1412,8 @@ impl Run {
                 "evalsha_calls": r.evalsha_calls,
                 "fleet_calls": r.fleet_calls,
                 "usec_per_evalsha": r.usec_per_evalsha,
+                "reads": r.reads,
+                "reads_per_decision": r.reads as f64 / self.decisions.max(1) as f64,
             })),
             "clean": self.clean(),
         })
@@ -1420,6 +1443,7 @@ async fn measure(
         None => None,
     };
     let commands_before = redis_stats.command_stats().await?;
+    let reads_before = redis_stats.reads_processed().await?;
     let server_pid = server.proc.pid();
     let ticks = |pid: Option<u32>| {
         let path = pid.map_or_else(
@@ -1517,6 +1541,8 @@ async fn measure(
     };
 
     let commands_after = redis_stats.command_stats().await?;
+    // Less the two INFO reads of ours in between (this one's and command_stats').
+    let reads = (redis_stats.reads_processed().await? - reads_before).saturating_sub(2);
     let evalsha =
         |stats: &BTreeMap<String, (u64, u64)>| stats.get("evalsha").copied().unwrap_or_default();
     let (calls0, usec0) = evalsha(&commands_before);
@@ -1550,6 +1576,7 @@ async fn measure(
                 reserve_p99_us: micros(delta.quantile(store, &[("op", "reserve")], 0.99)),
                 settle_mean_us: micros(delta.mean(store, &[("op", "settle")])),
                 settle_p99_us: micros(delta.quantile(store, &[("op", "settle")], 0.99)),
+                batch_calls_mean: delta.mean("tollgate_store_batch_calls", &[]),
                 store_errors: delta.sum("tollgate_store_errors_total", &[]),
                 degraded: delta.sum("tollgate_degraded_decisions_total", &[]),
             })
@@ -1560,6 +1587,7 @@ async fn measure(
         evalsha_calls: evalsha_calls.saturating_sub(fleet_calls),
         fleet_calls,
         usec_per_evalsha: (usec1 - usec0) as f64 / evalsha_calls.max(1) as f64,
+        reads,
     });
     Ok(Run {
         server: server.name,
@@ -1870,7 +1898,8 @@ impl Report<'_> {
                 let _ = writeln!(
                     out,
                     "  {:<23} store reserve mean {:.0} us (p99 {:.0}), settle mean {:.0} us (p99 \
-                     {:.0}); EVALSHA per decision {:.3}, {:.1} us each inside Redis",
+                     {:.0}); EVALSHA per decision {:.3}, {:.1} us each inside Redis; Redis \
+                     reads (about one a batch) per decision {:.3}; calls per batch {:.1}",
                     "",
                     us(|t| t.reserve_mean_us),
                     us(|t| t.reserve_p99_us),
@@ -1878,6 +1907,11 @@ impl Report<'_> {
                     us(|t| t.settle_p99_us),
                     s.median(|r| r.evalsha_per_decision().unwrap_or(f64::NAN)),
                     s.median(|r| r.redis.as_ref().map_or(f64::NAN, |x| x.usec_per_evalsha)),
+                    s.median(|r| r
+                        .redis
+                        .as_ref()
+                        .map_or(f64::NAN, |x| x.reads as f64 / r.decisions.max(1) as f64)),
+                    us(|t| t.batch_calls_mean),
                 );
             }
         }

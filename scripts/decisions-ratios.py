@@ -3,7 +3,10 @@
 round's decisions per CPU-second of tollgate with Redis, with Redis's CPU added, and of tollgate
 with its embedded store, each as a ratio to the echo of the same round; and Redis's CPU per
 decision, split into the two scripts (twice `usec_per_evalsha`, from INFO commandstats) and the
-rest (reading the calls, writing the replies, its event loop); and the latency with Redis: a
+rest (reading the calls, writing the replies, its event loop); each server's own CPU per
+decision, and what tollgate with Redis spends beyond tollgate with its embedded store; Redis's
+reads from clients per decision (about one a batch of calls; files written before bench_decisions
+recorded them print nan); and the latency with Redis: a
 reserve's mean and p99 and a settle's mean as tollgate times them, and the streams' p50 and p99
 as the load sees them.
 Medians over the rounds first, each round's figure in brackets.
@@ -13,6 +16,11 @@ Usage: python3 scripts/decisions-ratios.py RUN.json [RUN.json ...]
 import json
 import statistics
 import sys
+
+
+def own_us(run):
+    """A server's own CPU-microseconds per decision."""
+    return 1e6 / run["decisions_per_server_cpu_s"]
 
 
 def rounds(path):
@@ -37,6 +45,11 @@ def rounds(path):
                 "redis us/dec": redis_us,
                 "scripts us": scripts_us,
                 "rest us": redis_us - scripts_us,
+                "echo own us": own_us(echo),
+                "tollgate-redis own us": own_us(redis),
+                "tollgate-memory own us": own_us(memory),
+                "redis - memory us": own_us(redis) - own_us(memory),
+                "redis reads/dec": redis["redis"].get("reads_per_decision", float("nan")),
                 "reserve mean us": redis["tollgate"]["reserve_mean_us"],
                 "reserve p99 us": redis["tollgate"]["reserve_p99_us"],
                 "settle mean us": redis["tollgate"]["settle_mean_us"],
@@ -57,6 +70,11 @@ for path in sys.argv[1:]:
         ("redis us/dec", "{:.1f}"),
         ("scripts us", "{:.1f}"),
         ("rest us", "{:.1f}"),
+        ("echo own us", "{:.1f}"),
+        ("tollgate-redis own us", "{:.1f}"),
+        ("tollgate-memory own us", "{:.1f}"),
+        ("redis - memory us", "{:.1f}"),
+        ("redis reads/dec", "{:.3f}"),
         ("reserve mean us", "{:.0f}"),
         ("reserve p99 us", "{:.0f}"),
         ("settle mean us", "{:.0f}"),

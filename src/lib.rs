@@ -211,7 +211,8 @@ where
     let redis = redis_settings(&policy.store).await?;
     let store = match &redis {
         Some(settings) => budget::Store::Redis(Box::new(
-            budget::redis::RedisStore::connect(settings.clone()).await?,
+            budget::redis::RedisStore::connect(settings.clone(), metrics.store_batch_calls())
+                .await?,
         )),
         None => budget::Store::Memory(budget::memory::MemoryStore::new()),
     };
@@ -225,13 +226,18 @@ where
         ..settings
     });
     let fleet = match &redis_for_settings {
-        Some(settings) => Some(budget::redis::RedisStore::connect(settings.clone()).await?),
+        // Its calls go one at a time, not in batches: no batch is counted.
+        Some(settings) => Some(
+            budget::redis::RedisStore::connect(settings.clone(), ::metrics::Histogram::noop())
+                .await?,
+        ),
         None => None,
     };
     // Run-time settings are shared through Redis on a connection of their own, read each sync.
     let settings_store = match &redis_for_settings {
         Some(settings) => Some((
-            budget::redis::RedisStore::connect(settings.clone()).await?,
+            budget::redis::RedisStore::connect(settings.clone(), ::metrics::Histogram::noop())
+                .await?,
             policy.fleet.name.clone(),
         )),
         None => None,

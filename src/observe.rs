@@ -61,6 +61,7 @@ pub const BUDGET_TOKENS: &str = "tollgate_budget_tokens_total";
 pub const STORE_DURATION: &str = "tollgate_store_request_duration_seconds";
 pub const STORE_ERRORS: &str = "tollgate_store_errors_total";
 pub const STORE_BREAKER: &str = "tollgate_store_breaker_state";
+pub const STORE_BATCH_CALLS: &str = "tollgate_store_batch_calls";
 pub const DEGRADED_DECISIONS: &str = "tollgate_degraded_decisions_total";
 pub const ACTIVE_LEASES: &str = "tollgate_active_leases";
 pub const FLEET_MEMBERS: &str = "tollgate_fleet_members";
@@ -90,6 +91,8 @@ const QUEUE_WAIT_BUCKETS: &[f64] = &[
 const STORE_BUCKETS: &[f64] = &[
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 ];
+/// Calls per batch the Redis store sends: powers of two up to its cap (`MAX_BATCH`, 64).
+const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
 /// Powers of four from a one-line prompt to a long-context one.
 const TOKEN_BUCKETS: &[f64] = &[
     16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0,
@@ -508,6 +511,7 @@ struct Inner {
     /// The `kind` of each column of `store_errors`.
     store_error_kinds: Vec<&'static str>,
     store_breaker: Gauge,
+    store_batch_calls: Histogram,
     /// `[control][mode]`.
     degraded: Vec<Vec<Counter>>,
     /// The `mode` of each column of `degraded`.
@@ -566,6 +570,7 @@ impl Metrics {
             (ESTIMATED_INPUT_TOKENS, TOKEN_BUCKETS),
             (QUEUE_WAIT, QUEUE_WAIT_BUCKETS),
             (STORE_DURATION, STORE_BUCKETS),
+            (STORE_BATCH_CALLS, BATCH_BUCKETS),
         ]
         .into_iter()
         .fold(builder, |b, (name, buckets)| {
@@ -763,6 +768,13 @@ impl Metrics {
             Unit::Seconds,
             "Budget store calls, by operation (reserve, settle, renew); with Redis, a reserve's and a settle's wait for the batch ahead included.",
         );
+        r.describe_histogram(
+            STORE_BATCH_CALLS,
+            Unit::Count,
+            "Calls per batch the Redis store sent (reserves, settles and usage reads that waited \
+             for the batch ahead go together as one pipeline; at most 64). No batches with the \
+             embedded store.",
+        );
         r.describe_counter(
             STORE_ERRORS,
             Unit::Count,
@@ -912,6 +924,7 @@ impl Metrics {
                 .collect(),
             store_error_kinds,
             store_breaker: r.gauge(STORE_BREAKER, &[]),
+            store_batch_calls: r.histogram(STORE_BATCH_CALLS, &[]),
             degraded: ["budgets", "concurrency"]
                 .iter()
                 .map(|control| {
@@ -1138,6 +1151,11 @@ impl Metrics {
             let kind_index = column(&self.inner.store_error_kinds, error.kind());
             self.inner.store_errors[op_index][kind_index].increment(1);
         }
+    }
+
+    /// Where the Redis store records how many calls each of its batches held.
+    pub fn store_batch_calls(&self) -> Histogram {
+        self.inner.store_batch_calls.clone()
     }
 
     /// The store's circuit breaker, as its gauge value: 0 closed, 1 probing, 2 open.

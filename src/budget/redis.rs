@@ -216,6 +216,8 @@ struct Inner {
     warmed_up: watch::Receiver<()>,
     /// To the batch sender ([`batch::run`]): `reserve`, `settle` and `usage` go through it.
     calls: mpsc::UnboundedSender<Call>,
+    /// Each batch's number of calls (`tollgate_store_batch_calls`).
+    batch_calls: metrics::Histogram,
 }
 
 /// The current connection manager and how many times it was replaced.
@@ -276,8 +278,12 @@ impl RedisStore {
     /// A store for `settings`, returned without waiting for Redis: the connection (and loading
     /// the scripts) happens in the background, and calls fail with `Unavailable`/`Timeout`
     /// until Redis answers, then succeed without further action. Fails only for settings that
-    /// can never work (an unparsable URL); retrying those is pointless.
-    pub async fn connect(settings: RedisSettings) -> Result<RedisStore, StoreError> {
+    /// can never work (an unparsable URL); retrying those is pointless. Each batch's number of
+    /// calls is recorded in `batch_calls` (`metrics::Histogram::noop()` where nobody reads it).
+    pub async fn connect(
+        settings: RedisSettings,
+        batch_calls: metrics::Histogram,
+    ) -> Result<RedisStore, StoreError> {
         let client = client(&settings)?;
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(CONNECT_TIMEOUT))
@@ -306,6 +312,7 @@ impl RedisStore {
             timeout: settings.timeout,
             warmed_up,
             calls,
+            batch_calls,
         });
         tokio::spawn(batch::run(waiting, Arc::downgrade(&inner)));
         Ok(RedisStore { inner })

@@ -121,6 +121,7 @@ const METRICS: &[(&str, &str)] = &[
     (STORE_DURATION, "histogram"),
     (STORE_ERRORS, "counter"),
     (STORE_BREAKER, "gauge"),
+    (STORE_BATCH_CALLS, "histogram"),
     (DEGRADED_DECISIONS, "counter"),
     (ACTIVE_LEASES, "gauge"),
 ];
@@ -413,6 +414,7 @@ fn histograms_have_explicit_buckets_before_any_event() {
         let labels = [("op", op.label())];
         check_buckets(&scraped, STORE_DURATION, &labels, STORE_BUCKETS, 0.0);
     }
+    check_buckets(&scraped, STORE_BATCH_CALLS, &[], BATCH_BUCKETS, 0.0);
 }
 
 #[test]

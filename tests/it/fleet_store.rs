@@ -33,11 +33,14 @@ async fn within<T>(test: impl Future<Output = T>) -> T {
 }
 
 async fn store(server: &RedisServer) -> RedisStore {
-    RedisStore::connect(RedisSettings {
-        url: server.url.clone(),
-        password: None,
-        timeout: PATIENT,
-    })
+    RedisStore::connect(
+        RedisSettings {
+            url: server.url.clone(),
+            password: None,
+            timeout: PATIENT,
+        },
+        metrics::Histogram::noop(),
+    )
     .await
     .expect("connect (lazily) to the test server")
 }

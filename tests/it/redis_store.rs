@@ -8,7 +8,10 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
+
+use metrics::Histogram;
 
 use tollgate::budget::redis::{RedisSettings, RedisStore};
 use tollgate::budget::window::WindowUsage;
@@ -50,13 +53,35 @@ fn windows() -> Vec<WindowLimit> {
 }
 
 async fn store(server: &RedisServer, timeout: Duration) -> RedisStore {
-    RedisStore::connect(RedisSettings {
-        url: server.url.clone(),
-        password: None,
-        timeout,
-    })
+    counting_store(server, timeout, Histogram::noop()).await
+}
+
+/// A store whose batches' sizes go to `batch_calls`.
+async fn counting_store(
+    server: &RedisServer,
+    timeout: Duration,
+    batch_calls: Histogram,
+) -> RedisStore {
+    RedisStore::connect(
+        RedisSettings {
+            url: server.url.clone(),
+            password: None,
+            timeout,
+        },
+        batch_calls,
+    )
     .await
     .expect("connect (lazily) to the test server")
+}
+
+/// Every value recorded, in order.
+#[derive(Default)]
+struct Recorded(std::sync::Mutex<Vec<f64>>);
+
+impl metrics::HistogramFn for Recorded {
+    fn record(&self, value: f64) {
+        self.0.lock().unwrap().push(value);
+    }
 }
 
 fn reservation<'a>(
@@ -340,6 +365,51 @@ async fn a_flushed_script_cache_is_reloaded_for_every_call_of_a_batch() {
             loads + 3,
             "one SCRIPT LOAD per script the batch needed, not one per call"
         );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_calls_that_wait_for_a_batch_go_as_one_and_each_batch_is_counted() {
+    within(async {
+        let server = RedisServer::start().await;
+        let recorded = Arc::new(Recorded::default());
+        let store = counting_store(&server, PATIENT, Histogram::from_arc(recorded.clone())).await;
+        let windows = windows();
+        reserve_until_granted(&store, &reservation("alice", "warm", 1, &windows)).await;
+        store.warmed_up().await;
+        let before = recorded.0.lock().unwrap().len();
+
+        // The batch ahead waits in a paused Redis; five reserves come meanwhile. The pause
+        // outlasts their coming by far, so a slow machine still queues all five behind it.
+        let paused_at = tokio::time::Instant::now();
+        server.cmd(&["CLIENT", "PAUSE", "2000", "ALL"]).await;
+        let ahead = reservation("bob", "ahead", 1, &windows);
+        let ids: Vec<String> = (0..5).map(|i| format!("behind-{i}")).collect();
+        let behind: Vec<_> = ids
+            .iter()
+            .map(|id| reservation("carol", id, 1, &windows))
+            .collect();
+        let five = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let answers = futures_util::future::join_all(behind.iter().map(|r| store.reserve(r)));
+            let answers = answers.await;
+            assert!(
+                paused_at.elapsed() > Duration::from_millis(1_500),
+                "the five were answered before the pause ended"
+            );
+            answers
+        };
+        let (ahead, five) = tokio::join!(store.reserve(&ahead), five);
+        granted(ahead);
+        for answer in five {
+            granted(answer);
+        }
+        let carol = store.usage("carol", &windows).await.unwrap();
+        assert_eq!((carol.windows[1].used, carol.leases), (5, 5), "{carol:?}");
+        // The batch ahead, the five together, then the usage read.
+        let batches = recorded.0.lock().unwrap()[before..].to_vec();
+        assert_eq!(batches, [1.0, 5.0, 1.0]);
     })
     .await;
 }

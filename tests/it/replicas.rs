@@ -1415,11 +1415,14 @@ fn header(answer: &ProcessingResponse, name: &str) -> Option<String> {
 
 /// The test's own view of the store, as tollgate keys it.
 async fn store(redis: &RedisServer) -> RedisStore {
-    RedisStore::connect(RedisSettings {
-        url: redis.url.clone(),
-        password: None,
-        timeout: HANG,
-    })
+    RedisStore::connect(
+        RedisSettings {
+            url: redis.url.clone(),
+            password: None,
+            timeout: HANG,
+        },
+        metrics::Histogram::noop(),
+    )
     .await
     .expect("connect to the test Redis")
 }
