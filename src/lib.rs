@@ -235,6 +235,7 @@ where
     };
     // Run-time settings are shared through Redis on a connection of their own, read each sync.
     let settings_store = match &redis_for_settings {
+        // Its batches (the admin API's usage reads) are left out of the decisions' count.
         Some(settings) => Some((
             budget::redis::RedisStore::connect(settings.clone(), ::metrics::Histogram::noop())
                 .await?,

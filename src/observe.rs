@@ -91,8 +91,10 @@ const QUEUE_WAIT_BUCKETS: &[f64] = &[
 const STORE_BUCKETS: &[f64] = &[
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 ];
-/// Calls per batch the Redis store sends: powers of two up to its cap (`MAX_BATCH`, 64).
-const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
+/// Calls per batch the Redis store sends: powers of two, then 48, and one below its cap
+/// (`budget::redis::MAX_BATCH`, 64, which its tests hold these to), so that batches at the cap
+/// stand apart.
+pub(crate) const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 48.0, 63.0, 64.0];
 /// Powers of four from a one-line prompt to a long-context one.
 const TOKEN_BUCKETS: &[f64] = &[
     16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0,
@@ -771,9 +773,9 @@ impl Metrics {
         r.describe_histogram(
             STORE_BATCH_CALLS,
             Unit::Count,
-            "Calls per batch the Redis store sent (reserves, settles and usage reads that waited \
-             for the batch ahead go together as one pipeline; at most 64). No batches with the \
-             embedded store.",
+            "Calls per batch the Redis store sent or tried (reserves, settles and usage reads \
+             that waited for the batch ahead go together as one pipeline; at most 64). No \
+             batches with the embedded store.",
         );
         r.describe_counter(
             STORE_ERRORS,

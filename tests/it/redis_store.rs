@@ -378,10 +378,12 @@ async fn the_calls_that_wait_for_a_batch_go_as_one_and_each_batch_is_counted() {
         let windows = windows();
         reserve_until_granted(&store, &reservation("alice", "warm", 1, &windows)).await;
         store.warmed_up().await;
-        let before = recorded.0.lock().unwrap().len();
+        let batches = || recorded.0.lock().unwrap().len();
+        let before = batches();
 
-        // The batch ahead waits in a paused Redis; five reserves come meanwhile. The pause
-        // outlasts their coming by far, so a slow machine still queues all five behind it.
+        // The batch ahead waits in a paused Redis; five reserves come one by one meanwhile, 50 ms
+        // apart, after it went (it is counted as it goes). The pause outlasts their coming by
+        // far, so a slow machine still queues all five behind it.
         let paused_at = tokio::time::Instant::now();
         server.cmd(&["CLIENT", "PAUSE", "2000", "ALL"]).await;
         let ahead = reservation("bob", "ahead", 1, &windows);
@@ -391,9 +393,15 @@ async fn the_calls_that_wait_for_a_batch_go_as_one_and_each_batch_is_counted() {
             .map(|id| reservation("carol", id, 1, &windows))
             .collect();
         let five = async {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            let answers = futures_util::future::join_all(behind.iter().map(|r| store.reserve(r)));
-            let answers = answers.await;
+            while batches() == before {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let (store, behind) = (&store, &behind);
+            let answers = futures_util::future::join_all((0..5).map(|i| async move {
+                tokio::time::sleep(Duration::from_millis(50 * i as u64)).await;
+                store.reserve(&behind[i]).await
+            }))
+            .await;
             assert!(
                 paused_at.elapsed() > Duration::from_millis(1_500),
                 "the five were answered before the pause ended"

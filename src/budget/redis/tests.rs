@@ -492,3 +492,10 @@ fn debug_output_hides_passwords() {
         assert_eq!(redacted_url(url), expected, "{url}");
     }
 }
+
+#[test]
+fn the_batch_metrics_buckets_end_at_the_cap() {
+    let cap = super::batch::MAX_BATCH as f64;
+    let buckets = crate::observe::BATCH_BUCKETS;
+    assert_eq!(buckets[buckets.len() - 2..], [cap - 1.0, cap]);
+}
