@@ -1332,6 +1332,13 @@ impl Run {
             .map(|r| r.evalsha_calls as f64 / self.decisions as f64)
     }
 
+    /// Redis's reads from clients per decision: about one a batch of calls.
+    fn reads_per_decision(&self) -> Option<f64> {
+        self.redis
+            .as_ref()
+            .map(|r| r.reads as f64 / self.decisions.max(1) as f64)
+    }
+
     /// No failed decisions, no store errors, and (with Redis) exactly two scripts per decision.
     fn clean(&self) -> bool {
         self.errors.is_empty()
@@ -1361,8 +1368,7 @@ impl Run {
         if let Some(per) = self.evalsha_per_decision() {
             let _ = write!(line, "  EVALSHA/decision {per:.3}");
         }
-        if let Some(redis) = &self.redis {
-            let reads = redis.reads as f64 / self.decisions.max(1) as f64;
+        if let Some(reads) = self.reads_per_decision() {
             let _ = write!(line, "  Redis reads/decision {reads:.3}");
         }
         if !self.errors.is_empty() {
@@ -1413,7 +1419,7 @@ impl Run {
                 "fleet_calls": r.fleet_calls,
                 "usec_per_evalsha": r.usec_per_evalsha,
                 "reads": r.reads,
-                "reads_per_decision": r.reads as f64 / self.decisions.max(1) as f64,
+                "reads_per_decision": self.reads_per_decision(),
             })),
             "clean": self.clean(),
         })
@@ -1907,11 +1913,9 @@ impl Report<'_> {
                     us(|t| t.settle_p99_us),
                     s.median(|r| r.evalsha_per_decision().unwrap_or(f64::NAN)),
                     s.median(|r| r.redis.as_ref().map_or(f64::NAN, |x| x.usec_per_evalsha)),
-                    s.median(|r| r
-                        .redis
-                        .as_ref()
-                        .map_or(f64::NAN, |x| x.reads as f64 / r.decisions.max(1) as f64)),
-                    us(|t| t.batch_calls_mean),
+                    s.median(|r| r.reads_per_decision().unwrap_or(f64::NAN)),
+                    s.median_tollgate(|t| t.batch_calls_mean)
+                        .unwrap_or(f64::NAN),
                 );
             }
         }
