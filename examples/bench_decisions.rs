@@ -29,7 +29,8 @@
 //!    - **tollgate+memory**: the same binary and configuration with the embedded store.
 //!
 //!    Both tollgate and the echo set TCP_NODELAY on every accepted connection (tollgate's
-//!    `run` does it through tonic's `TcpIncoming`), so neither pays for Nagle's algorithm.
+//!    `run` does it through tonic's `TcpIncoming`), so neither pays for Nagle's algorithm. Both
+//!    run tokio's default worker count (the CPUs they may use), or `--server-threads N` each.
 //!
 //!    The load is closed loop: `--concurrency` workers over `--connections` HTTP/2 connections,
 //!    each repeating one *decision*: open a stream, send request headers (one of `--tenants`
@@ -146,6 +147,11 @@ struct Args {
     /// Tokio worker threads of the load generator.
     #[arg(long, default_value_t = 1)]
     client_threads: usize,
+    /// Worker threads of each server's runtime, the echo's and tollgate's alike, given to both
+    /// as `TOKIO_WORKER_THREADS` [default: that variable as this process has it, else tokio's
+    /// default: the CPUs they may use].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    server_threads: Option<u16>,
     /// Count with a model's own tokenizer, as a deployment serving that model does: one
     /// encoding rule for every model name, `DIR/tokenizer.json`, with the chat template of
     /// `DIR/tokenizer_config.json` (e.g. `.tools/tokenizers/llama3`, which
@@ -204,9 +210,11 @@ async fn bench(args: &Args) -> Result<bool> {
     if let Some(warning) = &stale {
         eprintln!("WARNING: {warning}");
     }
+    let server_threads = ServerThreads::of(args.server_threads);
     let redis_version = tollgate_testkit::redis::version(&args.redis_server)?;
     let machine = Machine::describe_and_sample(("redis_version", redis_version.clone())).await;
     eprintln!("machine: {}; {redis_version}", machine.headline());
+    eprintln!("servers' worker threads: {}", server_threads.describe());
 
     let messages = Arc::new(Messages::new(
         args.tenants,
@@ -233,6 +241,7 @@ async fn bench(args: &Args) -> Result<bool> {
         &tollgate_bin,
         &config_path,
         Some(&redis.url),
+        &server_threads,
         dir.path(),
         "tollgate-redis",
     )
@@ -249,11 +258,12 @@ async fn bench(args: &Args) -> Result<bool> {
     // MONITOR is closed by now (the check consumed it): let Redis notice before timing anything.
     tokio::time::sleep(PAUSE_BETWEEN_RUNS).await;
 
-    let echo = ServerProc::echo(args.echo_bin.as_deref(), dir.path()).await?;
+    let echo = ServerProc::echo(args.echo_bin.as_deref(), &server_threads, dir.path()).await?;
     let in_memory = ServerProc::tollgate(
         &tollgate_bin,
         &config_path,
         None,
+        &server_threads,
         dir.path(),
         "tollgate-memory",
     )
@@ -332,6 +342,7 @@ async fn bench(args: &Args) -> Result<bool> {
     let report = Report {
         args,
         machine: &machine,
+        server_threads: &server_threads,
         summaries: &summaries,
     };
     print!("{}", report.table());
@@ -353,6 +364,7 @@ async fn bench(args: &Args) -> Result<bool> {
                 "body_bytes": args.body_bytes,
                 "shared_system_bytes": args.shared_system_bytes,
                 "client_threads": args.client_threads,
+                "server_threads": server_threads.0,
                 "store_timeout_ms": args.store_timeout_ms,
                 "tokenizer": args.tokenizer,
             },
@@ -1161,16 +1173,20 @@ impl ServerProc {
         binary: &Path,
         config: &Path,
         redis_url: Option<&str>,
+        threads: &ServerThreads,
         dir: &Path,
         name: &'static str,
     ) -> Result<ServerProc> {
         let redis_args = redis_url.map(|url| ["--redis-url", url]);
-        let tollgate = TollgateCommand::new(binary, config)
+        let command = TollgateCommand::new(binary, config)
             .name(name)
             .args(redis_args.into_iter().flatten())
-            .ready_timeout(READY_TIMEOUT)
-            .start(dir)
-            .await?;
+            .ready_timeout(READY_TIMEOUT);
+        let command = match &threads.0 {
+            Some(count) => command.env(TOKIO_WORKER_THREADS, count),
+            None => command,
+        };
+        let tollgate = command.start(dir).await?;
         Ok(ServerProc {
             name,
             grpc: tollgate.grpc,
@@ -1181,7 +1197,11 @@ impl ServerProc {
     }
 
     /// `examples/echo_extproc.rs`: `explicit` if given, else the one built next to this example.
-    async fn echo(explicit: Option<&Path>, dir: &Path) -> Result<ServerProc> {
+    async fn echo(
+        explicit: Option<&Path>,
+        threads: &ServerThreads,
+        dir: &Path,
+    ) -> Result<ServerProc> {
         let grpc = free_addr();
         let echo = bins::example("echo_extproc", explicit)?;
         let name = "echo";
@@ -1189,6 +1209,9 @@ impl ServerProc {
         command
             .args(["--addr", &grpc.to_string()])
             .stdout(Stdio::null());
+        if let Some(count) = &threads.0 {
+            command.env(TOKIO_WORKER_THREADS, count);
+        }
         let proc = Proc::spawn(name, &mut command, dir.join(format!("{name}.log")))?;
         Ok(ServerProc {
             name,
@@ -1197,6 +1220,30 @@ impl ServerProc {
             admin: None,
             uses_redis: false,
         })
+    }
+}
+
+/// tokio's variable for a runtime's worker count, which the echo (`#[tokio::main]`) and tollgate
+/// both read.
+const TOKIO_WORKER_THREADS: &str = "TOKIO_WORKER_THREADS";
+
+/// The worker threads every server runs: `--server-threads`, else `TOKIO_WORKER_THREADS` as the
+/// servers inherit it; `None`: tokio's default.
+struct ServerThreads(Option<String>);
+
+impl ServerThreads {
+    fn of(flag: Option<u16>) -> ServerThreads {
+        ServerThreads(
+            flag.map(|count| count.to_string())
+                .or_else(|| std::env::var(TOKIO_WORKER_THREADS).ok()),
+        )
+    }
+
+    fn describe(&self) -> String {
+        match &self.0 {
+            Some(count) => format!("{count} ({TOKIO_WORKER_THREADS})"),
+            None => "tokio's default, the CPUs they may use".to_owned(),
+        }
     }
 }
 
@@ -1799,6 +1846,7 @@ impl<'a> Summary<'a> {
 struct Report<'a> {
     args: &'a Args,
     machine: &'a Machine,
+    server_threads: &'a ServerThreads,
     summaries: &'a [Summary<'a>],
 }
 
@@ -1827,8 +1875,12 @@ impl Report<'_> {
         );
         let _ = writeln!(
             out,
-            "machine: {} CPUs ({}); load average at start {}; client, servers and Redis share them",
-            self.machine.cpus, self.machine.cpu_model, self.machine.loadavg_at_start
+            "machine: {} CPUs ({}); load average at start {}; client, servers and Redis share them; \
+             servers' worker threads: {}",
+            self.machine.cpus,
+            self.machine.cpu_model,
+            self.machine.loadavg_at_start,
+            self.server_threads.describe()
         );
         let _ = writeln!(
             out,

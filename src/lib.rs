@@ -195,6 +195,8 @@ where
     let _ = tokio::task::spawn_blocking(move || encodings.iter().for_each(|e| e.warm_up())).await;
 
     let metrics = Metrics::new(&policy);
+    let worker_threads = tokio::runtime::Handle::current().metrics().num_workers();
+    metrics.runtime_worker_threads(worker_threads);
     let (lifecycle_tx, lifecycle) = watch::channel(Lifecycle::Serving);
     let scheduler = Scheduler::new(
         policy.scheduling.initial_limit,
@@ -407,7 +409,7 @@ where
     .with_graceful_shutdown(admin_stopping);
     let admin_server = tokio::spawn(async move { admin_server.await });
 
-    tracing::info!("tollgate serving");
+    tracing::info!(worker_threads, "tollgate serving");
     tokio::select! {
         _ = shutdown => {}
         result = &mut grpc_server => {

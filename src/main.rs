@@ -36,6 +36,12 @@ struct Cli {
     /// embedded in-memory store].
     #[arg(long, value_name = "URL")]
     redis_url: Option<String>,
+    /// Threads the async runtime runs streams on [default: TOKIO_WORKER_THREADS if set, else
+    /// the CPUs this process may use: its CPU affinity and cgroup quota, which without a CPU
+    /// limit is every core of the node]. More threads than the load keeps busy cost CPU per
+    /// decision: idle ones sleep and are woken (docs/benchmarks.md, "Worker threads").
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=MAX_WORKER_THREADS as i64))]
+    worker_threads: Option<u16>,
 }
 
 #[derive(Subcommand)]
@@ -51,6 +57,14 @@ enum Command {
 
 /// Exit status for an unusable configuration, as for a usage error.
 const EXIT_CONFIG: u8 = 2;
+
+/// The most runtime threads `--worker-threads` or `TOKIO_WORKER_THREADS` may ask for: far above
+/// any core count tollgate is given, far below a count that exhausts the process's threads.
+const MAX_WORKER_THREADS: u16 = 1024;
+
+/// tokio's own variable for its worker count: it reads it when none is set in code, and panics
+/// on a value it cannot use, so tollgate reads it first.
+const TOKIO_WORKER_THREADS: &str = "TOKIO_WORKER_THREADS";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -106,6 +120,14 @@ fn main() -> ExitCode {
                 eprintln!("tollgate: invalid configuration:\n{e}");
                 return ExitCode::from(EXIT_CONFIG);
             }
+            let worker_threads =
+                match worker_threads(cli.worker_threads, std::env::var_os(TOKIO_WORKER_THREADS)) {
+                    Ok(threads) => threads,
+                    Err(e) => {
+                        eprintln!("tollgate: invalid configuration:\n{e}");
+                        return ExitCode::from(EXIT_CONFIG);
+                    }
+                };
             let flags = Flags::of(&cli);
             let file = cli.config.clone();
             let reload = tollgate::Reload {
@@ -114,7 +136,7 @@ fn main() -> ExitCode {
                 #[cfg(unix)]
                 hangups: None,
             };
-            serve(config, reload)
+            serve(config, reload, worker_threads)
         }
     }
 }
@@ -129,6 +151,30 @@ fn check_password_file(store: &config::StoreConfig) -> Result<(), config::Config
             ))
         }),
         _ => Ok(()),
+    }
+}
+
+/// The runtime's worker threads: the flag's, else `TOKIO_WORKER_THREADS`'s, else `None` (tokio's
+/// default, the CPUs this process may use). A variable that is not a count from 1 to
+/// `MAX_WORKER_THREADS` is a configuration error here, where tokio would panic at start-up.
+fn worker_threads(
+    flag: Option<u16>,
+    variable: Option<std::ffi::OsString>,
+) -> Result<Option<usize>, config::ConfigError> {
+    if let Some(threads) = flag {
+        return Ok(Some(threads.into()));
+    }
+    let Some(value) = variable else {
+        return Ok(None);
+    };
+    match value.to_str().map(str::parse::<u16>) {
+        Some(Ok(threads)) if (1..=MAX_WORKER_THREADS).contains(&threads) => {
+            Ok(Some(threads.into()))
+        }
+        _ => Err(config::ConfigError(format!(
+            "{TOKIO_WORKER_THREADS}: {value:?} is not a number of threads from 1 to \
+             {MAX_WORKER_THREADS}"
+        ))),
     }
 }
 
@@ -179,11 +225,12 @@ fn effective_config(
     Ok((config, policy))
 }
 
-fn serve(config: Config, reload: tollgate::Reload) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+fn serve(config: Config, reload: tollgate::Reload, worker_threads: Option<usize>) -> ExitCode {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = worker_threads {
+        builder.worker_threads(threads);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("tollgate: cannot start the async runtime: {e}");

@@ -74,6 +74,7 @@ pub const FLEET_STORE_CALLS: &str = "tollgate_fleet_store_calls_total";
 pub const SHADOW_REFUSALS: &str = "tollgate_shadow_refusals_total";
 pub const CONFIG_RELOADS: &str = "tollgate_config_reloads_total";
 pub const CONFIG_LAST_RELOAD_SUCCESSFUL: &str = "tollgate_config_last_reload_successful";
+pub const RUNTIME_WORKER_THREADS: &str = "tollgate_runtime_worker_threads";
 
 /// Seconds from first token targets of tens of ms up to the 30 s+ of an overloaded vLLM.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -532,6 +533,7 @@ struct Inner {
     /// One per `ReloadResult::ALL`.
     config_reloads: Vec<Counter>,
     config_last_reload_successful: Gauge,
+    runtime_worker_threads: Gauge,
 }
 
 /// The series labelled by tier, registered again (the same series, and new ones for new
@@ -849,6 +851,12 @@ impl Metrics {
             "Configuration reloads (SIGHUP or the file changed), by result (applied, \
              unchanged, refused: the policy in force kept running).",
         );
+        r.describe_gauge(
+            RUNTIME_WORKER_THREADS,
+            Unit::Count,
+            "Threads the async runtime runs streams on: --worker-threads, TOKIO_WORKER_THREADS, \
+             or the CPUs the process may use.",
+        );
         r.describe_counter(
             FLEET_LEADERSHIPS,
             Unit::Count,
@@ -963,6 +971,7 @@ impl Metrics {
                 .map(|result| r.counter(CONFIG_RELOADS, &[("result", result.as_str())]))
                 .collect(),
             config_last_reload_successful: r.gauge(CONFIG_LAST_RELOAD_SUCCESSFUL, &[]),
+            runtime_worker_threads: r.gauge(RUNTIME_WORKER_THREADS, &[]),
             handle,
             recorder,
         };
@@ -1198,6 +1207,11 @@ impl Metrics {
         self.inner
             .config_last_reload_successful
             .set(if successful { 1.0 } else { 0.0 });
+    }
+
+    /// The runtime's worker threads, set once at start-up.
+    pub fn runtime_worker_threads(&self, threads: usize) {
+        self.inner.runtime_worker_threads.set(threads as f64);
     }
 
     /// Counts a refusal shadow mode let through, by its rule (`MetricLabels::Reason`) and tier.

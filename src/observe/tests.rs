@@ -124,6 +124,7 @@ const METRICS: &[(&str, &str)] = &[
     (STORE_BATCH_CALLS, "histogram"),
     (DEGRADED_DECISIONS, "counter"),
     (ACTIVE_LEASES, "gauge"),
+    (RUNTIME_WORKER_THREADS, "gauge"),
 ];
 
 #[test]

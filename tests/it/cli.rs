@@ -130,9 +130,9 @@ fn print_config_shows_defaults_file_env_and_flags_layered() {
     assert!(stderr(&output).contains("grpc_adrr"), "{}", stderr(&output));
 }
 
-/// Runs the server (no subcommand) on port 0 and expects it to exit by itself within 20 s;
-/// kills it and fails otherwise.
-fn serve_expecting_exit(args: &[&str]) -> Output {
+/// Runs the server (no subcommand) on port 0, with `env` set, and expects it to exit by itself
+/// within 20 s; kills it and fails otherwise.
+fn serve_expecting_exit(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
     command
         .args(args)
@@ -144,6 +144,7 @@ fn serve_expecting_exit(args: &[&str]) -> Output {
     for (key, _) in std::env::vars().filter(|(k, _)| k.starts_with("TOLLGATE__")) {
         command.env_remove(key);
     }
+    command.envs(env.iter().copied());
     let mut child = command.spawn().expect("run tollgate");
     // 20 s in polls of 20 ms.
     let mut polls = 0;
@@ -172,7 +173,7 @@ fn an_unreadable_redis_password_file_is_a_config_error_at_start_up() {
         let file = write_config(&format!(
             "store:\n  redis_url: \"redis://127.0.0.1:1\"\n  redis_password_file: \"{path}\"\n"
         ));
-        let output = serve_expecting_exit(&["--config", file.path().to_str().unwrap()]);
+        let output = serve_expecting_exit(&["--config", file.path().to_str().unwrap()], &[]);
         assert_eq!(
             output.status.code(),
             Some(2),
@@ -192,6 +193,73 @@ fn an_unreadable_redis_password_file_is_a_config_error_at_start_up() {
     ));
     let output = tollgate(&["check-config", file.path().to_str().unwrap()], &[]);
     assert!(output.status.success(), "{}", stderr(&output));
+}
+
+#[test]
+fn a_worker_thread_count_tokio_cannot_use_is_a_config_error_at_start_up() {
+    // tokio reads TOKIO_WORKER_THREADS itself when no count is set in code, and panics (exit
+    // status 101) on these; tollgate reads it first.
+    for value in ["0", "two", "-1", "1025", "", " 2"] {
+        let output = serve_expecting_exit(&[], &[("TOKIO_WORKER_THREADS", value)]);
+        let message = stderr(&output);
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "TOKIO_WORKER_THREADS={value:?}: exit status 2, as for any config error: {message}"
+        );
+        assert!(
+            message.contains(&format!("TOKIO_WORKER_THREADS: {value:?} is not a number")),
+            "TOKIO_WORKER_THREADS={value:?}: the error names the variable and the value: {message}"
+        );
+    }
+    for value in ["0", "1025", "two"] {
+        let output = serve_expecting_exit(&["--worker-threads", value], &[]);
+        let message = stderr(&output);
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "--worker-threads {value}: a usage error: {message}"
+        );
+        assert!(message.contains("--worker-threads"), "{message}");
+    }
+}
+
+/// The runtime runs the threads the flag asks for, else the variable, else tokio's default
+/// count (the CPUs the process may use), and `tollgate_runtime_worker_threads` says so.
+#[tokio::test]
+async fn the_runtime_runs_the_worker_threads_asked_for() {
+    let default = match std::env::var("TOKIO_WORKER_THREADS") {
+        // Inherited from the shell running the tests: the child reads it too.
+        Ok(value) => value
+            .parse()
+            .expect("TOKIO_WORKER_THREADS in the tests' environment"),
+        Err(_) => std::thread::available_parallelism().map_or(1, usize::from),
+    };
+    // (flags, environment, the threads expected)
+    type Case = (
+        &'static [&'static str],
+        &'static [(&'static str, &'static str)],
+        usize,
+    );
+    let cases: [Case; 4] = [
+        (&[], &[], default),
+        (&[], &[("TOKIO_WORKER_THREADS", "3")], 3),
+        (&["--worker-threads", "5"], &[], 5),
+        // The flag wins, and the variable it overrides is not read, so not refused.
+        (
+            &["--worker-threads", "2"],
+            &[("TOKIO_WORKER_THREADS", "0")],
+            2,
+        ),
+    ];
+    for (args, env, want) in cases {
+        let gate = crate::support::process::Tollgate::start_with("{}\n", args, env).await;
+        let threads = gate
+            .metrics()
+            .await
+            .value("tollgate_runtime_worker_threads", &[]);
+        assert_eq!(threads, want as f64, "{args:?} {env:?}");
+    }
 }
 
 #[test]

@@ -356,6 +356,52 @@ fn monitoring_objects_point_at_tollgate() {
     assert_eq!(shipped, file);
 }
 
+/// Proves: every tollgate container (dev, prod, the inference pod's sidecar) runs one runtime
+/// thread per CPU it requests, rounded up, rather than one per core of its node: it sets
+/// `TOKIO_WORKER_THREADS` from its own `requests.cpu`, and requests some CPU (the downward API
+/// gives 0 for none, which tollgate refuses).
+#[test]
+fn tollgate_runs_a_thread_per_cpu_requested() {
+    for (dir, sidecar) in [
+        ("k8s/overlays/dev", false),
+        ("k8s/overlays/prod", false),
+        ("tests/fixtures/deploy/inference-app", true),
+    ] {
+        let docs = build(dir);
+        let tollgate = if sidecar {
+            TollgateContainer::sidecar(&docs)
+        } else {
+            TollgateContainer::deployment(&docs)
+        };
+        let c = tollgate.container;
+        let threads = c["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|var| var["name"] == "TOKIO_WORKER_THREADS")
+            .unwrap_or_else(|| panic!("{dir}: TOKIO_WORKER_THREADS sets the runtime's threads"));
+        let field = &threads["valueFrom"]["resourceFieldRef"];
+        assert_eq!(
+            field["containerName"], c["name"],
+            "{dir}: its own container's request"
+        );
+        assert_eq!(field["resource"], "requests.cpu", "{dir}");
+        let divisor = match &field["divisor"] {
+            Value::String(text) => text.clone(),
+            other => other.to_string(),
+        };
+        assert_eq!(divisor, "1", "{dir}: whole CPUs, rounded up");
+        let cpu = match &c["resources"]["requests"]["cpu"] {
+            Value::String(text) => text.clone(),
+            other => other.to_string(),
+        };
+        assert!(
+            !["", "0", "null"].contains(&cpu.as_str()),
+            "{dir}: a CPU request ({cpu}), or the variable would be 0"
+        );
+    }
+}
+
 /// Proves: every tollgate config shipped in a ConfigMap passes `tollgate check-config` with its
 /// container's environment (dev, prod, and the sidecar in the inference pod), the settings Envoy
 /// must agree with are what envoy/ and istio/ use, and each inference pod's sidecar is a fleet of
