@@ -150,7 +150,7 @@ struct Args {
     /// Worker threads of each server's runtime, the echo's and tollgate's alike, given to both
     /// as `TOKIO_WORKER_THREADS` [default: that variable as this process has it, else tokio's
     /// default: the CPUs they may use].
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
     server_threads: Option<u16>,
     /// Count with a model's own tokenizer, as a deployment serving that model does: one
     /// encoding rule for every model name, `DIR/tokenizer.json`, with the chat template of
@@ -210,7 +210,7 @@ async fn bench(args: &Args) -> Result<bool> {
     if let Some(warning) = &stale {
         eprintln!("WARNING: {warning}");
     }
-    let server_threads = ServerThreads::of(args.server_threads);
+    let server_threads = ServerThreads::of(args.server_threads)?;
     let redis_version = tollgate_testkit::redis::version(&args.redis_server)?;
     let machine = Machine::describe_and_sample(("redis_version", redis_version.clone())).await;
     eprintln!("machine: {}; {redis_version}", machine.headline());
@@ -1182,8 +1182,8 @@ impl ServerProc {
             .name(name)
             .args(redis_args.into_iter().flatten())
             .ready_timeout(READY_TIMEOUT);
-        let command = match &threads.0 {
-            Some(count) => command.env(TOKIO_WORKER_THREADS, count),
+        let command = match threads.0 {
+            Some(count) => command.env(TOKIO_WORKER_THREADS, &count.to_string()),
             None => command,
         };
         let tollgate = command.start(dir).await?;
@@ -1209,8 +1209,8 @@ impl ServerProc {
         command
             .args(["--addr", &grpc.to_string()])
             .stdout(Stdio::null());
-        if let Some(count) = &threads.0 {
-            command.env(TOKIO_WORKER_THREADS, count);
+        if let Some(count) = threads.0 {
+            command.env(TOKIO_WORKER_THREADS, count.to_string());
         }
         let proc = Proc::spawn(name, &mut command, dir.join(format!("{name}.log")))?;
         Ok(ServerProc {
@@ -1228,15 +1228,22 @@ impl ServerProc {
 const TOKIO_WORKER_THREADS: &str = "TOKIO_WORKER_THREADS";
 
 /// The worker threads every server runs: `--server-threads`, else `TOKIO_WORKER_THREADS` as the
-/// servers inherit it; `None`: tokio's default.
-struct ServerThreads(Option<String>);
+/// servers would inherit it; `None`: tokio's default.
+struct ServerThreads(Option<u16>);
 
 impl ServerThreads {
-    fn of(flag: Option<u16>) -> ServerThreads {
-        ServerThreads(
-            flag.map(|count| count.to_string())
-                .or_else(|| std::env::var(TOKIO_WORKER_THREADS).ok()),
-        )
+    fn of(flag: Option<u16>) -> Result<ServerThreads> {
+        if flag.is_some() {
+            return Ok(ServerThreads(flag));
+        }
+        match std::env::var(TOKIO_WORKER_THREADS) {
+            Err(std::env::VarError::NotPresent) => Ok(ServerThreads(None)),
+            Ok(value) => match value.parse::<u16>() {
+                Ok(count) if count > 0 => Ok(ServerThreads(Some(count))),
+                _ => bail!("{TOKIO_WORKER_THREADS}={value:?}: not a number of threads"),
+            },
+            Err(e) => bail!("{TOKIO_WORKER_THREADS}: {e}"),
+        }
     }
 
     fn describe(&self) -> String {

@@ -156,7 +156,8 @@ fn check_password_file(store: &config::StoreConfig) -> Result<(), config::Config
 
 /// The runtime's worker threads: the flag's, else `TOKIO_WORKER_THREADS`'s, else `None` (tokio's
 /// default, the CPUs this process may use). A variable that is not a count from 1 to
-/// `MAX_WORKER_THREADS` is a configuration error here, where tokio would panic at start-up.
+/// `MAX_WORKER_THREADS` is a configuration error here: tokio would panic on 0 or on what is not
+/// a number, and would start as many threads as any larger count asks.
 fn worker_threads(
     flag: Option<u16>,
     variable: Option<std::ffi::OsString>,

@@ -198,7 +198,8 @@ fn an_unreadable_redis_password_file_is_a_config_error_at_start_up() {
 #[test]
 fn a_worker_thread_count_tokio_cannot_use_is_a_config_error_at_start_up() {
     // tokio reads TOKIO_WORKER_THREADS itself when no count is set in code, and panics (exit
-    // status 101) on these; tollgate reads it first.
+    // status 101) on all of these but 1025, which is over tollgate's own cap; tollgate reads it
+    // first.
     for value in ["0", "two", "-1", "1025", "", " 2"] {
         let output = serve_expecting_exit(&[], &[("TOKIO_WORKER_THREADS", value)]);
         let message = stderr(&output);

@@ -391,14 +391,23 @@ fn tollgate_runs_a_thread_per_cpu_requested() {
             other => other.to_string(),
         };
         assert_eq!(divisor, "1", "{dir}: whole CPUs, rounded up");
-        let cpu = match &c["resources"]["requests"]["cpu"] {
-            Value::String(text) => text.clone(),
-            other => other.to_string(),
-        };
+        let cpu = &c["resources"]["requests"]["cpu"];
         assert!(
-            !["", "0", "null"].contains(&cpu.as_str()),
+            millicores(cpu).is_some_and(|m| m > 0.0),
             "{dir}: a CPU request ({cpu}), or the variable would be 0"
         );
+    }
+}
+
+/// A Kubernetes CPU quantity in millicores (`500m`, `"1"`, `1.5`, `2`); `None` if it is none.
+fn millicores(quantity: &Value) -> Option<f64> {
+    match quantity {
+        Value::Number(cores) => cores.as_f64().map(|cores| cores * 1000.0),
+        Value::String(text) => match text.strip_suffix('m') {
+            Some(milli) => milli.parse().ok(),
+            None => text.parse::<f64>().ok().map(|cores| cores * 1000.0),
+        },
+        _ => None,
     }
 }
 
