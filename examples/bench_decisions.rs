@@ -1239,8 +1239,12 @@ impl ServerThreads {
         match std::env::var(TOKIO_WORKER_THREADS) {
             Err(std::env::VarError::NotPresent) => Ok(ServerThreads(None)),
             Ok(value) => match value.parse::<u16>() {
-                Ok(count) if count > 0 => Ok(ServerThreads(Some(count))),
-                _ => bail!("{TOKIO_WORKER_THREADS}={value:?}: not a number of threads"),
+                // tollgate's own bounds (its --worker-threads), so a count it would refuse
+                // fails here, by name, rather than as a server that did not start.
+                Ok(count) if (1..=1024).contains(&count) => Ok(ServerThreads(Some(count))),
+                _ => bail!(
+                    "{TOKIO_WORKER_THREADS}={value:?}: not a number of threads from 1 to 1024"
+                ),
             },
             Err(e) => bail!("{TOKIO_WORKER_THREADS}: {e}"),
         }

@@ -359,7 +359,7 @@ fn monitoring_objects_point_at_tollgate() {
 /// Proves: every tollgate container (dev, prod, the inference pod's sidecar) runs one runtime
 /// thread per CPU it requests, rounded up, rather than one per core of its node: it sets
 /// `TOKIO_WORKER_THREADS` from its own `requests.cpu`, and requests some CPU (the downward API
-/// gives 0 for none, which tollgate refuses).
+/// gives 0 for no request and no limit, which tollgate refuses).
 #[test]
 fn tollgate_runs_a_thread_per_cpu_requested() {
     for (dir, sidecar) in [
