@@ -38,8 +38,9 @@ struct Cli {
     redis_url: Option<String>,
     /// Threads the async runtime runs streams on [default: TOKIO_WORKER_THREADS if set, else
     /// the CPUs this process may use: its CPU affinity and cgroup quota, which without a CPU
-    /// limit is every core of the node]. More threads than the load keeps busy cost CPU per
-    /// decision: idle ones sleep and are woken (docs/benchmarks.md, "Worker threads").
+    /// limit is every core of the node]. Threads beyond what the load keeps busy cost CPU per
+    /// decision: work is handed between them, and idle ones sleep and are woken
+    /// (docs/benchmarks.md, "Worker threads").
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=MAX_WORKER_THREADS as i64))]
     worker_threads: Option<u16>,
 }
