@@ -356,23 +356,22 @@ fn monitoring_objects_point_at_tollgate() {
     assert_eq!(shipped, file);
 }
 
+/// Every kustomization that runs tollgate, and whether it runs as the inference pod's sidecar.
+const TOLLGATE_CONTAINERS: [(&str, bool); 3] = [
+    ("k8s/overlays/dev", false),
+    ("k8s/overlays/prod", false),
+    ("tests/fixtures/deploy/inference-app", true),
+];
+
 /// Proves: every tollgate container (dev, prod, the inference pod's sidecar) runs one runtime
 /// thread per CPU it requests, rounded up, rather than one per core of its node: it sets
 /// `TOKIO_WORKER_THREADS` from its own `requests.cpu`, and requests some CPU (the downward API
 /// gives 0 for no request and no limit, which tollgate refuses).
 #[test]
 fn tollgate_runs_a_thread_per_cpu_requested() {
-    for (dir, sidecar) in [
-        ("k8s/overlays/dev", false),
-        ("k8s/overlays/prod", false),
-        ("tests/fixtures/deploy/inference-app", true),
-    ] {
+    for (dir, sidecar) in TOLLGATE_CONTAINERS {
         let docs = build(dir);
-        let tollgate = if sidecar {
-            TollgateContainer::sidecar(&docs)
-        } else {
-            TollgateContainer::deployment(&docs)
-        };
+        let tollgate = TollgateContainer::of(&docs, sidecar);
         let c = tollgate.container;
         let threads = c["env"]
             .as_array()
@@ -417,17 +416,9 @@ fn millicores(quantity: &Value) -> Option<f64> {
 /// its own.
 #[test]
 fn configmap_configs_pass_check_config() {
-    for (dir, sidecar) in [
-        ("k8s/overlays/dev", false),
-        ("k8s/overlays/prod", false),
-        ("tests/fixtures/deploy/inference-app", true),
-    ] {
+    for (dir, sidecar) in TOLLGATE_CONTAINERS {
         let docs = build(dir);
-        let tollgate = if sidecar {
-            TollgateContainer::sidecar(&docs)
-        } else {
-            TollgateContainer::deployment(&docs)
-        };
+        let tollgate = TollgateContainer::of(&docs, sidecar);
         let config = effective_config(&docs, &tollgate);
         assert_eq!(
             config["scheduler"]["envoy_max_message_timeout_ms"], 30_000,

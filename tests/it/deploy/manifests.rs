@@ -158,6 +158,15 @@ impl<'a> TollgateContainer<'a> {
         }
     }
 
+    /// The inference pod's sidecar if `sidecar`, else the Deployment's container.
+    pub(super) fn of(docs: &'a [Value], sidecar: bool) -> Self {
+        if sidecar {
+            Self::sidecar(docs)
+        } else {
+            Self::deployment(docs)
+        }
+    }
+
     /// The config file the container reads: the ConfigMap key behind `--config PATH`.
     fn config_file(&self, docs: &[Value]) -> String {
         let args: Vec<&str> = self.container["args"]
