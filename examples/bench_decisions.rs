@@ -89,6 +89,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 
+use tollgate::config::{MAX_WORKER_THREADS, TOKIO_WORKER_THREADS, worker_threads_variable};
 use tollgate_testkit::bench::{SerialNumbered, median};
 use tollgate_testkit::host::{Machine, clock_ticks_per_second, cpu_ticks_of, machine_jiffies};
 use tollgate_testkit::ports::free_addr;
@@ -150,7 +151,7 @@ struct Args {
     /// Worker threads of each server's runtime, the echo's and tollgate's alike, given to both
     /// as `TOKIO_WORKER_THREADS` [default: that variable as this process has it, else tokio's
     /// default: the CPUs they may use].
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=MAX_WORKER_THREADS as i64))]
     server_threads: Option<u16>,
     /// Count with a model's own tokenizer, as a deployment serving that model does: one
     /// encoding rule for every model name, `DIR/tokenizer.json`, with the chat template of
@@ -1223,12 +1224,9 @@ impl ServerProc {
     }
 }
 
-/// tokio's variable for a runtime's worker count, which the echo (`#[tokio::main]`) and tollgate
-/// both read.
-const TOKIO_WORKER_THREADS: &str = "TOKIO_WORKER_THREADS";
-
 /// The worker threads every server runs: `--server-threads`, else `TOKIO_WORKER_THREADS` as the
-/// servers would inherit it; `None`: tokio's default.
+/// servers would inherit it (the echo's `#[tokio::main]` and tollgate both read it), held to
+/// tollgate's bounds so a count it would refuse fails here, by name; `None`: tokio's default.
 struct ServerThreads(Option<u16>);
 
 impl ServerThreads {
@@ -1236,18 +1234,8 @@ impl ServerThreads {
         if flag.is_some() {
             return Ok(ServerThreads(flag));
         }
-        match std::env::var(TOKIO_WORKER_THREADS) {
-            Err(std::env::VarError::NotPresent) => Ok(ServerThreads(None)),
-            Ok(value) => match value.parse::<u16>() {
-                // tollgate's own bounds (its --worker-threads), so a count it would refuse
-                // fails here, by name, rather than as a server that did not start.
-                Ok(count) if (1..=1024).contains(&count) => Ok(ServerThreads(Some(count))),
-                _ => bail!(
-                    "{TOKIO_WORKER_THREADS}={value:?}: not a number of threads from 1 to 1024"
-                ),
-            },
-            Err(e) => bail!("{TOKIO_WORKER_THREADS}: {e}"),
-        }
+        let variable = std::env::var_os(TOKIO_WORKER_THREADS);
+        Ok(ServerThreads(worker_threads_variable(variable.as_deref())?))
     }
 
     fn describe(&self) -> String {

@@ -774,6 +774,34 @@ impl From<config::ConfigError> for ConfigError {
     }
 }
 
+/// tokio's own variable for a runtime's worker count. The runtime's threads are not in the file:
+/// `tollgate --worker-threads`, else this variable, else tokio's default (the CPUs the process
+/// may use).
+pub const TOKIO_WORKER_THREADS: &str = "TOKIO_WORKER_THREADS";
+
+/// The most runtime threads `--worker-threads` or `TOKIO_WORKER_THREADS` may ask for: far above
+/// any core count tollgate is given, far below a count that exhausts the process's threads.
+pub const MAX_WORKER_THREADS: u16 = 1024;
+
+/// The count `TOKIO_WORKER_THREADS` asks for, given its value (`None`: unset, tokio's default).
+/// A value that is not a count from 1 to `MAX_WORKER_THREADS` is an error: tokio, which reads
+/// the variable itself when no count is set in code, would panic on 0 or on what is not a
+/// number, and would start as many threads as any larger count asks.
+pub fn worker_threads_variable(
+    value: Option<&std::ffi::OsStr>,
+) -> Result<Option<u16>, ConfigError> {
+    let Some(value) = value else {
+        return Ok(None);
+    };
+    match value.to_str().map(str::parse::<u16>) {
+        Some(Ok(threads)) if (1..=MAX_WORKER_THREADS).contains(&threads) => Ok(Some(threads)),
+        _ => Err(ConfigError(format!(
+            "{TOKIO_WORKER_THREADS}: {value:?} is not a number of threads from 1 to \
+             {MAX_WORKER_THREADS}"
+        ))),
+    }
+}
+
 /// Loads defaults, then `file` (if any), then `TOLLGATE__*` variables from `env`.
 ///
 /// `env` is passed in (rather than read here) so tests can inject variables without touching

@@ -213,8 +213,11 @@ where
     let redis = redis_settings(&policy.store).await?;
     let store = match &redis {
         Some(settings) => budget::Store::Redis(Box::new(
-            budget::redis::RedisStore::connect(settings.clone(), metrics.store_batch_calls())
-                .await?,
+            budget::redis::RedisStore::connect_counting_batches(
+                settings.clone(),
+                metrics.store_batch_calls(),
+            )
+            .await?,
         )),
         None => budget::Store::Memory(budget::memory::MemoryStore::new()),
     };
@@ -229,18 +232,14 @@ where
     });
     let fleet = match &redis_for_settings {
         // Its calls go one at a time, not in batches: no batch is counted.
-        Some(settings) => Some(
-            budget::redis::RedisStore::connect(settings.clone(), ::metrics::Histogram::noop())
-                .await?,
-        ),
+        Some(settings) => Some(budget::redis::RedisStore::connect(settings.clone()).await?),
         None => None,
     };
     // Run-time settings are shared through Redis on a connection of their own, read each sync.
     let settings_store = match &redis_for_settings {
         // Its batches (the admin API's usage reads) are left out of the decisions' count.
         Some(settings) => Some((
-            budget::redis::RedisStore::connect(settings.clone(), ::metrics::Histogram::noop())
-                .await?,
+            budget::redis::RedisStore::connect(settings.clone()).await?,
             policy.fleet.name.clone(),
         )),
         None => None,

@@ -41,7 +41,7 @@ struct Cli {
     /// limit is every core of the node]. Threads beyond what the load keeps busy cost CPU per
     /// decision: work is handed between them, and idle ones sleep and are woken
     /// (docs/benchmarks.md, "Worker threads").
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=MAX_WORKER_THREADS as i64))]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=config::MAX_WORKER_THREADS as i64))]
     worker_threads: Option<u16>,
 }
 
@@ -58,14 +58,6 @@ enum Command {
 
 /// Exit status for an unusable configuration, as for a usage error.
 const EXIT_CONFIG: u8 = 2;
-
-/// The most runtime threads `--worker-threads` or `TOKIO_WORKER_THREADS` may ask for: far above
-/// any core count tollgate is given, far below a count that exhausts the process's threads.
-const MAX_WORKER_THREADS: u16 = 1024;
-
-/// tokio's own variable for its worker count: it reads it when none is set in code, and panics
-/// on a value it cannot use, so tollgate reads it first.
-const TOKIO_WORKER_THREADS: &str = "TOKIO_WORKER_THREADS";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -121,14 +113,19 @@ fn main() -> ExitCode {
                 eprintln!("tollgate: invalid configuration:\n{e}");
                 return ExitCode::from(EXIT_CONFIG);
             }
-            let worker_threads =
-                match worker_threads(cli.worker_threads, std::env::var_os(TOKIO_WORKER_THREADS)) {
+            // The flag wins, and the variable it overrides is not read. tokio reads the variable
+            // itself when no count is given, and panics on a bad one: it is read here first.
+            let variable = std::env::var_os(config::TOKIO_WORKER_THREADS);
+            let worker_threads = match cli.worker_threads {
+                Some(threads) => Some(threads),
+                None => match config::worker_threads_variable(variable.as_deref()) {
                     Ok(threads) => threads,
                     Err(e) => {
                         eprintln!("tollgate: invalid configuration:\n{e}");
                         return ExitCode::from(EXIT_CONFIG);
                     }
-                };
+                },
+            };
             let flags = Flags::of(&cli);
             let file = cli.config.clone();
             let reload = tollgate::Reload {
@@ -152,31 +149,6 @@ fn check_password_file(store: &config::StoreConfig) -> Result<(), config::Config
             ))
         }),
         _ => Ok(()),
-    }
-}
-
-/// The runtime's worker threads: the flag's, else `TOKIO_WORKER_THREADS`'s, else `None` (tokio's
-/// default, the CPUs this process may use). A variable that is not a count from 1 to
-/// `MAX_WORKER_THREADS` is a configuration error here: tokio would panic on 0 or on what is not
-/// a number, and would start as many threads as any larger count asks.
-fn worker_threads(
-    flag: Option<u16>,
-    variable: Option<std::ffi::OsString>,
-) -> Result<Option<usize>, config::ConfigError> {
-    if let Some(threads) = flag {
-        return Ok(Some(threads.into()));
-    }
-    let Some(value) = variable else {
-        return Ok(None);
-    };
-    match value.to_str().map(str::parse::<u16>) {
-        Some(Ok(threads)) if (1..=MAX_WORKER_THREADS).contains(&threads) => {
-            Ok(Some(threads.into()))
-        }
-        _ => Err(config::ConfigError(format!(
-            "{TOKIO_WORKER_THREADS}: {value:?} is not a number of threads from 1 to \
-             {MAX_WORKER_THREADS}"
-        ))),
     }
 }
 
@@ -227,10 +199,10 @@ fn effective_config(
     Ok((config, policy))
 }
 
-fn serve(config: Config, reload: tollgate::Reload, worker_threads: Option<usize>) -> ExitCode {
+fn serve(config: Config, reload: tollgate::Reload, worker_threads: Option<u16>) -> ExitCode {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if let Some(threads) = worker_threads {
-        builder.worker_threads(threads);
+        builder.worker_threads(threads.into());
     }
     let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,

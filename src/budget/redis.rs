@@ -278,9 +278,15 @@ impl RedisStore {
     /// A store for `settings`, returned without waiting for Redis: the connection (and loading
     /// the scripts) happens in the background, and calls fail with `Unavailable`/`Timeout`
     /// until Redis answers, then succeed without further action. Fails only for settings that
-    /// can never work (an unparsable URL); retrying those is pointless. Each batch's number of
-    /// calls is recorded in `batch_calls` (`metrics::Histogram::noop()` where nobody reads it).
-    pub async fn connect(
+    /// can never work (an unparsable URL); retrying those is pointless.
+    pub async fn connect(settings: RedisSettings) -> Result<RedisStore, StoreError> {
+        Self::connect_counting_batches(settings, metrics::Histogram::noop()).await
+    }
+
+    /// [`RedisStore::connect`], recording each batch's number of calls in `batch_calls`
+    /// (`tollgate_store_batch_calls`): the decisions' store does, the fleet's and the settings'
+    /// do not.
+    pub async fn connect_counting_batches(
         settings: RedisSettings,
         batch_calls: metrics::Histogram,
     ) -> Result<RedisStore, StoreError> {

@@ -1,5 +1,6 @@
-//! Unit tests for `config::load`: the layers (defaults < YAML file < `TOLLGATE__*` variables),
-//! list and map parsing from the environment, and errors that name the key and value at fault.
+//! Unit tests for `config::load` and the worker threads' variable: the layers (defaults < YAML
+//! file < `TOLLGATE__*` variables), list and map parsing from the environment, and errors that
+//! name the key and value at fault.
 //!
 //! The only I/O is the file `load` reads itself, written to a temporary directory.
 
@@ -472,4 +473,34 @@ fn invalid_yaml_is_an_error_naming_the_file() {
         message.contains(&*name),
         "the error should name {name}: {message}"
     );
+}
+
+#[test]
+fn the_worker_threads_variable_is_a_count_from_1_to_the_cap() {
+    // (value, the count it asks for; None: an error naming the variable and the value)
+    let table: [(&str, Option<u16>); 9] = [
+        ("1", Some(1)),
+        ("2", Some(2)),
+        ("1024", Some(MAX_WORKER_THREADS)),
+        ("0", None),
+        ("1025", None),
+        ("-1", None),
+        ("two", None),
+        ("", None),
+        (" 2", None),
+    ];
+    for (value, want) in table {
+        let got = worker_threads_variable(Some(std::ffi::OsStr::new(value)));
+        match want {
+            Some(count) => assert_eq!(got.ok(), Some(Some(count)), "{value:?}"),
+            None => {
+                let ConfigError(message) = got.expect_err(value);
+                assert!(
+                    message.starts_with(&format!("{TOKIO_WORKER_THREADS}: {value:?}")),
+                    "{value:?}: {message}"
+                );
+            }
+        }
+    }
+    assert_eq!(worker_threads_variable(None).ok(), Some(None), "unset");
 }

@@ -33,14 +33,11 @@ async fn within<T>(test: impl Future<Output = T>) -> T {
 }
 
 async fn store(server: &RedisServer) -> RedisStore {
-    RedisStore::connect(
-        RedisSettings {
-            url: server.url.clone(),
-            password: None,
-            timeout: PATIENT,
-        },
-        metrics::Histogram::noop(),
-    )
+    RedisStore::connect(RedisSettings {
+        url: server.url.clone(),
+        password: None,
+        timeout: PATIENT,
+    })
     .await
     .expect("connect (lazily) to the test server")
 }

@@ -52,26 +52,18 @@ fn windows() -> Vec<WindowLimit> {
     ]
 }
 
-async fn store(server: &RedisServer, timeout: Duration) -> RedisStore {
-    counting_store(server, timeout, Histogram::noop()).await
+fn settings(server: &RedisServer, timeout: Duration) -> RedisSettings {
+    RedisSettings {
+        url: server.url.clone(),
+        password: None,
+        timeout,
+    }
 }
 
-/// A store whose batches' sizes go to `batch_calls`.
-async fn counting_store(
-    server: &RedisServer,
-    timeout: Duration,
-    batch_calls: Histogram,
-) -> RedisStore {
-    RedisStore::connect(
-        RedisSettings {
-            url: server.url.clone(),
-            password: None,
-            timeout,
-        },
-        batch_calls,
-    )
-    .await
-    .expect("connect (lazily) to the test server")
+async fn store(server: &RedisServer, timeout: Duration) -> RedisStore {
+    RedisStore::connect(settings(server, timeout))
+        .await
+        .expect("connect (lazily) to the test server")
 }
 
 /// Every value recorded, in order.
@@ -374,7 +366,10 @@ async fn the_calls_that_wait_for_a_batch_go_as_one_and_each_batch_is_counted() {
     within(async {
         let server = RedisServer::start().await;
         let recorded = Arc::new(Recorded::default());
-        let store = counting_store(&server, PATIENT, Histogram::from_arc(recorded.clone())).await;
+        let batch_calls = Histogram::from_arc(recorded.clone());
+        let store = RedisStore::connect_counting_batches(settings(&server, PATIENT), batch_calls)
+            .await
+            .expect("connect (lazily) to the test server");
         let windows = windows();
         reserve_until_granted(&store, &reservation("alice", "warm", 1, &windows)).await;
         store.warmed_up().await;

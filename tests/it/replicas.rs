@@ -1415,14 +1415,11 @@ fn header(answer: &ProcessingResponse, name: &str) -> Option<String> {
 
 /// The test's own view of the store, as tollgate keys it.
 async fn store(redis: &RedisServer) -> RedisStore {
-    RedisStore::connect(
-        RedisSettings {
-            url: redis.url.clone(),
-            password: None,
-            timeout: HANG,
-        },
-        metrics::Histogram::noop(),
-    )
+    RedisStore::connect(RedisSettings {
+        url: redis.url.clone(),
+        password: None,
+        timeout: HANG,
+    })
     .await
     .expect("connect to the test Redis")
 }

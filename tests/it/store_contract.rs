@@ -664,15 +664,12 @@ against_both_stores!(
 /// A fresh redis-server (stopped when the first value drops) and a store connected to it.
 async fn redis_store() -> (RedisServer, Store) {
     let server = RedisServer::start().await;
-    let store = RedisStore::connect(
-        RedisSettings {
-            url: server.url.clone(),
-            password: None,
-            // Generous: a loaded 2-core machine, and these tests are about answers, not speed.
-            timeout: Duration::from_secs(5),
-        },
-        metrics::Histogram::noop(),
-    )
+    let store = RedisStore::connect(RedisSettings {
+        url: server.url.clone(),
+        password: None,
+        // Generous: a loaded 2-core machine, and these tests are about answers, not speed.
+        timeout: Duration::from_secs(5),
+    })
     .await
     .expect("settings are valid");
     (server, Store::Redis(Box::new(store)))

@@ -392,7 +392,7 @@ async fn settings_that_can_never_work_fail_at_connect() {
         "http://127.0.0.1:6379",
         "redis://127.0.0.1:6379/not-a-db",
     ] {
-        let result = RedisStore::connect(settings(url), metrics::Histogram::noop()).await;
+        let result = RedisStore::connect(settings(url)).await;
         assert!(
             matches!(result, Err(StoreError::Unavailable(_))),
             "{url}: {:?}",
@@ -401,19 +401,14 @@ async fn settings_that_can_never_work_fail_at_connect() {
     }
     // Without TLS in the build, rediss:// is refused up front, saying why (a build with TLS
     // connects lazily like redis://).
-    if let Err(e) = RedisStore::connect(
-        settings("rediss://127.0.0.1:6379"),
-        metrics::Histogram::noop(),
-    )
-    .await
-    {
+    if let Err(e) = RedisStore::connect(settings("rediss://127.0.0.1:6379")).await {
         assert!(
             matches!(&e, StoreError::Unavailable(message) if message.contains("TLS")),
             "{e:?}"
         );
     }
     // A URL that parses connects lazily: no server is needed to get a store.
-    let store = RedisStore::connect(settings("redis://127.0.0.1:1"), metrics::Histogram::noop())
+    let store = RedisStore::connect(settings("redis://127.0.0.1:1"))
         .await
         .expect("lazy connect");
     let error = store
