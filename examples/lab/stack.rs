@@ -16,12 +16,12 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 use tollgate_testkit::bins;
 use tollgate_testkit::envoy::{
-    self, ENVOY_VERSION, Envoy, EnvoyPorts, render_config, without_ext_proc,
+    self, ENVOY_VERSION, Envoy, EnvoyPorts, render_over_extprocs, without_ext_proc,
 };
 use tollgate_testkit::redis::{RedisOptions, RedisServer};
 use tollgate_testkit::tollgate::{TollgateCommand, TollgateProcess};
@@ -157,14 +157,12 @@ impl Stack {
                 .await?
             }
             several => {
-                let text = front_proxy_over(front_proxy, &ports, several)?;
-                Envoy::launch_rendered(
+                Envoy::launch_with(
                     &binaries.envoy,
                     "envoy",
-                    &text,
-                    ports.listen,
-                    ports.admin,
+                    &ports,
                     Some(dir.path()),
+                    |ports| render_over_extprocs(front_proxy, ports, several),
                 )
                 .await?
             }
@@ -220,34 +218,6 @@ async fn settle(tollgates: &[TollgateProcess]) -> Result<()> {
     }
 }
 
-/// `front_proxy` rendered on `ports`, with its tollgate cluster's one endpoint replaced by one
-/// per gRPC port in `extprocs` and `lb_policy: LEAST_REQUEST` (as in tests/it/fleet.rs).
-fn front_proxy_over(front_proxy: &str, ports: &EnvoyPorts, extprocs: &[u16]) -> Result<String> {
-    let rendered = render_config(front_proxy, ports)?;
-    let endpoint = |port: u16| {
-        format!(
-            "        - endpoint:\n            address:\n              socket_address: \
-             {{ address: 127.0.0.1, port_value: {port} }}\n"
-        )
-    };
-    let one = endpoint(extprocs[0]);
-    ensure!(
-        rendered.matches(&one).count() == 1,
-        "envoy/front-proxy.yaml: the tollgate endpoint is not where the lab expects it"
-    );
-    let all: String = extprocs.iter().map(|&port| endpoint(port)).collect();
-    let cluster = "  - name: tollgate\n    type: STATIC\n";
-    ensure!(
-        rendered.matches(cluster).count() == 1,
-        "envoy/front-proxy.yaml: the tollgate cluster is not where the lab expects it"
-    );
-    Ok(rendered.replacen(&one, &all, 1).replacen(
-        cluster,
-        &format!("{cluster}    lb_policy: LEAST_REQUEST\n"),
-        1,
-    ))
-}
-
 /// `config` with `{upstream}` in every string replaced by the simulated vLLM's base URL, so a
 /// scenario can point tollgate at its metrics (`control.engine.metrics_urls`).
 fn with_upstream(config: &Value, base_url: &str) -> Value {
@@ -269,22 +239,6 @@ fn with_upstream(config: &Value, base_url: &str) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn several_replicas_become_one_least_request_cluster() {
-        let front_proxy = std::fs::read_to_string(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/front-proxy.yaml"),
-        )
-        .unwrap();
-        let ports = EnvoyPorts::free_with(8001, Some(50101));
-        let text = front_proxy_over(&front_proxy, &ports, &[50101, 50102, 50103]).unwrap();
-        for port in [50101, 50102, 50103] {
-            assert_eq!(text.matches(&format!("port_value: {port} ")).count(), 1);
-        }
-        assert_eq!(text.matches("lb_policy: LEAST_REQUEST").count(), 1);
-        let cluster = text.split("  - name: tollgate\n").nth(1).unwrap();
-        assert!(cluster.starts_with("    type: STATIC\n    lb_policy: LEAST_REQUEST\n"));
-    }
 
     #[test]
     fn upstream_placeholders_become_the_simulated_vllms_url() {

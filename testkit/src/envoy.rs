@@ -160,6 +160,48 @@ pub fn render_config(config: &str, ports: &EnvoyPorts) -> Result<String> {
     Ok(rendered)
 }
 
+/// `front_proxy` rendered on `ports` with its `tollgate` cluster spread by least request over
+/// the tollgates listening on `extprocs` (a fleet's replicas, one Envoy in front of them all).
+/// The ext_proc port of `ports` is ignored: the cluster's endpoints are `extprocs`.
+pub fn render_over_extprocs(
+    front_proxy: &str,
+    ports: &EnvoyPorts,
+    extprocs: &[u16],
+) -> Result<String> {
+    let (&first, _) = extprocs
+        .split_first()
+        .context("a front proxy over no tollgate")?;
+    let rendered = render_config(
+        front_proxy,
+        &EnvoyPorts {
+            extproc: Some(first),
+            ..*ports
+        },
+    )?;
+    let endpoint = |port: u16| {
+        format!(
+            "        - endpoint:\n            address:\n              socket_address: \
+             {{ address: 127.0.0.1, port_value: {port} }}\n"
+        )
+    };
+    let one = endpoint(first);
+    ensure!(
+        rendered.matches(&one).count() == 1,
+        "the front proxy's tollgate endpoint is not one `- endpoint:` of the form {one:?}"
+    );
+    let all: String = extprocs.iter().map(|&port| endpoint(port)).collect();
+    let cluster = "  - name: tollgate\n    type: STATIC\n";
+    ensure!(
+        rendered.matches(cluster).count() == 1,
+        "the front proxy has no `tollgate` STATIC cluster where one is expected"
+    );
+    Ok(rendered.replacen(&one, &all, 1).replacen(
+        cluster,
+        &format!("{cluster}    lb_policy: LEAST_REQUEST\n"),
+        1,
+    ))
+}
+
 /// `front_proxy` without the ext_proc HTTP filter and the `tollgate` cluster: Envoy straight to
 /// the upstream ("tollgate off"), with everything else (buffer limits, timeouts, circuit
 /// breakers, the port placeholders) byte for byte the same, so the only difference is ext_proc.
@@ -338,7 +380,7 @@ impl Envoy {
         started.await.unwrap_or_else(|error| panic!("{error:#}"))
     }
 
-    /// Renders `config` with `ports` and starts `binary` on it (see [`Envoy::launch_rendered`]).
+    /// Renders `config` with `ports` and starts `binary` on it, waiting until it listens.
     ///
     /// Envoy's own two ports are picked free and then bound by Envoy, so another process can
     /// take one in between (tests start processes at once; a clean-clone CI run lost one this
@@ -352,10 +394,27 @@ impl Envoy {
         ports: &EnvoyPorts,
         dir: Option<&Path>,
     ) -> Result<Envoy> {
+        Envoy::launch_with(binary, name, ports, dir, |ports| {
+            render_config(config, ports)
+        })
+        .await
+    }
+
+    /// Like [`Envoy::launch`], for a config that `render` writes for the ports it is given (a
+    /// front proxy over several tollgates, or a config outside the front proxy's port scheme):
+    /// when Envoy loses its listener or admin port, `render` is asked again with fresh ones.
+    /// `render` must bind Envoy's listener to `ports.listen` and its admin to `ports.admin`.
+    pub async fn launch_with(
+        binary: &Path,
+        name: &str,
+        ports: &EnvoyPorts,
+        dir: Option<&Path>,
+        render: impl Fn(&EnvoyPorts) -> Result<String>,
+    ) -> Result<Envoy> {
         let mut ports = *ports;
         let mut attempt = 1;
         loop {
-            let rendered = render_config(config, &ports)?;
+            let rendered = render(&ports)?;
             match Envoy::launch_rendered(binary, name, &rendered, ports.listen, ports.admin, dir)
                 .await
             {
@@ -369,12 +428,12 @@ impl Envoy {
         }
     }
 
-    /// Starts `binary` on `config`, whose ports the caller rendered (for configs outside the
-    /// front proxy's port scheme, like the TLS sidecar), and waits until the admin endpoint on
-    /// `admin` reports LIVE and its workers' listeners have started. The config and the log go
-    /// to `<dir>/<name>.yaml` and `<dir>/<name>.log`, in a temp dir of Envoy's own when `dir`
-    /// is `None`.
-    pub async fn launch_rendered(
+    /// Starts `binary` on `config`, whose ports are rendered, and waits until the admin
+    /// endpoint on `admin` reports LIVE and its workers' listeners have started. The config and
+    /// the log go to `<dir>/<name>.yaml` and `<dir>/<name>.log`, in a temp dir of Envoy's own
+    /// when `dir` is `None`. Private: a caller starting Envoy on picked ports without
+    /// [`Envoy::launch_with`]'s retry loses a run whenever another process takes one first.
+    async fn launch_rendered(
         binary: &Path,
         name: &str,
         config: &str,

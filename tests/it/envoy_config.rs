@@ -22,8 +22,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use tollgate_testkit::envoy::{
-    DEFAULT_BUCKET_TOKENS, PER_USER_BUCKET_TOKENS, render_config, request_phases_only,
-    with_local_ratelimit, with_observer_filter, without_ext_proc,
+    DEFAULT_BUCKET_TOKENS, PER_USER_BUCKET_TOKENS, render_config, render_over_extprocs,
+    request_phases_only, with_local_ratelimit, with_observer_filter, without_ext_proc,
 };
 
 use crate::support::envoy::{ENVOY_VERSION, Envoy, EnvoyPorts, envoy_binary, free_port};
@@ -740,17 +740,20 @@ fn the_benchmarks_derived_configs_validate() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// Ports to render configs with in tests that only read the result.
+const RENDER_PORTS: EnvoyPorts = EnvoyPorts {
+    listen: 20000,
+    upstream: 20001,
+    extproc: Some(20002),
+    admin: 20003,
+};
+
 /// Proves: rendering puts every port of front-proxy.yaml on loopback, and a config without
 /// ext_proc may not be rendered with an ext_proc port (nor with ext_proc's placeholder left).
 #[test]
 fn rendering_puts_every_port_on_loopback() {
     let front_proxy = std::fs::read_to_string(front_proxy_config()).expect("read front-proxy");
-    let ports = EnvoyPorts {
-        listen: 20000,
-        upstream: 20001,
-        extproc: Some(20002),
-        admin: 20003,
-    };
+    let ports = RENDER_PORTS;
     let rendered = render_config(&front_proxy, &ports).unwrap();
     for port in ["20000", "20001", "20002", "20003"] {
         assert!(rendered.contains(&format!("port_value: {port}")), "{port}");
@@ -763,4 +766,22 @@ fn rendering_puts_every_port_on_loopback() {
         ..ports
     };
     assert!(render_config(&direct, &alone).is_ok());
+}
+
+/// Proves: a front proxy over several tollgates (the fleet tests' and the lab's) has one
+/// `tollgate` cluster, balanced by least request, with an endpoint for each of them and none
+/// for the ext_proc port `ports` carries; over none it is an error.
+#[test]
+fn rendering_over_several_tollgates_spreads_one_cluster_by_least_request() {
+    let front_proxy = std::fs::read_to_string(front_proxy_config()).expect("read front-proxy");
+    let ports = RENDER_PORTS;
+    let text = render_over_extprocs(&front_proxy, &ports, &[50101, 50102, 50103]).unwrap();
+    for port in [50101, 50102, 50103] {
+        assert_eq!(text.matches(&format!("port_value: {port} ")).count(), 1);
+    }
+    assert!(!text.contains("port_value: 20002"));
+    assert_eq!(text.matches("lb_policy: LEAST_REQUEST").count(), 1);
+    let cluster = text.split("  - name: tollgate\n").nth(1).unwrap();
+    assert!(cluster.starts_with("    type: STATIC\n    lb_policy: LEAST_REQUEST\n"));
+    assert!(render_over_extprocs(&front_proxy, &ports, &[]).is_err());
 }

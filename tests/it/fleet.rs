@@ -148,43 +148,17 @@ fn settled(
 
 const SETTLE: Duration = Duration::from_secs(15);
 
-/// The front proxy with its ext_proc cluster spread over `extprocs` by least request.
-fn front_proxy_over(extprocs: &[u16], upstream: u16) -> (String, EnvoyPorts) {
+/// Envoy's front proxy in front of the tollgates listening on `extprocs`, its ext_proc cluster
+/// spread over them by least request.
+async fn envoy_over(name: &str, extprocs: &[u16], upstream: u16) -> Envoy {
     let ports = EnvoyPorts::free(upstream, extprocs[0]);
-    let rendered = front_proxy(&ports);
-    let one = format!(
-        "        - endpoint:\n            address:\n              socket_address: {{ address: 127.0.0.1, port_value: {} }}\n",
-        extprocs[0]
-    );
-    assert!(
-        rendered.contains(&one),
-        "the tollgate endpoint is where the test expects it"
-    );
-    let all: String = extprocs
-        .iter()
-        .map(|port| {
-            format!(
-                "        - endpoint:\n            address:\n              socket_address: {{ address: 127.0.0.1, port_value: {port} }}\n"
-            )
-        })
-        .collect();
-    let rendered = rendered.replacen(&one, &all, 1).replacen(
-        "  - name: tollgate\n    type: STATIC\n",
-        "  - name: tollgate\n    type: STATIC\n    lb_policy: LEAST_REQUEST\n",
-        1,
-    );
-    assert!(rendered.contains("lb_policy: LEAST_REQUEST"));
-    (rendered, ports)
-}
-
-async fn launch_envoy(name: &str, config: &str, ports: EnvoyPorts) -> Envoy {
-    Envoy::launch_rendered(
+    let config = front_proxy_config();
+    Envoy::launch_with(
         &envoy_binary(&e2e_envoy_version()),
         name,
-        config,
-        ports.listen,
-        ports.admin,
+        &ports,
         None,
+        |ports| tollgate_testkit::envoy::render_over_extprocs(&config, ports, extprocs),
     )
     .await
     .unwrap_or_else(|error| panic!("{error:#}"))
@@ -265,8 +239,7 @@ async fn three_replicas_behind_one_envoy_hold_one_limit_and_use_all_of_it() {
     let yaml = config(&redis, LIMIT, 3);
     let gates = fleet_of(&yaml, 3, LIMIT).await;
     let ports: Vec<u16> = gates.iter().map(|g| g.grpc.port()).collect();
-    let (config, envoy_ports) = front_proxy_over(&ports, upstream.addr.port());
-    let envoy = launch_envoy("envoy-fleet", &config, envoy_ports).await;
+    let envoy = envoy_over("envoy-fleet", &ports, upstream.addr.port()).await;
     let client = client();
     assert_eq!(upstream_peak(&upstream, true).await, 0);
 
@@ -617,8 +590,7 @@ async fn one_controller_cuts_the_deployments_limit_for_every_replica() {
     let gates = fleet_of(&yaml, 2, START).await;
     let refs: Vec<&Tollgate> = gates.iter().collect();
     let ports: Vec<u16> = gates.iter().map(|g| g.grpc.port()).collect();
-    let (config, envoy_ports) = front_proxy_over(&ports, upstream.addr.port());
-    let envoy = Arc::new(launch_envoy("envoy-control", &config, envoy_ports).await);
+    let envoy = Arc::new(envoy_over("envoy-control", &ports, upstream.addr.port()).await);
     let client = client();
     let stop = Arc::new(AtomicBool::new(false));
     let mut workers = Vec::new();
@@ -705,16 +677,21 @@ fn keep_busy(
 /// Real Envoy (`envoy/front-proxy.yaml`) in front of `gate` alone.
 async fn envoy_for(gate: &Tollgate, upstream: &Upstream, name: &str) -> Arc<Envoy> {
     let ports = EnvoyPorts::free(upstream.addr.port(), gate.grpc.port());
-    Arc::new(launch_envoy(name, &front_proxy(&ports), ports).await)
+    let envoy = Envoy::launch(
+        &envoy_binary(&e2e_envoy_version()),
+        name,
+        &front_proxy_config(),
+        &ports,
+        None,
+    )
+    .await;
+    Arc::new(envoy.unwrap_or_else(|error| panic!("{error:#}")))
 }
 
-/// `envoy/front-proxy.yaml` rendered on `ports`.
-fn front_proxy(ports: &EnvoyPorts) -> String {
-    let config = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/front-proxy.yaml"),
-    )
-    .expect("read envoy/front-proxy.yaml");
-    tollgate_testkit::envoy::render_config(&config, ports).expect("render front-proxy.yaml")
+/// `envoy/front-proxy.yaml`, unrendered.
+fn front_proxy_config() -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/front-proxy.yaml"))
+        .expect("read envoy/front-proxy.yaml")
 }
 
 /// Two idle replicas split the limit; when demand reaches only one, its share grows to the

@@ -1,7 +1,7 @@
 //! The TLS and response-phases-off variants of the front proxy, end to end through real Envoy.
 
 use crate::envoy_config::{client, envoy_dir, test_certs, with_test_certs};
-use crate::support::envoy::{ENVOY_VERSION, Envoy, EnvoyPorts, envoy_binary, free_port};
+use crate::support::envoy::{ENVOY_VERSION, Envoy, EnvoyPorts, envoy_binary};
 use crate::support::process::Upstream;
 use crate::support::server::TestServer;
 
@@ -27,34 +27,37 @@ async fn tls_front_proxy_reaches_tollgate_through_the_tls_sidecar() {
     let tollgate = TestServer::start(base_config()).await;
     let upstream = Upstream::start(&[]);
 
-    let (tls_port, sidecar_admin) = (free_port(), free_port());
+    // The sidecar's listener (50443) and admin (9902) are its `listen` and `admin`: launch_with
+    // renders it again on fresh ones if another process takes one first.
     let sidecar = with_test_certs(&read("envoy/tollgate-tls-sidecar.yaml"), certs.path());
-    let sidecar = replace_once(
-        &sidecar,
-        "port_value: 50443",
-        &format!("port_value: {tls_port}"),
-    );
     let sidecar = replace_once(
         &sidecar,
         "port_value: 50051",
         &format!("port_value: {}", tollgate.grpc.port()),
     );
-    let sidecar = replace_once(
-        &sidecar,
-        "port_value: 9902",
-        &format!("port_value: {sidecar_admin}"),
-    );
     let sidecar = replace_once(&sidecar, "address: 0.0.0.0", "address: 127.0.0.1");
-    let _sidecar = Envoy::launch_rendered(
+    let sidecar_ports = EnvoyPorts::free_with(tollgate.grpc.port(), None);
+    let sidecar = Envoy::launch_with(
         &envoy_binary(ENVOY_VERSION),
         "tls-sidecar",
-        &sidecar,
-        tls_port,
-        sidecar_admin,
+        &sidecar_ports,
         None,
+        |ports| {
+            let rendered = replace_once(
+                &sidecar,
+                "port_value: 50443",
+                &format!("port_value: {}", ports.listen),
+            );
+            Ok(replace_once(
+                &rendered,
+                "port_value: 9902",
+                &format!("port_value: {}", ports.admin),
+            ))
+        },
     )
     .await
     .unwrap_or_else(|error| panic!("{error:#}"));
+    let tls_port = sidecar.listen.port();
 
     // Into the front proxy's port scheme (tollgate_testkit::envoy::render_config): the Kubernetes names become loopback,
     // the TLS port the ext_proc placeholder.
