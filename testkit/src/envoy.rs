@@ -193,7 +193,7 @@ pub fn render_over_extprocs(
     let cluster = "  - name: tollgate\n    type: STATIC\n";
     ensure!(
         rendered.matches(cluster).count() == 1,
-        "the front proxy has no `tollgate` STATIC cluster where one is expected"
+        "the front proxy does not have exactly one `tollgate` STATIC cluster of the form {cluster:?}"
     );
     Ok(rendered.replacen(&one, &all, 1).replacen(
         cluster,

@@ -21,7 +21,8 @@ pub fn free_addr() -> SocketAddr {
 }
 
 /// How many times a child that lost a picked port (another process bound it first) is started
-/// again on fresh ports (`TollgateCommand::start`, `Envoy::launch`).
+/// again on fresh ports (`TollgateCommand::start`, `Envoy::launch_with`, which
+/// `Envoy::launch` goes through).
 pub const PORT_ATTEMPTS: u32 = 3;
 
 /// Whether a child's start failed because a port it was given was taken in between.

@@ -152,13 +152,13 @@ const SETTLE: Duration = Duration::from_secs(15);
 /// spread over them by least request.
 async fn envoy_over(name: &str, extprocs: &[u16], upstream: u16) -> Envoy {
     let ports = EnvoyPorts::free(upstream, extprocs[0]);
-    let config = front_proxy_config();
+    let front_proxy = read_front_proxy();
     Envoy::launch_with(
         &envoy_binary(&e2e_envoy_version()),
         name,
         &ports,
         None,
-        |ports| tollgate_testkit::envoy::render_over_extprocs(&config, ports, extprocs),
+        |ports| tollgate_testkit::envoy::render_over_extprocs(&front_proxy, ports, extprocs),
     )
     .await
     .unwrap_or_else(|error| panic!("{error:#}"))
@@ -680,7 +680,7 @@ async fn envoy_for(gate: &Tollgate, upstream: &Upstream, name: &str) -> Arc<Envo
     let envoy = Envoy::launch(
         &envoy_binary(&e2e_envoy_version()),
         name,
-        &front_proxy_config(),
+        &read_front_proxy(),
         &ports,
         None,
     )
@@ -688,8 +688,8 @@ async fn envoy_for(gate: &Tollgate, upstream: &Upstream, name: &str) -> Arc<Envo
     Arc::new(envoy.unwrap_or_else(|error| panic!("{error:#}")))
 }
 
-/// `envoy/front-proxy.yaml`, unrendered.
-fn front_proxy_config() -> String {
+/// The text of `envoy/front-proxy.yaml`, unrendered.
+fn read_front_proxy() -> String {
     std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/front-proxy.yaml"))
         .expect("read envoy/front-proxy.yaml")
 }

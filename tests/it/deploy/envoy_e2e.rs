@@ -27,32 +27,27 @@ async fn tls_front_proxy_reaches_tollgate_through_the_tls_sidecar() {
     let tollgate = TestServer::start(base_config()).await;
     let upstream = Upstream::start(&[]);
 
-    // The sidecar's listener (50443) and admin (9902) are its `listen` and `admin`: launch_with
-    // renders it again on fresh ones if another process takes one first.
-    let sidecar = with_test_certs(&read("envoy/tollgate-tls-sidecar.yaml"), certs.path());
-    let sidecar = replace_once(
-        &sidecar,
-        "port_value: 50051",
-        &format!("port_value: {}", tollgate.grpc.port()),
-    );
-    let sidecar = replace_once(&sidecar, "address: 0.0.0.0", "address: 127.0.0.1");
-    let sidecar_ports = EnvoyPorts::free_with(tollgate.grpc.port(), None);
+    // The sidecar's listener (50443) and admin (9902) are its `listen` and `admin`, and the
+    // tollgate it forwards to (50051) its `upstream`: launch_with renders it again on fresh
+    // listener and admin ports if another process takes one first.
+    let sidecar_config = with_test_certs(&read("envoy/tollgate-tls-sidecar.yaml"), certs.path());
+    let sidecar_config = replace_once(&sidecar_config, "address: 0.0.0.0", "address: 127.0.0.1");
     let sidecar = Envoy::launch_with(
         &envoy_binary(ENVOY_VERSION),
         "tls-sidecar",
-        &sidecar_ports,
+        &EnvoyPorts::free_with(tollgate.grpc.port(), None),
         None,
         |ports| {
-            let rendered = replace_once(
-                &sidecar,
-                "port_value: 50443",
-                &format!("port_value: {}", ports.listen),
-            );
-            Ok(replace_once(
-                &rendered,
-                "port_value: 9902",
-                &format!("port_value: {}", ports.admin),
-            ))
+            let rendered = [
+                ("port_value: 50443", ports.listen),
+                ("port_value: 9902", ports.admin),
+                ("port_value: 50051", ports.upstream),
+            ]
+            .into_iter()
+            .fold(sidecar_config.clone(), |text, (placeholder, port)| {
+                replace_once(&text, placeholder, &format!("port_value: {port}"))
+            });
+            Ok(rendered)
         },
     )
     .await
