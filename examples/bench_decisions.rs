@@ -90,6 +90,7 @@ use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 
 use tollgate::config::{MAX_WORKER_THREADS, TOKIO_WORKER_THREADS, worker_threads_variable};
+use tollgate::observe::FLEET_STORE_CALLS;
 use tollgate_testkit::bench::{SerialNumbered, median};
 use tollgate_testkit::host::{Machine, clock_ticks_per_second, cpu_ticks_of, machine_jiffies};
 use tollgate_testkit::ports::free_addr;
@@ -1353,6 +1354,9 @@ struct RedisStats {
     /// `tollgate_fleet_store_calls_total`), which run on their own, a few a second.
     evalsha_calls: u64,
     fleet_calls: u64,
+    /// Readings of the run's start and end taken again because a fleet call ended during one
+    /// (`read_edge`).
+    edge_rereadings: u64,
     /// Time Redis spent executing them (its main thread), µs per call.
     usec_per_evalsha: f64,
     /// Reads from client sockets (`total_reads_processed`): about one per batch of calls.
@@ -1463,6 +1467,7 @@ impl Run {
             "redis": self.redis.as_ref().map(|r| json!({
                 "evalsha_calls": r.evalsha_calls,
                 "fleet_calls": r.fleet_calls,
+                "edge_rereadings": r.edge_rereadings,
                 "usec_per_evalsha": r.usec_per_evalsha,
                 "reads": r.reads,
                 "reads_per_decision": self.reads_per_decision(),
@@ -1479,6 +1484,66 @@ struct WorkerResult {
     errors: BTreeMap<String, u64>,
 }
 
+/// What a run's start or its end reads of tollgate and Redis.
+struct Edge {
+    /// tollgate's metrics (`None` for the echo).
+    metrics: Option<Scrape>,
+    /// Redis's `INFO commandstats`.
+    commands: BTreeMap<String, (u64, u64)>,
+    /// Redis's `total_reads_processed`, read after `commands`.
+    reads: u64,
+    /// The `INFO`s this reading sent Redis, each a read of its own, `reads`' too: two a try.
+    info_reads: u64,
+}
+
+impl Edge {
+    /// The tries after the first.
+    fn rereadings(&self) -> u64 {
+        self.info_reads / 2 - 1
+    }
+}
+
+/// Reads tollgate's metrics on both sides of Redis's `INFO`, again until no fleet call ended in
+/// between. The fleet syncs on while the readings are taken (an `EVALSHA` or two every
+/// `fleet.sync_ms`, off the request path), and Redis counts a call when it runs it, tollgate
+/// when its answer comes. Read once, scrape then `INFO`, a call Redis ran before a run's first
+/// `INFO` that tollgate counted after its first scrape (or ran after the last `INFO` and was
+/// counted before the last scrape) was in the run's fleet calls and not in Redis's, and left a
+/// round one `EVALSHA` short of two per decision less the fleet's (docs/benchmarks.md, "Rounds
+/// an `EVALSHA` short"). Scraped on both sides, such a call shows as a change between the two
+/// scrapes, and the reading is taken again; only a call in flight from before the first scrape
+/// to after the second could still be miscounted.
+async fn read_edge(admin: Option<SocketAddr>, redis_stats: &mut RawRedis) -> Result<Edge> {
+    const ATTEMPTS: u64 = 10;
+    let fleet_calls = |metrics: &Option<Scrape>| {
+        metrics
+            .as_ref()
+            .map(|scrape| scrape.sum(FLEET_STORE_CALLS, &[]))
+    };
+    let scrape_of = |admin: Option<SocketAddr>| async move {
+        match admin {
+            Some(admin) => scrape(admin).await.map(Some),
+            None => Ok(None),
+        }
+    };
+    let mut first = scrape_of(admin).await?;
+    for attempt in 1..=ATTEMPTS {
+        let commands = redis_stats.command_stats().await?;
+        let reads = redis_stats.reads_processed().await?;
+        let second = scrape_of(admin).await?;
+        if fleet_calls(&first) == fleet_calls(&second) {
+            return Ok(Edge {
+                metrics: second,
+                commands,
+                reads,
+                info_reads: 2 * attempt,
+            });
+        }
+        first = second;
+    }
+    bail!("a fleet call ended between tollgate's scrapes in each of {ATTEMPTS} readings")
+}
+
 async fn measure(
     target: &Target<'_>,
     messages: &Arc<Messages>,
@@ -1490,12 +1555,7 @@ async fn measure(
 ) -> Result<Run> {
     let server = target.server;
     // Scrapes and INFO before the CPU readings, so their cost falls outside the run.
-    let metrics_before = match server.admin {
-        Some(admin) => Some(scrape(admin).await?),
-        None => None,
-    };
-    let commands_before = redis_stats.command_stats().await?;
-    let reads_before = redis_stats.reads_processed().await?;
+    let before = read_edge(server.admin, redis_stats).await?;
     let server_pid = server.proc.pid();
     let ticks = |pid: Option<u32>| {
         let path = pid.map_or_else(
@@ -1592,20 +1652,21 @@ async fn measure(
         f64::from(total.latencies_us[index]) / 1000.0
     };
 
-    let commands_after = redis_stats.command_stats().await?;
-    // Less the two INFO reads of ours in between (this one's and command_stats').
-    let reads = (redis_stats.reads_processed().await? - reads_before).saturating_sub(2);
+    let after = read_edge(server.admin, redis_stats).await?;
+    // Less our own INFO reads at the end (those at the start came before its reading).
+    let reads = (after.reads - before.reads).saturating_sub(after.info_reads);
     let evalsha =
         |stats: &BTreeMap<String, (u64, u64)>| stats.get("evalsha").copied().unwrap_or_default();
-    let (calls0, usec0) = evalsha(&commands_before);
-    let (calls1, usec1) = evalsha(&commands_after);
+    let (calls0, usec0) = evalsha(&before.commands);
+    let (calls1, usec1) = evalsha(&after.commands);
     let evalsha_calls = calls1 - calls0;
     let mut fleet_calls = 0;
 
-    let tollgate = match (server.admin, metrics_before) {
-        (Some(admin), Some(before)) => {
-            let delta = scrape(admin).await?.minus(&before);
-            fleet_calls = delta.sum("tollgate_fleet_store_calls_total", &[]) as u64;
+    let edge_rereadings = before.rereadings() + after.rereadings();
+    let tollgate = match (after.metrics, before.metrics) {
+        (Some(after), Some(before)) => {
+            let delta = after.minus(&before);
+            fleet_calls = delta.sum(FLEET_STORE_CALLS, &[]) as u64;
             let store = "tollgate_store_request_duration_seconds";
             let micros = |seconds: f64| seconds * 1e6;
             Some(TollgateStats {
@@ -1638,6 +1699,7 @@ async fn measure(
     let redis_view = server.uses_redis.then(|| RedisStats {
         evalsha_calls: evalsha_calls.saturating_sub(fleet_calls),
         fleet_calls,
+        edge_rereadings,
         usec_per_evalsha: (usec1 - usec0) as f64 / evalsha_calls.max(1) as f64,
         reads,
     });
