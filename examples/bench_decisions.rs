@@ -17,9 +17,9 @@
 //!    the replicas share: a join and, on the leader, a publish, an `EVALSHA` each every
 //!    `fleet.sync_ms`, on a connection of their own, and the run-time settings read with one
 //!    `HGETALL` as often), told apart by their `tollgate:fleet:` keys, which no request waits
-//!    for. Leases are renewed every
-//!    `store.lease_renew_ms`; the configuration sets it to an hour so no renewal falls into the
-//!    run. MONITOR is closed before anything is timed: it slows Redis down.
+//!    for. Leases are renewed every `store.lease_renew_ms`; the configuration sets it to an hour
+//!    so no renewal falls into the run. MONITOR is closed before anything is timed: it slows
+//!    Redis down.
 //!
 //! 2. **Decisions per CPU-second** for three servers, one at a time, in interleaved rounds
 //!    (echo, tollgate+redis, tollgate+memory, echo, ...), with medians over the rounds:

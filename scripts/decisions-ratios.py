@@ -8,11 +8,17 @@ decision, and what tollgate with Redis spends beyond tollgate with its embedded 
 reads from clients per decision (about one a batch of calls; files written before bench_decisions
 recorded them print nan); and the latency with Redis: a
 reserve's mean and p99 and a settle's mean as tollgate times them, and the streams' p50 and p99
-as the load sees them.
+as the load sees them; and Redis's `EVALSHA` less two a decision and the fleet's calls as
+tollgate counted them (bench_decisions subtracts the second from Redis's count).
 Medians over the rounds first, each round's figure in brackets.
+
+Given several files, it ends with the rounds whose `EVALSHA` were not two a decision, and how
+many fleet calls the other rounds counted, by their length in seconds (docs/benchmarks.md,
+"Rounds an `EVALSHA` short"). A JSON file that is not bench_decisions' is passed over, saying so.
 
 Usage: python3 scripts/decisions-ratios.py RUN.json [RUN.json ...]
 """
+import collections
 import json
 import statistics
 import sys
@@ -23,8 +29,7 @@ def own_us(run):
     return 1e6 / run["decisions_per_server_cpu_s"]
 
 
-def rounds(path):
-    runs = json.load(open(path))["runs"]
+def rounds(runs, path):
     out = []
     for i in range(0, len(runs), 3):
         echo, redis, memory = runs[i : i + 3]
@@ -55,13 +60,29 @@ def rounds(path):
                 "settle mean us": redis["tollgate"]["settle_mean_us"],
                 "p50 ms": redis["latency_p50_ms"],
                 "p99 ms": redis["latency_p99_ms"],
+                "evalsha less 2/dec": redis["redis"]["evalsha_calls"] - 2 * redis["decisions"],
+                "fleet calls": redis["redis"].get("fleet_calls", float("nan")),
+                "seconds": round(redis["wall_s"]),
             }
         )
     return out
 
 
+# Rounds whose EVALSHA were not two a decision: (file, round, off by, fleet calls).
+off_rounds = []
+# Fleet calls of the other rounds, by the round's length in seconds.
+fleet_of_clean = collections.defaultdict(collections.Counter)
 for path in sys.argv[1:]:
-    rows = rounds(path)
+    runs = json.load(open(path)).get("runs")
+    if runs is None:
+        print(f"{path}: not a bench_decisions run (no runs), passed over", file=sys.stderr)
+        continue
+    rows = rounds(runs, path)
+    for number, row in enumerate(rows, 1):
+        if row["evalsha less 2/dec"] != 0:
+            off_rounds.append((path, number, row["evalsha less 2/dec"], row["fleet calls"]))
+        elif row["fleet calls"] == row["fleet calls"]:  # not nan: files before it was kept
+            fleet_of_clean[row["seconds"]][row["fleet calls"]] += 1
     cells = []
     for key, form in [
         ("redis", "{:.3f}"),
@@ -80,8 +101,19 @@ for path in sys.argv[1:]:
         ("settle mean us", "{:.0f}"),
         ("p50 ms", "{:.2f}"),
         ("p99 ms", "{:.2f}"),
+        ("evalsha less 2/dec", "{:.0f}"),
+        ("fleet calls", "{:.0f}"),
     ]:
         values = [row[key] for row in rows]
         each = " ".join(form.format(v) for v in values)
         cells.append(f"{key} {form.format(statistics.median(values))} [{each}]")
     print(f"{path}\n  " + "\n  ".join(cells))
+
+if len(sys.argv) > 2:
+    print("rounds whose EVALSHA were not two a decision (file, round, off by, fleet calls):")
+    for path, number, off, fleet in off_rounds:
+        print(f"  {path} round {number}: {off:+d}, {fleet:.0f} fleet calls")
+    print("fleet calls in the other rounds, by the round's seconds (calls: rounds):")
+    for seconds, counts in sorted(fleet_of_clean.items()):
+        each = ", ".join(f"{calls:.0f}: {n}" for calls, n in sorted(counts.items()))
+        print(f"  {seconds} s: {each}")

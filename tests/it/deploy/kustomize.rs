@@ -7,8 +7,8 @@ use serde_json::{Value, json};
 
 use super::dockerfile::dockerfile_user;
 use super::manifests::{
-    TollgateContainer, all_of, build, check_py, container_port, effective_config, kustomize, one,
-    port_of, prod, selects, yaml_docs, yaml_file,
+    TollgateContainer, all_of, build, check_py, container_port, effective_config, env_var,
+    kustomize, one, port_of, prod, selects, yaml_docs, yaml_file,
 };
 use super::read;
 
@@ -373,11 +373,7 @@ fn tollgate_runs_a_thread_per_cpu_requested() {
         let docs = build(dir);
         let tollgate = TollgateContainer::of(&docs, sidecar);
         let c = tollgate.container;
-        let threads = c["env"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|var| var["name"] == "TOKIO_WORKER_THREADS")
+        let threads = env_var(c, "TOKIO_WORKER_THREADS")
             .unwrap_or_else(|| panic!("{dir}: TOKIO_WORKER_THREADS sets the runtime's threads"));
         let field = &threads["valueFrom"]["resourceFieldRef"];
         assert_eq!(
@@ -439,9 +435,7 @@ fn configmap_configs_pass_check_config() {
                 tollgate.container["restartPolicy"], "Always",
                 "a native sidecar"
             );
-            let fleet_name = tollgate.container["env"]
-                .as_array()
-                .and_then(|env| env.iter().find(|v| v["name"] == "TOLLGATE__FLEET__NAME"))
+            let fleet_name = env_var(tollgate.container, "TOLLGATE__FLEET__NAME")
                 .expect("the sidecar names its fleet");
             assert_eq!(
                 fleet_name["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name",

@@ -109,6 +109,13 @@ pub(super) fn container<'a>(containers: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no container {name} in {containers}"))
 }
 
+/// The variable `name` as `container` sets it (`name` with `value` or `valueFrom`), if it does.
+pub(super) fn env_var<'a>(container: &'a Value, name: &str) -> Option<&'a Value> {
+    container["env"]
+        .as_array()
+        .and_then(|env| env.iter().find(|var| var["name"] == name))
+}
+
 /// The `TOLLGATE__*` variables a container sets (literal values only).
 fn tollgate_env(container: &Value) -> Vec<(String, String)> {
     container["env"]
