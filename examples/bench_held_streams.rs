@@ -52,25 +52,27 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::ImmediateResponse;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse,
-};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use tollgate_testkit::bins;
 use tollgate_testkit::host::{Machine, cpu_seconds, status_kib};
 use tollgate_testkit::metrics;
 use tollgate_testkit::tollgate::TollgateCommand;
+
+#[path = "shared/extproc_client.rs"]
+mod extproc_client;
+
+use extproc_client::{
+    Stream, chat_body, chat_body_message, chat_headers, client, connect, describe, reason,
+};
 
 /// Start-up budget for tollgate; generous because the machine may be compiling meanwhile.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -164,7 +166,7 @@ async fn bench(args: &Args) -> Result<bool> {
         eprintln!("WARNING: {warning}");
     }
     let machine = Machine::describe(("server", binary.display().to_string()));
-    let body = chat_body(args.body_bytes)?;
+    let body: Arc<[u8]> = chat_body(args.body_bytes, "", "hi ")?.into();
 
     let dir = tempfile::tempdir().context("create a temporary directory")?;
     let config_path = dir.path().join("tollgate.yaml");
@@ -369,66 +371,6 @@ impl Gauges {
 // ---------------------------------------------------------------------------------------------
 // Playing Envoy
 
-/// Opens `count` HTTP/2 connections; each `Endpoint::connect` is a connection of its own.
-async fn connect(grpc: SocketAddr, count: usize) -> Result<Vec<Channel>> {
-    let mut channels = Vec::with_capacity(count);
-    for _ in 0..count {
-        let channel = Endpoint::from_shared(format!("http://{grpc}"))
-            .context("gRPC endpoint")?
-            .tcp_nodelay(true)
-            .connect()
-            .await
-            .with_context(|| format!("connect to tollgate's gRPC port {grpc}"))?;
-        channels.push(channel);
-    }
-    Ok(channels)
-}
-
-fn client(channel: &Channel) -> ExternalProcessorClient<Channel> {
-    ExternalProcessorClient::new(channel.clone())
-}
-
-/// One ext_proc stream, driven message by message as Envoy does.
-struct Stream {
-    tx: mpsc::Sender<ProcessingRequest>,
-    rx: tonic::Streaming<ProcessingResponse>,
-}
-
-impl Stream {
-    async fn open(mut client: ExternalProcessorClient<Channel>) -> Result<Stream> {
-        // Envoy sends one message and waits for its answer; two slots never block.
-        let (tx, rx) = mpsc::channel(2);
-        let response = client
-            .process(ReceiverStream::new(rx))
-            .await
-            .context("open an ext_proc stream")?;
-        Ok(Stream {
-            tx,
-            rx: response.into_inner(),
-        })
-    }
-
-    async fn send(&self, message: ProcessingRequest) -> Result<()> {
-        self.tx
-            .send(message)
-            .await
-            .map_err(|_| anyhow!("the request stream closed"))
-    }
-
-    /// The next answer, or why there is none.
-    async fn recv(&mut self) -> Result<ProcessingResponse> {
-        match self.rx.message().await {
-            Ok(Some(answer)) => Ok(answer),
-            Ok(None) => bail!("stream ended with OK and no answer"),
-            Err(status) => bail!(
-                "stream ended with {:?}: {}",
-                status.code(),
-                status.message()
-            ),
-        }
-    }
-}
-
 /// The admitted request that holds the only slot for the whole run.
 struct Holder(Stream);
 
@@ -602,99 +544,6 @@ async fn open_queued(
 fn is_queue_timeout(reply: &ImmediateResponse) -> bool {
     reply.status.as_ref().map(|s| s.code) == Some(503)
         && reason(reply) == Some(b"queue_timeout".as_slice())
-}
-
-/// The `x-tollgate-reason` header a local reply sets.
-fn reason(reply: &ImmediateResponse) -> Option<&[u8]> {
-    reply.headers.as_ref().and_then(|headers| {
-        headers
-            .set_headers
-            .iter()
-            .filter_map(|option| option.header.as_ref())
-            .find(|header| header.key == "x-tollgate-reason")
-            .map(|header| header.raw_value.as_slice())
-    })
-}
-
-/// A short description of an answer for failure messages.
-fn describe(answer: &ProcessingResponse) -> String {
-    match &answer.response {
-        Some(Response::ImmediateResponse(reply)) => {
-            format!(
-                "immediate_response {} ({})",
-                reply.status.as_ref().map_or(0, |s| s.code),
-                reason(reply).map_or_else(
-                    || reply.details.clone(),
-                    |r| String::from_utf8_lossy(r).into_owned()
-                )
-            )
-        }
-        Some(Response::RequestHeaders(_)) => "request_headers".to_owned(),
-        Some(Response::RequestBody(_)) => "request_body (admitted)".to_owned(),
-        Some(other) => format!("{other:?}").chars().take(80).collect(),
-        None if answer.override_message_timeout.is_some() => {
-            "override_message_timeout (queued)".to_owned()
-        }
-        None => "an empty answer".to_owned(),
-    }
-}
-
-fn chat_headers(user: &str) -> ProcessingRequest {
-    let header = |key: &str, value: &str| HeaderValue {
-        key: key.to_owned(),
-        value: String::new(),
-        // Envoy sends values as raw bytes.
-        raw_value: value.as_bytes().to_vec(),
-    };
-    ProcessingRequest {
-        request: Some(Request::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: vec![
-                    header(":method", "POST"),
-                    header(":path", "/v1/chat/completions"),
-                    header("content-type", "application/json"),
-                    header("x-user-id", user),
-                ],
-            }),
-            end_of_stream: false,
-            ..HttpHeaders::default()
-        })),
-        ..ProcessingRequest::default()
-    }
-}
-
-fn chat_body_message(body: &[u8]) -> ProcessingRequest {
-    ProcessingRequest {
-        request: Some(Request::RequestBody(HttpBody {
-            body: body.to_vec(),
-            end_of_stream: true,
-            ..HttpBody::default()
-        })),
-        ..ProcessingRequest::default()
-    }
-}
-
-/// The small chat body, or one padded to exactly `bytes` with words in the message content.
-fn chat_body(bytes: Option<usize>) -> Result<Arc<[u8]>> {
-    let with = |content: &str| {
-        format!(
-            r#"{{"model":"gpt-4o-mini","messages":[{{"role":"user","content":"{content}"}}],"max_tokens":16}}"#
-        )
-    };
-    let small = with("hi");
-    let Some(bytes) = bytes else {
-        return Ok(small.into_bytes().into());
-    };
-    ensure!(
-        bytes >= small.len(),
-        "--body-bytes must be at least {} (the unpadded body)",
-        small.len()
-    );
-    // "hi " repeated, then cut: plain ASCII, so the JSON stays valid at any length.
-    let content: String = "hi ".repeat(bytes / 3 + 1)[..bytes - small.len() + 2].to_owned();
-    let body = with(&content);
-    debug_assert_eq!(body.len(), bytes);
-    Ok(body.into_bytes().into())
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -268,6 +268,9 @@ where
             ledger,
             ttft_window: ttft_window.clone(),
             reports: Arc::new(pipeline::Reports::new(budget::ledger::replica_id())),
+            large_body_threads: Arc::new(tokio::sync::Semaphore::new(
+                pipeline::large_body_permits(config.tokens.large_body_threads, worker_threads),
+            )),
         },
         lifecycle: lifecycle.clone(),
         open_streams: OpenStreams::default(),

@@ -153,8 +153,8 @@ pub enum Reloaded {
 
 /// Settings only a restart can change: the sockets, the store's connection, the fleet's name
 /// and this replica's id in it and sync period, the gRPC message limit (`tokens.max_body_bytes`),
-/// the admin token's file, how the file is watched, the scheduler's headroom and the TTFT
-/// window's length.
+/// the large bodies' counting threads, the admin token's file, how the file is watched, the
+/// scheduler's headroom and the TTFT window's length.
 /// Whether two configurations agree on one setting.
 type Same = fn(&Config, &Config) -> bool;
 
@@ -172,6 +172,10 @@ const RESTART_ONLY: &[(&str, Same)] = &[
     }),
     ("tokens.max_body_bytes", |a, b| {
         a.tokens.max_body_bytes == b.tokens.max_body_bytes
+    }),
+    // The threads' permits are made once, at start-up.
+    ("tokens.large_body_threads", |a, b| {
+        a.tokens.large_body_threads == b.tokens.large_body_threads
     }),
     ("admin.token_file", |a, b| a.admin == b.admin),
     ("reload.watch_ms", |a, b| a.reload == b.reload),

@@ -34,6 +34,7 @@ pub const UPSTREAM_TTFT: &str = "tollgate_upstream_time_to_first_token_seconds";
 pub const REQUEST_DURATION: &str = "tollgate_request_duration_seconds";
 pub const STREAM_COMPLETIONS: &str = "tollgate_stream_completions_total";
 pub const HELD_STREAMS: &str = "tollgate_held_streams";
+pub const LARGE_BODIES_WAITING: &str = "tollgate_large_bodies_waiting";
 pub const DECISION_DURATION: &str = "tollgate_decision_duration_seconds";
 pub const PROTOCOL_ERRORS: &str = "tollgate_protocol_errors_total";
 pub const RESPONSE_REPORTS: &str = "tollgate_response_reports_total";
@@ -484,6 +485,7 @@ struct Inner {
     requests: Vec<Counter>,
     stream_completions: Vec<Counter>,
     held_streams: Gauge,
+    large_bodies_waiting: Gauge,
     decision_duration: Histogram,
     protocol_errors: Vec<Counter>,
     /// By `ResponseReport`, then `ReportOutcome`.
@@ -632,6 +634,11 @@ impl Metrics {
             HELD_STREAMS,
             Unit::Count,
             "ext_proc streams currently open to tollgate.",
+        );
+        r.describe_gauge(
+            LARGE_BODIES_WAITING,
+            Unit::Count,
+            "Requests whose large body waits now for a thread to count it (tokens.large_body_threads).",
         );
         r.describe_histogram(
             DECISION_DURATION,
@@ -878,6 +885,7 @@ impl Metrics {
                 .map(|e| r.counter(STREAM_COMPLETIONS, &[("result", e.label())]))
                 .collect(),
             held_streams: r.gauge(HELD_STREAMS, &[]),
+            large_bodies_waiting: r.gauge(LARGE_BODIES_WAITING, &[]),
             decision_duration: r.histogram(DECISION_DURATION, &[]),
             chat_template_fallbacks: r.counter(CHAT_TEMPLATE_FALLBACKS, &[]),
             count_cache_lookups: ["found", "counted"]
@@ -1234,6 +1242,11 @@ impl Metrics {
     /// task ends.
     pub fn hold_stream(&self) -> GaugeGuard {
         GaugeGuard::new(self.inner.held_streams.clone())
+    }
+
+    /// Counts a large body waiting for a thread to count it, until the guard drops.
+    pub fn hold_large_body_waiting(&self) -> GaugeGuard {
+        GaugeGuard::new(self.inner.large_bodies_waiting.clone())
     }
 }
 

@@ -14,7 +14,7 @@
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::watch;
+use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
 
 use crate::admission::{self, Admission, BodyVerdict};
@@ -58,6 +58,9 @@ pub struct Pipeline {
     pub ttft_window: Arc<Mutex<LatencyWindow>>,
     /// Requests whose response is reported on rather than streamed (`reports`).
     pub reports: Arc<Reports>,
+    /// One permit per thread that may parse and count a large body at once
+    /// (`tokens.large_body_threads`). tokio's semaphore hands permits out in arrival order.
+    pub large_body_threads: Arc<Semaphore>,
 }
 
 /// What the request headers lead to.
@@ -344,7 +347,7 @@ impl<'p> RequestLife<'p> {
         let received = body.len();
         // The decoded body is freed once decided: what waits in the queue, or goes upstream, is
         // the `Admission`, with its rewritten body if there is one.
-        let admission = match decide_body(rules, &head, body).await {
+        let admission = match decide_body(pipeline, rules, &head, body, now).await {
             BodyVerdict::Admit(admission) => admission,
             BodyVerdict::Reject(reply) => {
                 return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
@@ -1037,7 +1040,19 @@ fn spent_tokens(
 
 /// The admission decision on a body, on the blocking pool if the body is large. Takes the body,
 /// so its bytes are freed as soon as the decision is made.
-async fn decide_body(rules: &Rules, head: &InferenceHead, body: Vec<u8>) -> BodyVerdict {
+///
+/// Large bodies are decided a few at a time (`Pipeline::large_body_threads`), in the order they
+/// arrived: a burst of them all counted at once would share the cores among all of them, and
+/// under Envoy's `message_timeout` could all be answered too late together. One that cannot
+/// start within `tokens.large_body_max_wait_ms` of `arrived` is refused, as overload, before
+/// anything is counted or reserved.
+async fn decide_body(
+    pipeline: &Pipeline,
+    rules: &Rules,
+    head: &InferenceHead,
+    body: Vec<u8>,
+    arrived: Instant,
+) -> BodyVerdict {
     // A model's own tokenizer may take its slow, exact path (0.25 µs a byte) and render a chat
     // template: with one loaded, only small bodies are decided on the async workers.
     let inline = if rules.policy.counting.tokenizers.is_empty() {
@@ -1048,15 +1063,48 @@ async fn decide_body(rules: &Rules, head: &InferenceHead, body: Vec<u8>) -> Body
     if body.len() <= inline {
         return admission::decide_body(&rules.policy, head, &body);
     }
+    let max_wait = rules.policy.counting.large_body_max_wait;
+    let waited = {
+        let _waiting = pipeline.metrics.hold_large_body_waiting();
+        let threads = Arc::clone(&pipeline.large_body_threads);
+        tokio::time::timeout_at(arrived + max_wait, threads.acquire_owned()).await
+    };
+    // The semaphore is never closed.
+    let Ok(Ok(thread)) = waited else {
+        return BodyVerdict::Reject(LocalReply::new(
+            Reason::CountingBacklog,
+            format!(
+                "tollgate is behind on counting large request bodies: this one ({} bytes) could \
+                 not start within tokens.large_body_max_wait_ms ({} ms)",
+                body.len(),
+                max_wait.as_millis()
+            ),
+        ));
+    };
     let policy = rules.policy.clone();
     let head = head.clone();
-    match tokio::task::spawn_blocking(move || admission::decide_body(&policy, &head, &body)).await {
+    // The permit goes with the work: if the stream ends meanwhile, the thread is still busy
+    // until the count is done.
+    let counted = tokio::task::spawn_blocking(move || {
+        let _thread = thread;
+        admission::decide_body(&policy, &head, &body)
+    });
+    match counted.await {
         Ok(verdict) => verdict,
         // Only a panic in counting gets here; refuse rather than pass unchecked.
         Err(join_error) => BodyVerdict::Reject(LocalReply::new(
             Reason::InvalidRequest,
             format!("the request body could not be processed: {join_error}"),
         )),
+    }
+}
+
+/// How many large bodies may be counted at once: `tokens.large_body_threads`, or where that is
+/// 0, one per runtime worker thread (as many cores as the async workers may use).
+pub fn large_body_permits(setting: u32, worker_threads: usize) -> usize {
+    match setting {
+        0 => worker_threads.max(1),
+        threads => threads as usize,
     }
 }
 

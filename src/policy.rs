@@ -109,6 +109,8 @@ pub struct CountingPolicy {
     pub reply_priming: u32,
     pub per_image: u32,
     pub max_body_bytes: usize,
+    /// How long a large body may wait for a thread to count it (`tokens.large_body_max_wait_ms`).
+    pub large_body_max_wait: Duration,
 }
 
 /// A model's own tokenizer, as loaded.
@@ -167,6 +169,9 @@ pub const ENVOY_TIMEOUT_MARGIN: Duration = Duration::from_millis(500);
 
 /// Weights above this make one tenant's share indistinguishable from all of it.
 const MAX_WEIGHT: u32 = 10_000;
+/// The most threads tokio runs for blocking work by default (`max_blocking_threads`), which
+/// tollgate's runtime keeps.
+pub const MAX_LARGE_BODY_THREADS: u32 = 512;
 
 impl Tier {
     /// The windows a request for `model` counts against: the tier's own, then those of the
@@ -329,6 +334,17 @@ impl Policy {
         if config.tokens.max_body_bytes == 0 {
             problems.push("tokens.max_body_bytes: must be positive".to_owned());
         }
+        if config.tokens.large_body_max_wait_ms == 0 {
+            problems.push("tokens.large_body_max_wait_ms: must be positive".to_owned());
+        }
+        // tokio runs at most 512 blocking threads: more would wait in its own unbounded queue.
+        if config.tokens.large_body_threads > MAX_LARGE_BODY_THREADS {
+            problems.push(format!(
+                "tokens.large_body_threads: {} is over {MAX_LARGE_BODY_THREADS}, the most \
+                 threads the runtime runs for blocking work",
+                config.tokens.large_body_threads
+            ));
+        }
         if config.response.max_buffered_json_bytes == 0 {
             problems.push("response.max_buffered_json_bytes: must be positive".to_owned());
         }
@@ -406,6 +422,7 @@ impl Policy {
                 reply_priming: config.tokens.reply_priming,
                 per_image: config.tokens.per_image,
                 max_body_bytes: config.tokens.max_body_bytes,
+                large_body_max_wait: Duration::from_millis(config.tokens.large_body_max_wait_ms),
             },
             inject_stream_usage: config.response.inject_stream_usage,
             max_buffered_json_bytes: config.response.max_buffered_json_bytes,

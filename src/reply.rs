@@ -33,11 +33,13 @@ pub enum Reason {
     /// Queued requests already hold `scheduler.max_queued_body_bytes` of request bodies.
     QueueBytesFull,
     QueueTimeout,
+    /// A large body waited `tokens.large_body_max_wait_ms` for a thread to count it.
+    CountingBacklog,
     ShuttingDown,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 22] = [
+    pub const ALL: [Reason; 23] = [
         Reason::MissingIdentity,
         Reason::InvalidApiKey,
         Reason::UnknownTier,
@@ -59,6 +61,7 @@ impl Reason {
         Reason::QueueFull,
         Reason::QueueBytesFull,
         Reason::QueueTimeout,
+        Reason::CountingBacklog,
         Reason::ShuttingDown,
     ];
 
@@ -91,6 +94,7 @@ impl Reason {
             Reason::QueueFull => ("queue_full", 503, RETRY_SOON),
             Reason::QueueBytesFull => ("queue_bytes_full", 503, RETRY_SOON),
             Reason::QueueTimeout => ("queue_timeout", 503, RETRY_SOON),
+            Reason::CountingBacklog => ("counting_backlog", 503, RETRY_SOON),
             Reason::ShuttingDown => ("shutting_down", 503, RETRY_SOON),
         };
         Rule {

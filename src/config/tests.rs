@@ -100,6 +100,14 @@ fn file_overrides_one_field_and_keeps_its_siblings() {
             c.tokens.per_image = 85;
         },
     );
+    check(
+        Some("tokens:\n  large_body_threads: 3\n  large_body_max_wait_ms: 250\n"),
+        &[],
+        |c| {
+            c.tokens.large_body_threads = 3;
+            c.tokens.large_body_max_wait_ms = 250;
+        },
+    );
     check(Some("shutdown:\n  drain_deadline_ms: 5\n"), &[], |c| {
         c.shutdown.drain_deadline_ms = 5;
     });

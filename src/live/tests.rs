@@ -44,6 +44,11 @@ fn what_only_a_restart_can_change() {
         (|c| c.shutdown.drain_deadline_ms += 1, &[]),
         (|c| c.tokens.max_body_bytes += 1, &["tokens.max_body_bytes"]),
         (
+            |c| c.tokens.large_body_threads = 3,
+            &["tokens.large_body_threads"],
+        ),
+        (|c| c.tokens.large_body_max_wait_ms += 1, &[]),
+        (
             |c| c.admin.token_file = Some("/t".to_owned()),
             &["admin.token_file"],
         ),

@@ -100,6 +100,7 @@ const METRICS: &[(&str, &str)] = &[
     (REQUEST_DURATION, "histogram"),
     (STREAM_COMPLETIONS, "counter"),
     (HELD_STREAMS, "gauge"),
+    (LARGE_BODIES_WAITING, "gauge"),
     (DECISION_DURATION, "histogram"),
     (PROTOCOL_ERRORS, "counter"),
     (RESPONSE_REPORTS, "counter"),
@@ -202,6 +203,7 @@ fn every_counter_series_exists_at_zero_before_any_event() {
     }
     for gauge in [
         HELD_STREAMS,
+        LARGE_BODIES_WAITING,
         INFLIGHT_LIMIT,
         INFLIGHT,
         CONTROLLER_P99,

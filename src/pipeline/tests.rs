@@ -59,6 +59,10 @@ fn pipeline_and_rules(edit: impl FnOnce(&mut Config)) -> (Pipeline, watch::Sende
         ledger,
         ttft_window,
         reports: Arc::new(Reports::new("test-replica".to_owned())),
+        large_body_threads: Arc::new(Semaphore::new(large_body_permits(
+            config.tokens.large_body_threads,
+            1,
+        ))),
     };
     (pipeline, rules_tx)
 }
@@ -1401,4 +1405,147 @@ async fn a_queued_request_reported_on_is_tagged_when_it_gets_its_slot() {
     second.finish().await;
     assert_eq!(pipeline.reports.open_count(), 0);
     assert_eq!(in_flight(&pipeline), 0);
+}
+
+/// A chat request whose one message is `bytes` long: over `INLINE_BODY_BYTES`, it is counted
+/// on a large body's thread.
+fn chat_body_of_size(bytes: usize) -> Vec<u8> {
+    let words = "lorem ipsum dolor sit amet ".repeat(bytes / 27 + 1);
+    format!(
+        r#"{{"model":"gpt-4o-mini","max_tokens":10,"messages":[{{"role":"user","content":"{words}"}}]}}"#
+    )
+    .into_bytes()
+}
+
+/// One large body's thread, a wait of 200 ms for it, and a tier that admits large prompts.
+fn large_body_pipeline() -> Pipeline {
+    pipeline_with(|c| {
+        c.tokens.large_body_threads = 1;
+        c.tokens.large_body_max_wait_ms = 200;
+        c.scheduler.initial_limit = 4;
+        let free = c.tiers.get_mut("free").unwrap();
+        free.max_input_tokens = 1_000_000;
+        free.tokens_per_minute = Some(10_000_000);
+    })
+}
+
+/// Sends a head and `body` as alice: the body's decision, and how long it took.
+async fn submit_body<'a>(
+    life: &'a mut RequestLife<'_>,
+    body: Vec<u8>,
+) -> (BodyDecision<'a>, Duration) {
+    let now = Instant::now();
+    let head = life
+        .head(&chat_headers(TENANT), false, now)
+        .expect("in order");
+    assert!(matches!(head, HeadDecision::Continue { .. }), "{head:?}");
+    let decision = life.body(body, true, now).await.expect("in order");
+    (decision, Instant::now().duration_since(now))
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_large_body_that_cannot_start_counting_in_time_is_refused_and_takes_nothing() {
+    let pipeline = large_body_pipeline();
+    let large = chat_body_of_size(INLINE_BODY_BYTES + 1);
+    // Another large body holds the only thread.
+    let busy = Arc::clone(&pipeline.large_body_threads)
+        .acquire_owned()
+        .await
+        .unwrap();
+
+    let mut life = RequestLife::new(&pipeline);
+    let (decision, took) = submit_body(&mut life, large.clone()).await;
+    let BodyDecision::Refuse(reply) = decision else {
+        panic!("expected a 503, got {decision:?}");
+    };
+    assert_eq!(
+        (reply.status(), reply.reason),
+        (503, Reason::CountingBacklog)
+    );
+    assert!(reply.all_headers().any(|h| h == ("retry-after", "1")));
+    assert_eq!(
+        took,
+        Duration::from_millis(200),
+        "refused at the wait's end"
+    );
+    life.finish().await;
+    assert_eq!(budget(&pipeline).await, (0, 0), "nothing reserved");
+    assert_eq!(in_flight(&pipeline), 0, "no slot taken");
+    assert_eq!(outcomes(&pipeline, "shed"), 1.0);
+    let waiting = |p: &Pipeline| metric(p, crate::observe::LARGE_BODIES_WAITING, &[]);
+    assert_eq!(waiting(&pipeline), 0.0, "no longer waiting");
+
+    // A small body does not wait for the large bodies' threads.
+    let small = admitted(&pipeline, 10).await;
+    drop(small);
+
+    // Once the thread is free, the same body is counted and admitted at once.
+    drop(busy);
+    let mut life = RequestLife::new(&pipeline);
+    let (decision, took) = submit_body(&mut life, large).await;
+    assert!(matches!(decision, BodyDecision::Admit(_)), "{decision:?}");
+    assert_eq!(took, Duration::ZERO);
+    assert_eq!(
+        pipeline.large_body_threads.available_permits(),
+        1,
+        "given back"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn large_bodies_waiting_for_a_thread_are_counted_when_it_frees_within_their_wait() {
+    let pipeline = large_body_pipeline();
+    let busy = Arc::clone(&pipeline.large_body_threads)
+        .acquire_owned()
+        .await
+        .unwrap();
+    let waiting = |p: &Pipeline| metric(p, crate::observe::LARGE_BODIES_WAITING, &[]);
+    let (mut first, mut second) = (RequestLife::new(&pipeline), RequestLife::new(&pipeline));
+    let both = async {
+        tokio::join!(
+            submit_body(&mut first, chat_body_of_size(INLINE_BODY_BYTES + 1)),
+            submit_body(&mut second, chat_body_of_size(2 * INLINE_BODY_BYTES)),
+        )
+    };
+    let freed = async {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(waiting(&pipeline), 2.0, "both wait for the one thread");
+        drop(busy);
+    };
+    let (((first_decision, first_took), (second_decision, second_took)), ()) =
+        tokio::join!(both, freed);
+    assert!(
+        matches!(first_decision, BodyDecision::Admit(_)),
+        "{first_decision:?}"
+    );
+    assert!(
+        matches!(second_decision, BodyDecision::Admit(_)),
+        "{second_decision:?}"
+    );
+    // Counting takes no time on the paused clock: each was decided when the thread freed.
+    assert_eq!(first_took, Duration::from_millis(150));
+    assert_eq!(second_took, Duration::from_millis(150));
+    assert_eq!(waiting(&pipeline), 0.0);
+    assert_eq!(pipeline.large_body_threads.available_permits(), 1);
+    assert_eq!(in_flight(&pipeline), 2);
+}
+
+#[test]
+fn large_bodies_are_counted_by_the_threads_set_or_one_per_worker() {
+    // (tokens.large_body_threads, the runtime's workers, permits)
+    let table = [
+        (0, 2, 2),
+        (0, 16, 16),
+        (0, 0, 1),
+        (3, 2, 3),
+        (1, 16, 1),
+        (512, 2, 512),
+    ];
+    for (setting, workers, permits) in table {
+        assert_eq!(
+            large_body_permits(setting, workers),
+            permits,
+            "{setting} with {workers} workers"
+        );
+    }
 }

@@ -329,6 +329,18 @@ fn sizes_and_encoding_patterns_must_be_usable() {
         &["response.max_buffered_json_bytes: must be positive"],
     );
     check_problems(
+        |c| c.tokens.large_body_max_wait_ms = 0,
+        &["tokens.large_body_max_wait_ms: must be positive"],
+    );
+    check_problems(
+        |c| c.tokens.large_body_threads = 513,
+        &[
+            "tokens.large_body_threads: 513 is over 512, the most threads the runtime runs for \
+             blocking work",
+        ],
+    );
+    check_valid(|c| c.tokens.large_body_threads = 512);
+    check_problems(
         |c| c.response.summary_wait_ms = 0,
         &["response.summary_wait_ms: must be between 1 and 60000"],
     );

@@ -879,3 +879,68 @@ async fn responses_reported_on_are_timed_and_settled_by_their_reports() {
     );
     assert_eq!(m.value("tollgate_inflight_requests", &[]), 0.0);
 }
+
+#[tokio::test]
+async fn large_bodies_that_cannot_start_counting_in_time_get_503_counting_backlog() {
+    let mut config = Config::default();
+    // One thread for large bodies, and a wait shorter than any count of one.
+    config.tokens.large_body_threads = 1;
+    config.tokens.large_body_max_wait_ms = 1;
+    config.scheduler.initial_limit = 16;
+    config.control.enabled = false;
+    for tier in config.tiers.values_mut() {
+        tier.max_input_tokens = 10_000_000;
+        (
+            tier.tokens_per_minute,
+            tier.tokens_per_hour,
+            tier.tokens_per_day,
+        ) = (None, None, None);
+        (tier.requests_per_minute, tier.max_concurrent) = (None, None);
+    }
+    let server = TestServer::start(config).await;
+    let mut streams = Vec::new();
+    for i in 0..8 {
+        let mut stream = server.stream().await;
+        stream.exchange(chat_headers(&format!("user-{i}"))).await;
+        streams.push(stream);
+    }
+    // 1.5 MiB each, over the count cache's 1 MiB: every one is counted. All are sent before any
+    // answer is read, so they arrive together and only one can start at once.
+    for (i, stream) in streams.iter_mut().enumerate() {
+        let text = format!("{i} {}", "lorem ipsum dolor sit amet ".repeat(58_000));
+        stream
+            .send(request_body(&chat_body(serde_json::json!({
+                "messages": [{"role": "user", "content": text}],
+            }))))
+            .await;
+    }
+    let (mut admitted, mut backlog) = (0, 0);
+    for stream in &mut streams {
+        let answer = stream.recv().await.unwrap().expect("an answer");
+        if matches!(answer.response, Some(Response::RequestBody(_))) {
+            admitted += 1;
+            continue;
+        }
+        let (status, reason, _) = immediate_json(&answer);
+        assert_eq!(
+            (status, reason.as_str()),
+            (503, "counting_backlog"),
+            "{answer:?}"
+        );
+        backlog += 1;
+    }
+    assert!(admitted >= 1, "the first body to arrive is counted");
+    assert!(backlog >= 1, "the rest could not start within 1 ms");
+    let m = server.metrics().await;
+    assert_eq!(
+        // One series per tier.
+        m.sum(
+            "tollgate_rejections_total",
+            &["reason=\"counting_backlog\""]
+        ),
+        f64::from(backlog)
+    );
+    assert_eq!(m.value("tollgate_large_bodies_waiting", &[]), 0.0);
+    drop(streams);
+    server.stop().await.unwrap();
+}
