@@ -62,6 +62,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tonic::transport::Channel;
 
+use tollgate_testkit::bench::percentile;
 use tollgate_testkit::bins;
 use tollgate_testkit::host::{Machine, cpu_seconds, status_kib};
 use tollgate_testkit::metrics;
@@ -821,10 +822,4 @@ impl Report<'_> {
 fn spread(sorted: &[f64]) -> String {
     let at = |q: f64| percentile(sorted, q).map_or("-".to_owned(), |v| format!("{v:.1}"));
     format!("{} / {} / {} / {} ms", at(0.0), at(0.5), at(0.99), at(1.0))
-}
-
-/// Nearest-rank percentile of sorted values (`q` in 0..=1).
-fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    sorted.get(rank.clamp(1, sorted.len().max(1)) - 1).copied()
 }

@@ -4,7 +4,7 @@
 //! own. Taken all at once, a burst of such bodies shares the cores among every one of them, so
 //! each takes as long as the whole burst, and behind Envoy's `message_timeout` (1 s in the
 //! shipped configs) they can all be answered too late together: Envoy has given up on every
-//! one. Taken in turn (`tokens.large_body_threads`, one per worker thread by default), the first
+//! one. Taken in turn (`tokens.large_body_threads`, two per worker thread by default), the first
 //! ones are answered in the time one count takes, and those that could not start within
 //! `tokens.large_body_max_wait_ms` are refused at that moment with a 503 `counting_backlog`,
 //! which a client can retry, where Envoy's timeout leaves it nothing.
@@ -12,7 +12,7 @@
 //! Each round starts the release `tollgate` binary twice on free 127.0.0.1 ports, in turns
 //! alternated from round to round:
 //! - **all at once**: `tokens.large_body_threads: 512` (every body gets a thread as it comes,
-//!   as tollgate did before the threads were bounded) and a wait of 10 minutes;
+//!   as tollgate did before the threads were bounded) and a wait of 30 s;
 //! - **in turn**: the threads and the wait at tollgate's defaults, or `--threads` and
 //!   `--max-wait-ms`.
 //!
@@ -23,7 +23,9 @@
 //! or made-up ones of random letters (`--text made-up-words`, which cost tollgate about ten
 //! times as much to count). A body's answer time is from its send to its answer. A budget of as
 //! many slots as streams, and limits above what the bodies hold, leave counting the only thing
-//! to wait for.
+//! to wait for. Meanwhile another user sends a small request every 10 ms, each on a stream of
+//! its own, whose answer times show how much of the async workers the counting leaves to
+//! everyone else: a small body is decided on them.
 //!
 //! ```text
 //! cargo build --release --bin tollgate --example bench_large_bodies
@@ -44,14 +46,17 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use clap::Parser;
 use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tonic::transport::Channel;
 
-use tollgate_testkit::bench::{SerialNumbered, median};
+use tollgate_testkit::bench::{SerialNumbered, median, percentile};
 use tollgate_testkit::host::{Machine, cpu_seconds};
+use tollgate_testkit::text::{made_up_words, xorshift};
 use tollgate_testkit::tollgate::TollgateCommand;
 use tollgate_testkit::{bins, metrics};
 
@@ -66,10 +71,13 @@ use extproc_client::{
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// A stream with no answer this long after its body was sent is a failure.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
-/// The wait "all at once" runs with: longer than any burst here takes.
-const AT_ONCE_MAX_WAIT_MS: u64 = 600_000;
+/// The wait "all at once" runs with: the most tollgate accepts (its default
+/// `scheduler.envoy_max_message_timeout_ms`), longer than any burst here takes.
+const AT_ONCE_MAX_WAIT_MS: u64 = 30_000;
 /// The most threads tollgate accepts for large bodies: more than any burst here sends.
 const AT_ONCE_THREADS: u32 = 512;
+/// How often the other user sends a small request during the burst.
+const SMALL_REQUEST_PERIOD: Duration = Duration::from_millis(10);
 /// The text a body repeats (`words`).
 const FILLER_BYTES: usize = 64 * 1024;
 
@@ -94,7 +102,7 @@ struct Args {
     /// `message_timeout` in the shipped configs.
     #[arg(long, default_value_t = 1000)]
     answer_within_ms: u64,
-    /// "in turn" with `tokens.large_body_threads` set to this [default: tollgate's, one per
+    /// "in turn" with `tokens.large_body_threads` set to this [default: tollgate's, two per
     /// worker thread].
     #[arg(long)]
     threads: Option<u32>,
@@ -227,10 +235,13 @@ struct Burst {
     /// sorted, in ms after each body was sent.
     admitted_ms: Vec<f64>,
     backlog_ms: Vec<f64>,
+    /// The small requests sent every 10 ms during the burst: each one's time from
+    /// opening its stream to its body's answer, sorted.
+    small_ms: Vec<f64>,
     failures: Vec<String>,
     /// tollgate's CPU from the first body sent to the last answer.
     cpu_seconds: f64,
-    /// The first body sent to the last answer.
+    /// From the signal that sends every body to the last stream's end (the burst is over).
     wall_seconds: f64,
     /// `tollgate_large_bodies_waiting` once every body was answered (`None`: the server has no
     /// such gauge).
@@ -251,6 +262,7 @@ async fn burst(
 ) -> Result<Burst> {
     let dir = tempfile::tempdir().context("create a temporary directory")?;
     let config_path = dir.path().join("tollgate.yaml");
+    // Every large body and the small request being sent.
     let slots = args.streams + 1;
     let yaml = format!(
         "scheduler:\n  initial_limit: {slots}\n\
@@ -328,6 +340,8 @@ async fn burst(
     let cpu_before = cpu_seconds(pid)?;
     let started = Instant::now();
     go_tx.send_replace(true);
+    let (over_tx, over) = watch::channel(false);
+    let small = tokio::spawn(small_requests(client(&channels[0]), over));
     let (mut admitted_ms, mut backlog_ms, mut failures) = (Vec::new(), Vec::new(), Vec::new());
     while let Some(answer) = tasks.join_next().await {
         match answer.context("a stream's task panicked")? {
@@ -337,6 +351,16 @@ async fn burst(
         }
     }
     let wall_seconds = started.elapsed().as_secs_f64();
+    over_tx.send_replace(true);
+    let mut small_ms = Vec::new();
+    for answer in small.await.context("the small requests' task panicked")? {
+        match answer {
+            Answer::Admitted { ms } => small_ms.push(ms),
+            Answer::Backlog { .. } => failures.push("a small request: counting_backlog".to_owned()),
+            Answer::Failed(why) => failures.push(format!("a small request: {why}")),
+        }
+    }
+    small_ms.sort_by(f64::total_cmp);
     let cpu_seconds = cpu_seconds(pid)? - cpu_before;
     admitted_ms.sort_by(f64::total_cmp);
     backlog_ms.sort_by(f64::total_cmp);
@@ -353,6 +377,7 @@ async fn burst(
     Ok(Burst {
         admitted_ms,
         backlog_ms,
+        small_ms,
         failures,
         cpu_seconds,
         wall_seconds,
@@ -360,32 +385,19 @@ async fn burst(
     })
 }
 
-/// `bytes` of words, some followed by a comma or a full stop, from a fixed seed: every run
-/// counts the same text. Prose's words come from `VOCABULARY` and repeat as prose's do
-/// (tollgate remembers short pieces' counts, so "hi hi hi" would cost it a fraction of what
-/// prose does); made-up words of 1 to 10 random letters rarely repeat, and cost it several
-/// times more, as text with few common words does.
+/// `bytes` of words from a fixed seed: every run counts the same text. Prose's words come from
+/// `VOCABULARY` and repeat as prose's do, some followed by a comma or a full stop (tollgate
+/// remembers short pieces' counts, so "hi hi hi" would cost it a fraction of what prose does);
+/// made-up words (`made_up_words`) rarely repeat, and cost it several times more, as text with
+/// few common words does.
 fn words(text_kind: TextKind, bytes: usize) -> String {
-    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut next = move || {
-        // xorshift64
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    if let TextKind::MadeUpWords = text_kind {
+        return made_up_words(bytes);
+    }
+    let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
     let mut text = String::with_capacity(bytes + 16);
     while text.len() < bytes {
-        match text_kind {
-            TextKind::Prose => {
-                text.push_str(VOCABULARY[(next() % VOCABULARY.len() as u64) as usize]);
-            }
-            TextKind::MadeUpWords => {
-                for _ in 0..1 + next() % 10 {
-                    text.push(char::from(b'a' + (next() % 26) as u8));
-                }
-            }
-        }
+        text.push_str(VOCABULARY[(next() % VOCABULARY.len() as u64) as usize]);
         text.push_str(match next() % 12 {
             0 => ". ",
             1 => ", ",
@@ -493,6 +505,42 @@ const VOCABULARY: &[&str] = &[
     "a",
 ];
 
+/// Small requests of another user, one every `SMALL_REQUEST_PERIOD` until the burst is `over`: what everyone
+/// else's requests wait while the large bodies are counted. A small body is decided on the
+/// async workers, so this is how much of them the counting leaves.
+async fn small_requests(
+    client: ExternalProcessorClient<Channel>,
+    mut over: watch::Receiver<bool>,
+) -> Vec<Answer> {
+    let small = match chat_body(None, "", "hi ") {
+        Ok(body) => body,
+        Err(error) => return vec![Answer::Failed(format!("{error:#}"))],
+    };
+    let mut answers = Vec::new();
+    // Paced, not back to back: as many in either configuration, so they take the same CPU
+    // from the counting; one that takes longer than the period delays the next.
+    let mut every = tokio::time::interval(SMALL_REQUEST_PERIOD);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while !*over.borrow_and_update() {
+        every.tick().await;
+        // Timed whole, from opening its stream: the headers wait for the workers too.
+        let sent = Instant::now();
+        let one = async {
+            let mut stream = Stream::open(client.clone()).await?;
+            stream.send(chat_headers("small")).await?;
+            stream.recv().await?;
+            stream.send(chat_body_message(&small)).await?;
+            let answer = stream.recv().await?;
+            anyhow::Ok(classify(&answer, sent.elapsed().as_secs_f64() * 1e3))
+        };
+        answers.push(
+            one.await
+                .unwrap_or_else(|error| Answer::Failed(format!("{error:#}"))),
+        );
+    }
+    answers
+}
+
 fn classify(answer: &ProcessingResponse, ms: f64) -> Answer {
     match &answer.response {
         Some(Response::RequestBody(_)) => Answer::Admitted { ms },
@@ -506,21 +554,17 @@ fn classify(answer: &ProcessingResponse, ms: f64) -> Answer {
     }
 }
 
-/// The value at quantile `q` of sorted `values` (nearest rank), or NaN for none.
-fn quantile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
-}
-
-fn ms(value: f64) -> String {
+/// Milliseconds to `decimals` places, or a dash for none.
+fn ms_to(value: f64, decimals: usize) -> String {
     if value.is_nan() {
         "–".to_owned()
     } else {
-        format!("{value:.0}")
+        format!("{value:.decimals$}")
     }
+}
+
+fn ms(value: f64) -> String {
+    ms_to(value, 0)
 }
 
 fn report(args: &Args, machine: &Machine, runs: &[(usize, Counting, Burst)]) -> String {
@@ -538,23 +582,28 @@ fn report(args: &Args, machine: &Machine, runs: &[(usize, Counting, Burst)]) -> 
     let _ = writeln!(
         out,
         "| round | counting | admitted ≤ {0} ms | admitted later | 503 counting_backlog | \
-         admitted p50 / max ms | 503s' max ms | last answer ms | tollgate CPU s | failures |\n\
-         |---|---|---:|---:|---:|---|---:|---:|---:|---:|",
+         admitted p50 / max ms | 503s' max ms | burst over ms | tollgate CPU s | \
+         small requests: n, p50 / p99 / max ms | failures |\n\
+         |---|---|---:|---:|---:|---|---:|---:|---:|---|---:|",
         args.answer_within_ms
     );
     for (round, counting, run) in runs {
         let in_time = run.admitted_within(within);
         let _ = writeln!(
             out,
-            "| {round} | {} | {in_time} | {} | {} | {} / {} | {} | {:.0} | {:.2} | {} |",
+            "| {round} | {} | {in_time} | {} | {} | {} / {} | {} | {:.0} | {:.2} | {}, {} / {} / {} | {} |",
             counting.name(),
             run.admitted_ms.len() - in_time,
             run.backlog_ms.len(),
-            ms(quantile(&run.admitted_ms, 0.5)),
+            ms(percentile(&run.admitted_ms, 0.5).unwrap_or(f64::NAN)),
             ms(run.admitted_ms.last().copied().unwrap_or(f64::NAN)),
             ms(run.backlog_ms.last().copied().unwrap_or(f64::NAN)),
             run.wall_seconds * 1e3,
             run.cpu_seconds,
+            run.small_ms.len(),
+            ms_to(percentile(&run.small_ms, 0.5).unwrap_or(f64::NAN), 1),
+            ms_to(percentile(&run.small_ms, 0.99).unwrap_or(f64::NAN), 1),
+            ms_to(run.small_ms.last().copied().unwrap_or(f64::NAN), 1),
             run.failures.len(),
         );
     }
@@ -612,6 +661,7 @@ fn json(
             "admitted_within": run.admitted_within(args.answer_within_ms as f64),
             "admitted_ms": run.admitted_ms,
             "counting_backlog_ms": run.backlog_ms,
+            "small_ms": run.small_ms,
             "failures": run.failures,
             "tollgate_cpu_seconds": run.cpu_seconds,
             "wall_seconds": run.wall_seconds,

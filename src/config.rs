@@ -129,15 +129,17 @@ pub struct TokensConfig {
     /// or lower so clients get Envoy's 413 before any gRPC traffic.
     pub max_body_bytes: usize,
     /// Large bodies (over 256 KiB, or 16 KiB with a model's own tokenizer) are parsed and
-    /// counted off the async workers, this many at once (0: one per runtime worker thread).
-    /// More would only share the same cores among more bodies, so that a burst of them all
-    /// finishes late together where, taken in turn, the first ones finish in time. Only a
-    /// restart changes it.
+    /// counted off the async workers, this many at once (0: two per runtime worker thread, and
+    /// at least two). Many more would only share the same cores among more bodies, so that a
+    /// burst of them all finishes late together where, taken in turn, the first ones finish in
+    /// time, and would leave the async workers, which decide every small request, little CPU.
+    /// Only a restart changes it.
     pub large_body_threads: u32,
     /// How long a large body may wait for one of those threads, from its arrival, before a 503
-    /// `counting_backlog`. Keep it well under Envoy's `message_timeout` (1 s in the shipped
-    /// configs): Envoy gives up on an answer later than that, and the counting would be spent
-    /// on a request nobody waits for.
+    /// `counting_backlog` (at most `scheduler.envoy_max_message_timeout_ms`). Keep it well
+    /// under Envoy's `message_timeout` (1 s in the shipped configs): Envoy gives up on an
+    /// answer later than that, and the counting would be spent on a request nobody waits for.
+    /// A tier in shadow mode waits its turn however long it takes.
     pub large_body_max_wait_ms: u64,
 }
 

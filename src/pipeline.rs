@@ -205,6 +205,10 @@ struct Queued {
     admission: Admission,
     grant: Grant,
     arrived: Instant,
+    /// When its body arrived: its decision is timed from then.
+    body_arrived: Instant,
+    /// When it joined the queue, after its count and its reservation: its queue wait is timed
+    /// from then.
     enqueued: Instant,
     deadline: Instant,
     _queued: GaugeGuard,
@@ -347,12 +351,16 @@ impl<'p> RequestLife<'p> {
         let received = body.len();
         // The decoded body is freed once decided: what waits in the queue, or goes upstream, is
         // the `Admission`, with its rewritten body if there is one.
-        let admission = match decide_body(pipeline, rules, &head, body, now).await {
+        let Decided { verdict, backlog } = decide_body(pipeline, rules, &head, body, now).await;
+        let admission = match verdict {
             BodyVerdict::Admit(admission) => admission,
             BodyVerdict::Reject(reply) => {
                 return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
             }
         };
+        if let Some(reply) = backlog {
+            return Ok(self.let_through_unreserved(admission, &reply, tier, arrived));
+        }
         let policy = &rules.policy;
         let tenant = &admission.identity.tenant;
         let tier_policy = policy.tier_for(tenant, tier);
@@ -373,17 +381,7 @@ impl<'p> RequestLife<'p> {
                 if tier_policy.enforce {
                     return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
                 }
-                // Shadow mode: refused as enforcement would, so nothing reserved (enforcement
-                // would have charged nothing either) and no place taken in the queue (nor a
-                // slot) that enforcement would have given to others: upstream now.
-                shadow_refusal(rules, &mut admission, &reply, tier);
-                let grant = Grant {
-                    hold: Hold::none(),
-                    budgets: None,
-                };
-                return Ok(BodyDecision::Admit(
-                    self.admit(admission, grant, arrived, None),
-                ));
+                return Ok(self.let_through_unreserved(admission, &reply, tier, arrived));
             }
         };
         let tenant = &admission.identity.tenant;
@@ -459,7 +457,8 @@ impl<'p> RequestLife<'p> {
                     admission,
                     grant,
                     arrived,
-                    enqueued: now,
+                    body_arrived: now,
+                    enqueued: Instant::now(),
                     _queued: metrics.hold_queued(tier),
                 }));
                 Ok(BodyDecision::Wait { envoy_timeout })
@@ -502,6 +501,7 @@ impl<'p> RequestLife<'p> {
             admission,
             grant,
             arrived,
+            body_arrived,
             enqueued,
             _queued,
             ..
@@ -514,10 +514,9 @@ impl<'p> RequestLife<'p> {
         let left = match outcome {
             Ok(permit) => {
                 let now = Instant::now();
-                let waited = now.duration_since(enqueued).as_secs_f64();
-                metrics.queue_wait(tier, waited);
+                metrics.queue_wait(tier, now.duration_since(enqueued).as_secs_f64());
                 metrics.scheduler_outcome(tier, SchedulerOutcome::AdmittedAfterWait);
-                metrics.decision_duration(waited);
+                metrics.decision_duration(now.duration_since(body_arrived).as_secs_f64());
                 return Ok(Waited::Admit(self.admit(
                     admission,
                     grant,
@@ -577,7 +576,7 @@ impl<'p> RequestLife<'p> {
         };
         metrics.scheduler_outcome(tier, outcome);
         let reply = LocalReply::new(reason, message);
-        Ok(Waited::Refuse(self.refuse(reply, Some(tier), enqueued)))
+        Ok(Waited::Refuse(self.refuse(reply, Some(tier), body_arrived)))
     }
 
     /// Trailers on the request.
@@ -758,6 +757,26 @@ impl<'p> RequestLife<'p> {
             body,
             report_tag: watched.reports.as_ref().map(Registration::tag),
         }
+    }
+
+    /// Shadow mode's answer to a refusal that enforcement makes before reserving (a budget
+    /// denied, a large body's count that could not start in time): refused as enforcement
+    /// would, so nothing reserved (enforcement would have charged nothing either) and no place
+    /// taken in the queue (nor a slot) that enforcement would have given to others: upstream
+    /// now.
+    fn let_through_unreserved(
+        &mut self,
+        mut admission: Admission,
+        reply: &LocalReply,
+        tier: TierId,
+        arrived: Instant,
+    ) -> BodyDecision<'_> {
+        shadow_refusal(&self.rules, &mut admission, reply, tier);
+        let grant = Grant {
+            hold: Hold::none(),
+            budgets: None,
+        };
+        BodyDecision::Admit(self.admit(admission, grant, arrived, None))
     }
 
     fn refuse(&mut self, reply: LocalReply, tier: Option<TierId>, started: Instant) -> LocalReply {
@@ -1038,21 +1057,29 @@ fn spent_tokens(
     }
 }
 
+/// A body's decision, and in shadow mode the refusal enforcement would have made instead.
+struct Decided {
+    verdict: BodyVerdict,
+    /// The body waited longer than `tokens.large_body_max_wait_ms` for its count: its tier is
+    /// in shadow mode, which counts it anyway (enforcement answers 503 `counting_backlog`).
+    backlog: Option<LocalReply>,
+}
+
 /// The admission decision on a body, on the blocking pool if the body is large. Takes the body,
 /// so its bytes are freed as soon as the decision is made.
 ///
 /// Large bodies are decided a few at a time (`Pipeline::large_body_threads`), in the order they
 /// arrived: a burst of them all counted at once would share the cores among all of them, and
 /// under Envoy's `message_timeout` could all be answered too late together. One that cannot
-/// start within `tokens.large_body_max_wait_ms` of `arrived` is refused, as overload, before
-/// anything is counted or reserved.
+/// start within `tokens.large_body_max_wait_ms` of `body_arrived` is refused, as overload, before
+/// anything is counted or reserved; in shadow mode it waits its turn and is counted.
 async fn decide_body(
     pipeline: &Pipeline,
     rules: &Rules,
     head: &InferenceHead,
     body: Vec<u8>,
-    arrived: Instant,
-) -> BodyVerdict {
+    body_arrived: Instant,
+) -> Decided {
     // A model's own tokenizer may take its slow, exact path (0.25 µs a byte) and render a chat
     // template: with one loaded, only small bodies are decided on the async workers.
     let inline = if rules.policy.counting.tokenizers.is_empty() {
@@ -1061,17 +1088,14 @@ async fn decide_body(
         INLINE_BODY_BYTES_WITH_MODEL_TOKENIZERS
     };
     if body.len() <= inline {
-        return admission::decide_body(&rules.policy, head, &body);
+        return Decided {
+            verdict: admission::decide_body(&rules.policy, head, &body),
+            backlog: None,
+        };
     }
     let max_wait = rules.policy.counting.large_body_max_wait;
-    let waited = {
-        let _waiting = pipeline.metrics.hold_large_body_waiting();
-        let threads = Arc::clone(&pipeline.large_body_threads);
-        tokio::time::timeout_at(arrived + max_wait, threads.acquire_owned()).await
-    };
-    // The semaphore is never closed.
-    let Ok(Ok(thread)) = waited else {
-        return BodyVerdict::Reject(LocalReply::new(
+    let backlog = || {
+        LocalReply::new(
             Reason::CountingBacklog,
             format!(
                 "tollgate is behind on counting large request bodies: this one ({} bytes) could \
@@ -1079,8 +1103,30 @@ async fn decide_body(
                 body.len(),
                 max_wait.as_millis()
             ),
-        ));
+        )
     };
+    let enforce = rules
+        .policy
+        .tier_for(&head.identity.tenant, head.identity.tier)
+        .enforce;
+    let threads = Arc::clone(&pipeline.large_body_threads);
+    let waited = {
+        let _waiting = pipeline.metrics.hold_large_body_waiting();
+        if enforce {
+            tokio::time::timeout_at(body_arrived + max_wait, threads.acquire_owned()).await
+        } else {
+            Ok(threads.acquire_owned().await)
+        }
+    };
+    // The semaphore is never closed.
+    let Ok(Ok(thread)) = waited else {
+        return Decided {
+            verdict: BodyVerdict::Reject(backlog()),
+            backlog: None,
+        };
+    };
+    let late = Instant::now().duration_since(body_arrived) > max_wait;
+    let backlog = late.then(backlog);
     let policy = rules.policy.clone();
     let head = head.clone();
     // The permit goes with the work: if the stream ends meanwhile, the thread is still busy
@@ -1089,24 +1135,34 @@ async fn decide_body(
         let _thread = thread;
         admission::decide_body(&policy, &head, &body)
     });
-    match counted.await {
+    let verdict = match counted.await {
         Ok(verdict) => verdict,
         // Only a panic in counting gets here; refuse rather than pass unchecked.
         Err(join_error) => BodyVerdict::Reject(LocalReply::new(
             Reason::InvalidRequest,
             format!("the request body could not be processed: {join_error}"),
         )),
-    }
+    };
+    Decided { verdict, backlog }
 }
 
 /// How many large bodies may be counted at once: `tokens.large_body_threads`, or where that is
-/// 0, one per runtime worker thread (as many cores as the async workers may use).
+/// 0, two per runtime worker thread (and at least two). The counting threads share the cores
+/// with the async workers and whatever else runs there: with one per worker, bursts measured
+/// on two cores got fewer bodies counted in time than counting them all at once, and with two
+/// as many or more, while small requests beside them were still answered in under a
+/// millisecond at the median (docs/benchmarks.md, "A burst of large bodies"). At least two, so
+/// that one long count (about 2 s for 8 MiB on a model's own tokenizer's slow path) does not
+/// hold every other large body behind it.
 pub fn large_body_permits(setting: u32, worker_threads: usize) -> usize {
     match setting {
-        0 => worker_threads.max(1),
+        0 => (2 * worker_threads).max(MIN_DEFAULT_LARGE_BODY_THREADS),
         threads => threads as usize,
     }
 }
+
+/// The fewest large bodies counted at once when `tokens.large_body_threads` is left at 0.
+const MIN_DEFAULT_LARGE_BODY_THREADS: usize = 2;
 
 /// The body bytes a request keeps in memory while it waits for a slot, as counted against
 /// `scheduler.max_queued_body_bytes`: the body as received, which stays in the protocol's

@@ -334,8 +334,14 @@ impl Policy {
         if config.tokens.max_body_bytes == 0 {
             problems.push("tokens.max_body_bytes: must be positive".to_owned());
         }
-        if config.tokens.large_body_max_wait_ms == 0 {
-            problems.push("tokens.large_body_max_wait_ms: must be positive".to_owned());
+        // Longer and Envoy has given up, even where a route sets its timeout to the most.
+        let envoy_bound = config.scheduler.envoy_max_message_timeout_ms;
+        if !(1..=envoy_bound).contains(&config.tokens.large_body_max_wait_ms) {
+            problems.push(format!(
+                "tokens.large_body_max_wait_ms: {} must be between 1 and \
+                 scheduler.envoy_max_message_timeout_ms ({envoy_bound})",
+                config.tokens.large_body_max_wait_ms
+            ));
         }
         // tokio runs at most 512 blocking threads: more would wait in its own unbounded queue.
         if config.tokens.large_body_threads > MAX_LARGE_BODY_THREADS {

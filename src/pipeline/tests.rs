@@ -1407,14 +1407,18 @@ async fn a_queued_request_reported_on_is_tagged_when_it_gets_its_slot() {
     assert_eq!(in_flight(&pipeline), 0);
 }
 
-/// A chat request whose one message is `bytes` long: over `INLINE_BODY_BYTES`, it is counted
-/// on a large body's thread.
-fn chat_body_of_size(bytes: usize) -> Vec<u8> {
-    let words = "lorem ipsum dolor sit amet ".repeat(bytes / 27 + 1);
+/// A chat request whose one message is `content`.
+fn chat_body_saying(content: &str) -> Vec<u8> {
     format!(
-        r#"{{"model":"gpt-4o-mini","max_tokens":10,"messages":[{{"role":"user","content":"{words}"}}]}}"#
+        r#"{{"model":"gpt-4o-mini","max_tokens":10,"messages":[{{"role":"user","content":"{content}"}}]}}"#
     )
     .into_bytes()
+}
+
+/// A chat request whose one message is at least `bytes` long: over `INLINE_BODY_BYTES`, it is
+/// counted on a large body's thread.
+fn chat_body_of_size(bytes: usize) -> Vec<u8> {
+    chat_body_saying(&"lorem ipsum dolor sit amet ".repeat(bytes / 27 + 1))
 }
 
 /// One large body's thread, a wait of 200 ms for it, and a tier that admits large prompts.
@@ -1429,18 +1433,28 @@ fn large_body_pipeline() -> Pipeline {
     })
 }
 
+/// Sends a head and `body` as alice, the body having arrived `ago`: the body's decision, and
+/// how long it took from now.
+async fn submit_body_arrived<'a>(
+    life: &'a mut RequestLife<'_>,
+    body: Vec<u8>,
+    ago: Duration,
+) -> (BodyDecision<'a>, Duration) {
+    let now = Instant::now();
+    let head = life
+        .head(&chat_headers(TENANT), false, now - ago)
+        .expect("in order");
+    assert!(matches!(head, HeadDecision::Continue { .. }), "{head:?}");
+    let decision = life.body(body, true, now - ago).await.expect("in order");
+    (decision, Instant::now().duration_since(now))
+}
+
 /// Sends a head and `body` as alice: the body's decision, and how long it took.
 async fn submit_body<'a>(
     life: &'a mut RequestLife<'_>,
     body: Vec<u8>,
 ) -> (BodyDecision<'a>, Duration) {
-    let now = Instant::now();
-    let head = life
-        .head(&chat_headers(TENANT), false, now)
-        .expect("in order");
-    assert!(matches!(head, HeadDecision::Continue { .. }), "{head:?}");
-    let decision = life.body(body, true, now).await.expect("in order");
-    (decision, Instant::now().duration_since(now))
+    submit_body_arrived(life, body, Duration::ZERO).await
 }
 
 #[tokio::test(start_paused = true)]
@@ -1474,6 +1488,14 @@ async fn a_large_body_that_cannot_start_counting_in_time_is_refused_and_takes_no
     assert_eq!(outcomes(&pipeline, "shed"), 1.0);
     let waiting = |p: &Pipeline| metric(p, crate::observe::LARGE_BODIES_WAITING, &[]);
     assert_eq!(waiting(&pipeline), 0.0, "no longer waiting");
+
+    // The wait is measured from the body's arrival, not from when it began waiting.
+    let mut life = RequestLife::new(&pipeline);
+    let (decision, took) =
+        submit_body_arrived(&mut life, large.clone(), Duration::from_millis(150)).await;
+    assert!(matches!(decision, BodyDecision::Refuse(_)), "{decision:?}");
+    assert_eq!(took, Duration::from_millis(50));
+    drop(life);
 
     // A small body does not wait for the large bodies' threads.
     let small = admitted(&pipeline, 10).await;
@@ -1531,12 +1553,13 @@ async fn large_bodies_waiting_for_a_thread_are_counted_when_it_frees_within_thei
 }
 
 #[test]
-fn large_bodies_are_counted_by_the_threads_set_or_one_per_worker() {
+fn large_bodies_are_counted_by_the_threads_set_or_two_per_worker_and_at_least_two() {
     // (tokens.large_body_threads, the runtime's workers, permits)
     let table = [
-        (0, 2, 2),
-        (0, 16, 16),
-        (0, 0, 1),
+        (0, 2, 4),
+        (0, 16, 32),
+        (0, 1, 2),
+        (0, 0, 2),
         (3, 2, 3),
         (1, 16, 1),
         (512, 2, 512),
@@ -1548,4 +1571,92 @@ fn large_bodies_are_counted_by_the_threads_set_or_one_per_worker() {
             "{setting} with {workers} workers"
         );
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn in_shadow_mode_a_large_body_waits_its_turn_and_goes_upstream_unreserved() {
+    let pipeline = pipeline_with(|c| {
+        c.enforce = false;
+        c.tokens.large_body_threads = 1;
+        c.tokens.large_body_max_wait_ms = 200;
+        let free = c.tiers.get_mut("free").unwrap();
+        free.max_input_tokens = 1_000_000;
+        free.tokens_per_minute = Some(10_000_000);
+    });
+    let busy = Arc::clone(&pipeline.large_body_threads)
+        .acquire_owned()
+        .await
+        .unwrap();
+    let mut life = RequestLife::new(&pipeline);
+    let decided = submit_body(&mut life, chat_body_of_size(INLINE_BODY_BYTES + 1));
+    let freed = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        drop(busy);
+    };
+    let ((decision, took), ()) = tokio::join!(decided, freed);
+    assert_eq!(
+        took,
+        Duration::from_millis(300),
+        "waited past its 200 ms for the thread"
+    );
+    let BodyDecision::Admit(forward) = decision else {
+        panic!("expected it let through, got {decision:?}");
+    };
+    assert!(
+        forward
+            .headers
+            .contains(&("x-tollgate-shadow-refusal", "counting_backlog".to_owned()))
+    );
+    assert_eq!(
+        metric(
+            &pipeline,
+            crate::observe::SHADOW_REFUSALS,
+            &["reason=\"counting_backlog\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        budget(&pipeline).await,
+        (0, 0),
+        "nothing reserved, as enforcement"
+    );
+    assert_eq!(in_flight(&pipeline), 0, "and no slot");
+    life.finish().await;
+    assert_eq!(budget(&pipeline).await, (0, 0));
+}
+
+#[tokio::test]
+async fn a_large_body_keeps_its_thread_until_its_count_ends_though_its_request_is_gone() {
+    // Real time: a count takes real time, which the paused clock would not let pass.
+    let pipeline = large_body_pipeline();
+    let threads = &pipeline.large_body_threads;
+    // 4 MiB of made-up words: a count of hundreds of milliseconds, where the checks below take
+    // microseconds.
+    let body = chat_body_saying(&tollgate_testkit::text::made_up_words(4 << 20));
+    let mut life = RequestLife::new(&pipeline);
+    {
+        let decided = submit_body(&mut life, body);
+        tokio::pin!(decided);
+        // Polled until its count has the thread, then dropped, as a stream that ends is.
+        loop {
+            tokio::select! {
+                (decision, _) = &mut decided => panic!("decided before it was dropped: {decision:?}"),
+                () = tokio::time::sleep(Duration::from_millis(1)) => {}
+            }
+            if threads.available_permits() == 0 {
+                break;
+            }
+        }
+    }
+    drop(life);
+    assert_eq!(threads.available_permits(), 0, "still counting");
+    let freed = async {
+        while threads.available_permits() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), freed)
+        .await
+        .expect("the thread is given back when the count ends");
+    assert_eq!(budget(&pipeline).await, (0, 0), "nothing reserved");
 }

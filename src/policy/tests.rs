@@ -330,8 +330,17 @@ fn sizes_and_encoding_patterns_must_be_usable() {
     );
     check_problems(
         |c| c.tokens.large_body_max_wait_ms = 0,
-        &["tokens.large_body_max_wait_ms: must be positive"],
+        &["tokens.large_body_max_wait_ms: 0 must be between 1 and \
+             scheduler.envoy_max_message_timeout_ms (30000)"],
     );
+    check_problems(
+        |c| c.tokens.large_body_max_wait_ms = 30_001,
+        &[
+            "tokens.large_body_max_wait_ms: 30001 must be between 1 and \
+             scheduler.envoy_max_message_timeout_ms (30000)",
+        ],
+    );
+    check_valid(|c| c.tokens.large_body_max_wait_ms = 30_000);
     check_problems(
         |c| c.tokens.large_body_threads = 513,
         &[

@@ -1,5 +1,5 @@
 //! What every benchmark's `main` does: run to the end or until Ctrl-C or SIGTERM, stopping its
-//! children either way; and the median its reports are made of.
+//! children either way; and the median and percentiles its reports are made of.
 
 use std::future::Future;
 use std::process::ExitCode;
@@ -72,6 +72,12 @@ pub fn median(values: &mut [f64]) -> f64 {
         n if n % 2 == 1 => values[n / 2],
         n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
     }
+}
+
+/// The nearest-rank percentile of sorted values (`q` in 0..=1); `None` for no values.
+pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted.get(rank.clamp(1, sorted.len().max(1)) - 1).copied()
 }
 
 /// A request body whose every copy is a different text: `SerialNumbered::PLACEHOLDER` in it

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod ports;
 pub mod process;
 pub mod redis;
+pub mod text;
 pub mod tollgate;
 pub mod upstream;
 

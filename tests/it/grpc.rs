@@ -904,10 +904,13 @@ async fn large_bodies_that_cannot_start_counting_in_time_get_503_counting_backlo
         stream.exchange(chat_headers(&format!("user-{i}"))).await;
         streams.push(stream);
     }
-    // 1.5 MiB each, over the count cache's 1 MiB: every one is counted. All are sent before any
-    // answer is read, so they arrive together and only one can start at once.
+    // 1.5 MiB each, over the count cache's 1 MiB: every one is counted, and its made-up words
+    // take the count tens of milliseconds at least (short pieces' counts are remembered, so
+    // repeated words would not). All are sent before any answer is read, so they arrive
+    // together and only one can start at once.
+    let words = tollgate_testkit::text::made_up_words(1_500_000);
     for (i, stream) in streams.iter_mut().enumerate() {
-        let text = format!("{i} {}", "lorem ipsum dolor sit amet ".repeat(58_000));
+        let text = format!("{i} {words}");
         stream
             .send(request_body(&chat_body(serde_json::json!({
                 "messages": [{"role": "user", "content": text}],
