@@ -4,7 +4,7 @@
 //! own. Taken all at once, a burst of such bodies shares the cores among every one of them, so
 //! each takes as long as the whole burst, and behind Envoy's `message_timeout` (1 s in the
 //! shipped configs) they can all be answered too late together: Envoy has given up on every
-//! one. Taken in turn (`tokens.large_body_threads`, two per worker thread by default), the first
+//! one. Taken in turn (`tokens.large_body_threads`, one per worker thread by default), the first
 //! ones are answered in the time one count takes, and those that could not start within
 //! `tokens.large_body_max_wait_ms` are refused at that moment with a 503 `counting_backlog`,
 //! which a client can retry, where Envoy's timeout leaves it nothing.
@@ -56,7 +56,7 @@ use tonic::transport::Channel;
 
 use tollgate_testkit::bench::{SerialNumbered, median, percentile};
 use tollgate_testkit::host::{Machine, cpu_seconds};
-use tollgate_testkit::text::{made_up_words, xorshift};
+use tollgate_testkit::text::{made_up_words, prose_words};
 use tollgate_testkit::tollgate::TollgateCommand;
 use tollgate_testkit::{bins, metrics};
 
@@ -102,7 +102,7 @@ struct Args {
     /// `message_timeout` in the shipped configs.
     #[arg(long, default_value_t = 1000)]
     answer_within_ms: u64,
-    /// "in turn" with `tokens.large_body_threads` set to this [default: tollgate's, two per
+    /// "in turn" with `tokens.large_body_threads` set to this [default: tollgate's, one per
     /// worker thread].
     #[arg(long)]
     threads: Option<u32>,
@@ -385,129 +385,17 @@ async fn burst(
     })
 }
 
-/// `bytes` of words from a fixed seed: every run counts the same text. Prose's words come from
-/// `VOCABULARY` and repeat as prose's do, some followed by a comma or a full stop (tollgate
-/// remembers short pieces' counts, so "hi hi hi" would cost it a fraction of what prose does);
-/// made-up words (`made_up_words`) rarely repeat, and cost it several times more, as text with
-/// few common words does.
+/// `bytes` of words from a fixed seed: every run counts the same text (see `testkit::text`).
 fn words(text_kind: TextKind, bytes: usize) -> String {
-    if let TextKind::MadeUpWords = text_kind {
-        return made_up_words(bytes);
+    match text_kind {
+        TextKind::Prose => prose_words(bytes),
+        TextKind::MadeUpWords => made_up_words(bytes),
     }
-    let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
-    let mut text = String::with_capacity(bytes + 16);
-    while text.len() < bytes {
-        text.push_str(VOCABULARY[(next() % VOCABULARY.len() as u64) as usize]);
-        text.push_str(match next() % 12 {
-            0 => ". ",
-            1 => ", ",
-            _ => " ",
-        });
-    }
-    text
 }
 
-/// Common English words, and a few a prompt about code or numbers would hold.
-const VOCABULARY: &[&str] = &[
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "that",
-    "for",
-    "it",
-    "as",
-    "was",
-    "with",
-    "be",
-    "by",
-    "on",
-    "not",
-    "he",
-    "this",
-    "are",
-    "or",
-    "his",
-    "from",
-    "at",
-    "which",
-    "but",
-    "have",
-    "an",
-    "had",
-    "they",
-    "you",
-    "were",
-    "their",
-    "one",
-    "all",
-    "we",
-    "can",
-    "her",
-    "has",
-    "there",
-    "been",
-    "if",
-    "more",
-    "when",
-    "will",
-    "would",
-    "who",
-    "so",
-    "no",
-    "model",
-    "request",
-    "tokens",
-    "budget",
-    "service",
-    "replica",
-    "latency",
-    "queue",
-    "function",
-    "return",
-    "string",
-    "value",
-    "error",
-    "configuration",
-    "deployment",
-    "throughput",
-    "answer",
-    "question",
-    "summarize",
-    "following",
-    "document",
-    "paragraph",
-    "between",
-    "because",
-    "through",
-    "however",
-    "important",
-    "example",
-    "different",
-    "information",
-    "system",
-    "process",
-    "result",
-    "number",
-    "people",
-    "world",
-    "government",
-    "company",
-    "market",
-    "2024",
-    "42",
-    "1.5",
-    "x",
-    "y",
-    "i",
-    "a",
-];
-
-/// Small requests of another user, one every `SMALL_REQUEST_PERIOD` until the burst is `over`: what everyone
-/// else's requests wait while the large bodies are counted. A small body is decided on the
-/// async workers, so this is how much of them the counting leaves.
+/// Small requests of another user, one every `SMALL_REQUEST_PERIOD` until the burst is `over`:
+/// what everyone else's requests wait while the large bodies are counted. A small body is
+/// decided on the async workers, so this is how much of them the counting leaves.
 async fn small_requests(
     client: ExternalProcessorClient<Channel>,
     mut over: watch::Receiver<bool>,

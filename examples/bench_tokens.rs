@@ -39,6 +39,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use tollgate::tokens::{Encoding, ModelVocabulary};
+use tollgate_testkit::text::COMMON_WORDS;
 
 /// Size the corpus grows to; chunks are whole, so it ends slightly above.
 const CORPUS_TARGET_BYTES: usize = 1 << 20;
@@ -574,106 +575,12 @@ fn build_corpus() -> Corpus {
     }
 }
 
-const WORDS: &[&str] = &[
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "a",
-    "is",
-    "that",
-    "for",
-    "it",
-    "as",
-    "was",
-    "with",
-    "be",
-    "by",
-    "on",
-    "not",
-    "he",
-    "this",
-    "are",
-    "or",
-    "his",
-    "from",
-    "at",
-    "which",
-    "but",
-    "have",
-    "an",
-    "had",
-    "they",
-    "you",
-    "were",
-    "their",
-    "one",
-    "all",
-    "we",
-    "can",
-    "her",
-    "has",
-    "there",
-    "been",
-    "if",
-    "more",
-    "when",
-    "will",
-    "would",
-    "who",
-    "so",
-    "no",
-    "request",
-    "model",
-    "tenant",
-    "queue",
-    "latency",
-    "throughput",
-    "fairness",
-    "budget",
-    "token",
-    "inference",
-    "gateway",
-    "scheduler",
-    "priority",
-    "capacity",
-    "admission",
-    "deadline",
-    "streaming",
-    "response",
-    "prompt",
-    "completion",
-    "cluster",
-    "replica",
-    "memory",
-    "cache",
-    "weighted",
-    "because",
-    "however",
-    "therefore",
-    "although",
-    "meanwhile",
-    "approximately",
-    "significant",
-    "don't",
-    "it's",
-    "we'll",
-    "they've",
-    "I'm",
-    "isn't",
-    "naïve",
-    "café",
-    "résumé",
-    "Zürich",
-];
-
 fn prose(rng: &mut Lcg) -> String {
     let mut paragraph = String::new();
     for _ in 0..3 + rng.below(5) {
         let words = 6 + rng.below(20);
         for index in 0..words {
-            let word = rng.pick(WORDS);
+            let word = rng.pick(COMMON_WORDS);
             if index == 0 {
                 let mut chars = word.chars();
                 if let Some(first) = chars.next() {
@@ -826,7 +733,7 @@ fn emoji(rng: &mut Lcg) -> String {
     let mut message = String::new();
     for _ in 0..3 + rng.below(10) {
         if rng.below(3) == 0 {
-            message.push_str(rng.pick(WORDS));
+            message.push_str(rng.pick(COMMON_WORDS));
             message.push(' ');
         }
         for _ in 0..1 + rng.below(3) {

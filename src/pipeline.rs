@@ -27,7 +27,7 @@ use crate::observe::response::{ResponseEnd, ResponseObserver, Usage};
 use crate::observe::{
     GaugeGuard, Metrics, RequestOutcome, SchedulerOutcome, TokenKind, TokenStage,
 };
-use crate::policy::{ENVOY_TIMEOUT_MARGIN, TierId};
+use crate::policy::{ENVOY_TIMEOUT_MARGIN, MAX_LARGE_BODY_THREADS, TierId};
 use crate::reply::{self, LocalReply, Reason};
 use crate::request::{self, HeadVerdict, Header, InferenceHead};
 use crate::scheduler::{Admit, FlowClass, Permit, Scheduler, Ticket};
@@ -763,7 +763,8 @@ impl<'p> RequestLife<'p> {
     /// denied, a large body's count that could not start in time): refused as enforcement
     /// would, so nothing reserved (enforcement would have charged nothing either) and no place
     /// taken in the queue (nor a slot) that enforcement would have given to others: upstream
-    /// now.
+    /// now. (A large body's count did take a thread, which enforcement would have left to the
+    /// bodies behind it.)
     fn let_through_unreserved(
         &mut self,
         mut admission: Admission,
@@ -1118,14 +1119,20 @@ async fn decide_body(
             Ok(threads.acquire_owned().await)
         }
     };
-    // The semaphore is never closed.
-    let Ok(Ok(thread)) = waited else {
-        return Decided {
-            verdict: BodyVerdict::Reject(backlog()),
-            backlog: None,
-        };
-    };
+    // Late also when the thread came just before the deadline and this task ran just after it
+    // (a timeout looks at what it waits for first): enforcement refuses that one too.
     let late = Instant::now().duration_since(body_arrived) > max_wait;
+    // The semaphore is never closed.
+    let thread = match waited {
+        Ok(Ok(thread)) if !(late && enforce) => thread,
+        _ => {
+            return Decided {
+                verdict: BodyVerdict::Reject(backlog()),
+                backlog: None,
+            };
+        }
+    };
+    // Only in shadow mode: counted anyway.
     let backlog = late.then(backlog);
     let policy = rules.policy.clone();
     let head = head.clone();
@@ -1147,16 +1154,19 @@ async fn decide_body(
 }
 
 /// How many large bodies may be counted at once: `tokens.large_body_threads`, or where that is
-/// 0, two per runtime worker thread (and at least two). The counting threads share the cores
-/// with the async workers and whatever else runs there: with one per worker, bursts measured
-/// on two cores got fewer bodies counted in time than counting them all at once, and with two
-/// as many or more, while small requests beside them were still answered in under a
-/// millisecond at the median (docs/benchmarks.md, "A burst of large bodies"). At least two, so
-/// that one long count (about 2 s for 8 MiB on a model's own tokenizer's slow path) does not
+/// 0, one per runtime worker thread (at least two, at most the runtime's 512): the counting
+/// threads share the cores with the async workers, which decide every small request, and no
+/// more of them than workers left small requests beside a burst answered in about a
+/// millisecond at the median, where two per worker counted no more bodies in time
+/// (docs/benchmarks.md, "A burst of large bodies"). At least two, so that on a one-worker
+/// replica one long count (about 2 s for 8 MiB on a model's own tokenizer's slow path) does not
 /// hold every other large body behind it.
 pub fn large_body_permits(setting: u32, worker_threads: usize) -> usize {
     match setting {
-        0 => (2 * worker_threads).max(MIN_DEFAULT_LARGE_BODY_THREADS),
+        0 => worker_threads.clamp(
+            MIN_DEFAULT_LARGE_BODY_THREADS,
+            MAX_LARGE_BODY_THREADS as usize,
+        ),
         threads => threads as usize,
     }
 }

@@ -1421,8 +1421,9 @@ fn chat_body_of_size(bytes: usize) -> Vec<u8> {
     chat_body_saying(&"lorem ipsum dolor sit amet ".repeat(bytes / 27 + 1))
 }
 
-/// One large body's thread, a wait of 200 ms for it, and a tier that admits large prompts.
-fn large_body_pipeline() -> Pipeline {
+/// One large body's thread, a wait of 200 ms for it, four slots, and a tier that admits large
+/// prompts; then `edit`.
+fn large_body_pipeline_with(edit: impl FnOnce(&mut Config)) -> Pipeline {
     pipeline_with(|c| {
         c.tokens.large_body_threads = 1;
         c.tokens.large_body_max_wait_ms = 200;
@@ -1430,7 +1431,29 @@ fn large_body_pipeline() -> Pipeline {
         let free = c.tiers.get_mut("free").unwrap();
         free.max_input_tokens = 1_000_000;
         free.tokens_per_minute = Some(10_000_000);
+        edit(c);
     })
+}
+
+fn large_body_pipeline() -> Pipeline {
+    large_body_pipeline_with(|_| {})
+}
+
+/// Sends a large body as alice while another large body holds the only thread for `held`: its
+/// decision, and how long it took.
+async fn large_body_behind_a_busy_thread<'a>(
+    life: &'a mut RequestLife<'_>,
+    threads: &Arc<Semaphore>,
+    held: Duration,
+) -> (BodyDecision<'a>, Duration) {
+    let busy = Arc::clone(threads).acquire_owned().await.unwrap();
+    let freed = async {
+        tokio::time::sleep(held).await;
+        drop(busy);
+    };
+    let large = chat_body_of_size(INLINE_BODY_BYTES + 1);
+    let (decided, ()) = tokio::join!(submit_body(life, large), freed);
+    decided
 }
 
 /// Sends a head and `body` as alice, the body having arrived `ago`: the body's decision, and
@@ -1501,8 +1524,21 @@ async fn a_large_body_that_cannot_start_counting_in_time_is_refused_and_takes_no
     let small = admitted(&pipeline, 10).await;
     drop(small);
 
-    // Once the thread is free, the same body is counted and admitted at once.
+    // Once the thread is free, a body that arrived longer ago than the wait is refused all the
+    // same, at once, and the same body just arrived is counted and admitted at once.
     drop(busy);
+    let mut life = RequestLife::new(&pipeline);
+    let (decision, took) =
+        submit_body_arrived(&mut life, large.clone(), Duration::from_millis(250)).await;
+    let BodyDecision::Refuse(reply) = decision else {
+        panic!("expected a 503, got {decision:?}");
+    };
+    assert_eq!(
+        (reply.reason, took),
+        (Reason::CountingBacklog, Duration::ZERO)
+    );
+    drop(life);
+    assert_eq!(pipeline.large_body_threads.available_permits(), 1);
     let mut life = RequestLife::new(&pipeline);
     let (decision, took) = submit_body(&mut life, large).await;
     assert!(matches!(decision, BodyDecision::Admit(_)), "{decision:?}");
@@ -1553,16 +1589,17 @@ async fn large_bodies_waiting_for_a_thread_are_counted_when_it_frees_within_thei
 }
 
 #[test]
-fn large_bodies_are_counted_by_the_threads_set_or_two_per_worker_and_at_least_two() {
+fn large_bodies_are_counted_by_the_threads_set_or_one_per_worker_and_at_least_two() {
     // (tokens.large_body_threads, the runtime's workers, permits)
     let table = [
-        (0, 2, 4),
-        (0, 16, 32),
+        (0, 2, 2),
+        (0, 16, 16),
         (0, 1, 2),
         (0, 0, 2),
         (3, 2, 3),
         (1, 16, 1),
         (512, 2, 512),
+        (0, 600, 512),
     ];
     for (setting, workers, permits) in table {
         assert_eq!(
@@ -1575,25 +1612,14 @@ fn large_bodies_are_counted_by_the_threads_set_or_two_per_worker_and_at_least_tw
 
 #[tokio::test(start_paused = true)]
 async fn in_shadow_mode_a_large_body_waits_its_turn_and_goes_upstream_unreserved() {
-    let pipeline = pipeline_with(|c| {
-        c.enforce = false;
-        c.tokens.large_body_threads = 1;
-        c.tokens.large_body_max_wait_ms = 200;
-        let free = c.tiers.get_mut("free").unwrap();
-        free.max_input_tokens = 1_000_000;
-        free.tokens_per_minute = Some(10_000_000);
-    });
-    let busy = Arc::clone(&pipeline.large_body_threads)
-        .acquire_owned()
-        .await
-        .unwrap();
+    let pipeline = large_body_pipeline_with(|c| c.enforce = false);
     let mut life = RequestLife::new(&pipeline);
-    let decided = submit_body(&mut life, chat_body_of_size(INLINE_BODY_BYTES + 1));
-    let freed = async {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        drop(busy);
-    };
-    let ((decision, took), ()) = tokio::join!(decided, freed);
+    let (decision, took) = large_body_behind_a_busy_thread(
+        &mut life,
+        &pipeline.large_body_threads,
+        Duration::from_millis(300),
+    )
+    .await;
     assert_eq!(
         took,
         Duration::from_millis(300),
@@ -1621,8 +1647,20 @@ async fn in_shadow_mode_a_large_body_waits_its_turn_and_goes_upstream_unreserved
         "nothing reserved, as enforcement"
     );
     assert_eq!(in_flight(&pipeline), 0, "and no slot");
+    assert_eq!(pipeline.large_body_threads.available_permits(), 1);
     life.finish().await;
     assert_eq!(budget(&pipeline).await, (0, 0));
+    // One outcome, and no refusal counted.
+    assert_eq!(outcomes(&pipeline, "admitted"), 1.0);
+    assert_eq!(outcomes(&pipeline, "shed"), 0.0);
+    assert_eq!(
+        metric(
+            &pipeline,
+            crate::observe::REJECTIONS,
+            &["reason=\"counting_backlog\""]
+        ),
+        0.0
+    );
 }
 
 #[tokio::test]
@@ -1637,15 +1675,12 @@ async fn a_large_body_keeps_its_thread_until_its_count_ends_though_its_request_i
     {
         let decided = submit_body(&mut life, body);
         tokio::pin!(decided);
-        // Polled until its count has the thread, then dropped, as a stream that ends is.
-        loop {
-            tokio::select! {
-                (decision, _) = &mut decided => panic!("decided before it was dropped: {decision:?}"),
-                () = tokio::time::sleep(Duration::from_millis(1)) => {}
-            }
-            if threads.available_permits() == 0 {
-                break;
-            }
+        // Polled once: the thread is free, so its count takes it and starts. Then dropped, as
+        // a stream that ends is.
+        tokio::select! {
+            biased;
+            (decision, _) = &mut decided => panic!("decided at once: {decision:?}"),
+            () = std::future::ready(()) => {}
         }
     }
     drop(life);
@@ -1659,4 +1694,47 @@ async fn a_large_body_keeps_its_thread_until_its_count_ends_though_its_request_i
         .await
         .expect("the thread is given back when the count ends");
     assert_eq!(budget(&pipeline).await, (0, 0), "nothing reserved");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_large_body_queued_after_its_count_is_timed_in_the_queue_from_joining_it() {
+    let pipeline = large_body_pipeline_with(|c| {
+        c.tokens.large_body_max_wait_ms = 500;
+        c.scheduler.initial_limit = 1;
+    });
+    // The only slot is taken, and, for 300 ms, the only large body's thread.
+    let running = admitted(&pipeline, 10).await;
+    let mut life = RequestLife::new(&pipeline);
+    let (decision, took) = large_body_behind_a_busy_thread(
+        &mut life,
+        &pipeline.large_body_threads,
+        Duration::from_millis(300),
+    )
+    .await;
+    assert!(
+        matches!(decision, BodyDecision::Wait { .. }),
+        "{decision:?}"
+    );
+    assert_eq!(took, Duration::from_millis(300));
+    let (_lifecycle_tx, mut lifecycle) = watch::channel(Lifecycle::Serving);
+    let waited = life.wait(
+        client_leaving_after(Duration::from_secs(60)),
+        &mut lifecycle,
+    );
+    let slot_freed = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        running.finish().await;
+    };
+    let (waited, ()) = tokio::join!(waited, slot_freed);
+    let waited = waited.unwrap();
+    assert!(matches!(waited, Waited::Admit(_)), "{waited:?}");
+    let sum = |name: &str| metric(&pipeline, &format!("{name}_sum"), &[]);
+    let queue_wait = sum(crate::observe::QUEUE_WAIT);
+    assert!(
+        (queue_wait - 0.2).abs() < 1e-9,
+        "the queue's 200 ms, not the wait for the count's thread: {queue_wait}"
+    );
+    // Decisions are timed from the body's arrival: this one's 500 ms, the first one's none.
+    let decisions = sum(crate::observe::DECISION_DURATION);
+    assert!((decisions - 0.5).abs() < 1e-9, "{decisions}");
 }

@@ -944,6 +944,8 @@ async fn large_bodies_that_cannot_start_counting_in_time_get_503_counting_backlo
         f64::from(backlog)
     );
     assert_eq!(m.value("tollgate_large_bodies_waiting", &[]), 0.0);
+    // Enforced: none went upstream as a shadow refusal, a body that got its thread late included.
+    assert_eq!(m.sum("tollgate_shadow_refusals_total", &[]), 0.0);
     drop(streams);
     server.stop().await.unwrap();
 }
