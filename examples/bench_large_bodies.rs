@@ -239,7 +239,8 @@ struct Burst {
     /// opening its stream to its body's answer, sorted.
     small_ms: Vec<f64>,
     failures: Vec<String>,
-    /// tollgate's CPU from the first body sent to the last answer.
+    /// tollgate's CPU from just before the bodies are sent until the small requests stop (the
+    /// last of them is answered after the burst is over).
     cpu_seconds: f64,
     /// From the signal that sends every body to the last stream's end (the burst is over).
     wall_seconds: f64,

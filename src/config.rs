@@ -129,8 +129,8 @@ pub struct TokensConfig {
     /// or lower so clients get Envoy's 413 before any gRPC traffic.
     pub max_body_bytes: usize,
     /// Large bodies (over 256 KiB, or 16 KiB with a model's own tokenizer) are parsed and
-    /// counted off the async workers, this many at once (0: one per runtime worker thread, and
-    /// at least two). Many more would only share the same cores among more bodies, so that a
+    /// counted off the async workers, this many at once (0: one per runtime worker thread, at
+    /// least two and at most 512). Many more would only share the same cores among more bodies, so that a
     /// burst of them all finishes late together where, taken in turn, the first ones finish in
     /// time, and would leave the async workers, which decide every small request, little CPU.
     /// Only a restart changes it.

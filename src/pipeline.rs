@@ -1154,11 +1154,11 @@ async fn decide_body(
 }
 
 /// How many large bodies may be counted at once: `tokens.large_body_threads`, or where that is
-/// 0, one per runtime worker thread (at least two, at most the runtime's 512): the counting
-/// threads share the cores with the async workers, which decide every small request, and no
-/// more of them than workers left small requests beside a burst answered in about a
-/// millisecond at the median, where two per worker counted no more bodies in time
-/// (docs/benchmarks.md, "A burst of large bodies"). At least two, so that on a one-worker
+/// 0, one per runtime worker thread (at least two, at most the runtime's 512). The counting
+/// threads share the cores with the async workers, which decide every small request: with no
+/// more of them than workers, small requests beside a burst were answered in about a
+/// millisecond at the median, and two per worker counted about as many bodies in time for more
+/// CPU (docs/benchmarks.md, "A burst of large bodies"). At least two, so that on a one-worker
 /// replica one long count (about 2 s for 8 MiB on a model's own tokenizer's slow path) does not
 /// hold every other large body behind it.
 pub fn large_body_permits(setting: u32, worker_threads: usize) -> usize {
