@@ -130,10 +130,10 @@ pub struct TokensConfig {
     pub max_body_bytes: usize,
     /// Large bodies (over 256 KiB, or 16 KiB with a model's own tokenizer) are parsed and
     /// counted off the async workers, this many at once (0: one per runtime worker thread, at
-    /// least two and at most 512). Many more would only share the same cores among more bodies, so that a
-    /// burst of them all finishes late together where, taken in turn, the first ones finish in
-    /// time, and would leave the async workers, which decide every small request, little CPU.
-    /// Only a restart changes it.
+    /// least two and at most 512). Many more would only share the same cores among more
+    /// bodies, so that a burst of them all finishes late together where, taken in turn, the
+    /// first ones finish in time, and would leave the async workers, which decide every small
+    /// request, little CPU. Only a restart changes it.
     pub large_body_threads: u32,
     /// How long a large body may wait for one of those threads, from its arrival, before a 503
     /// `counting_backlog` (at most `scheduler.envoy_max_message_timeout_ms`). Keep it well

@@ -349,9 +349,12 @@ impl<'p> RequestLife<'p> {
             return Ok(BodyDecision::Refuse(self.refuse(reply, Some(tier), now)));
         }
         let received = body.len();
+        let policy = &rules.policy;
+        let tier_policy = policy.tier_for(&head.identity.tenant, tier);
         // The decoded body is freed once decided: what waits in the queue, or goes upstream, is
         // the `Admission`, with its rewritten body if there is one.
-        let Decided { verdict, backlog } = decide_body(pipeline, rules, &head, body, now).await;
+        let Decided { verdict, backlog } =
+            decide_body(pipeline, rules, &head, body, now, tier_policy.enforce).await;
         let admission = match verdict {
             BodyVerdict::Admit(admission) => admission,
             BodyVerdict::Reject(reply) => {
@@ -361,9 +364,7 @@ impl<'p> RequestLife<'p> {
         if let Some(reply) = backlog {
             return Ok(self.let_through_unreserved(admission, &reply, tier, arrived));
         }
-        let policy = &rules.policy;
         let tenant = &admission.identity.tenant;
-        let tier_policy = policy.tier_for(tenant, tier);
         let reserved = pipeline
             .ledger
             .reserve(
@@ -1073,13 +1074,15 @@ struct Decided {
 /// arrived: a burst of them all counted at once would share the cores among all of them, and
 /// under Envoy's `message_timeout` could all be answered too late together. One that cannot
 /// start within `tokens.large_body_max_wait_ms` of `body_arrived` is refused, as overload, before
-/// anything is counted or reserved; in shadow mode it waits its turn and is counted.
+/// anything is counted or reserved; in shadow mode (`enforce` false) it waits its turn and is
+/// counted.
 async fn decide_body(
     pipeline: &Pipeline,
     rules: &Rules,
     head: &InferenceHead,
     body: Vec<u8>,
     body_arrived: Instant,
+    enforce: bool,
 ) -> Decided {
     // A model's own tokenizer may take its slow, exact path (0.25 µs a byte) and render a chat
     // template: with one loaded, only small bodies are decided on the async workers.
@@ -1106,10 +1109,6 @@ async fn decide_body(
             ),
         )
     };
-    let enforce = rules
-        .policy
-        .tier_for(&head.identity.tenant, head.identity.tier)
-        .enforce;
     let threads = Arc::clone(&pipeline.large_body_threads);
     let waited = {
         let _waiting = pipeline.metrics.hold_large_body_waiting();

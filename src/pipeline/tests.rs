@@ -1439,14 +1439,26 @@ fn large_body_pipeline() -> Pipeline {
     large_body_pipeline_with(|_| {})
 }
 
+/// The only large body's thread, taken as another large body's count would take it.
+fn hold_the_only_thread(pipeline: &Pipeline) -> tokio::sync::OwnedSemaphorePermit {
+    Arc::clone(&pipeline.large_body_threads)
+        .try_acquire_owned()
+        .expect("the thread is free")
+}
+
+/// Large bodies waiting for a thread now (`tollgate_large_bodies_waiting`).
+fn large_bodies_waiting(pipeline: &Pipeline) -> f64 {
+    metric(pipeline, crate::observe::LARGE_BODIES_WAITING, &[])
+}
+
 /// Sends a large body as alice while another large body holds the only thread for `held`: its
 /// decision, and how long it took.
 async fn large_body_behind_a_busy_thread<'a>(
     life: &'a mut RequestLife<'_>,
-    threads: &Arc<Semaphore>,
+    pipeline: &Pipeline,
     held: Duration,
 ) -> (BodyDecision<'a>, Duration) {
-    let busy = Arc::clone(threads).acquire_owned().await.unwrap();
+    let busy = hold_the_only_thread(pipeline);
     let freed = async {
         tokio::time::sleep(held).await;
         drop(busy);
@@ -1485,10 +1497,7 @@ async fn a_large_body_that_cannot_start_counting_in_time_is_refused_and_takes_no
     let pipeline = large_body_pipeline();
     let large = chat_body_of_size(INLINE_BODY_BYTES + 1);
     // Another large body holds the only thread.
-    let busy = Arc::clone(&pipeline.large_body_threads)
-        .acquire_owned()
-        .await
-        .unwrap();
+    let busy = hold_the_only_thread(&pipeline);
 
     let mut life = RequestLife::new(&pipeline);
     let (decision, took) = submit_body(&mut life, large.clone()).await;
@@ -1509,8 +1518,7 @@ async fn a_large_body_that_cannot_start_counting_in_time_is_refused_and_takes_no
     assert_eq!(budget(&pipeline).await, (0, 0), "nothing reserved");
     assert_eq!(in_flight(&pipeline), 0, "no slot taken");
     assert_eq!(outcomes(&pipeline, "shed"), 1.0);
-    let waiting = |p: &Pipeline| metric(p, crate::observe::LARGE_BODIES_WAITING, &[]);
-    assert_eq!(waiting(&pipeline), 0.0, "no longer waiting");
+    assert_eq!(large_bodies_waiting(&pipeline), 0.0, "no longer waiting");
 
     // The wait is measured from the body's arrival, not from when it began waiting.
     let mut life = RequestLife::new(&pipeline);
@@ -1553,11 +1561,7 @@ async fn a_large_body_that_cannot_start_counting_in_time_is_refused_and_takes_no
 #[tokio::test(start_paused = true)]
 async fn large_bodies_waiting_for_a_thread_are_counted_when_it_frees_within_their_wait() {
     let pipeline = large_body_pipeline();
-    let busy = Arc::clone(&pipeline.large_body_threads)
-        .acquire_owned()
-        .await
-        .unwrap();
-    let waiting = |p: &Pipeline| metric(p, crate::observe::LARGE_BODIES_WAITING, &[]);
+    let busy = hold_the_only_thread(&pipeline);
     let (mut first, mut second) = (RequestLife::new(&pipeline), RequestLife::new(&pipeline));
     let both = async {
         tokio::join!(
@@ -1567,7 +1571,11 @@ async fn large_bodies_waiting_for_a_thread_are_counted_when_it_frees_within_thei
     };
     let freed = async {
         tokio::time::sleep(Duration::from_millis(150)).await;
-        assert_eq!(waiting(&pipeline), 2.0, "both wait for the one thread");
+        assert_eq!(
+            large_bodies_waiting(&pipeline),
+            2.0,
+            "both wait for the one thread"
+        );
         drop(busy);
     };
     let (((first_decision, first_took), (second_decision, second_took)), ()) =
@@ -1583,7 +1591,7 @@ async fn large_bodies_waiting_for_a_thread_are_counted_when_it_frees_within_thei
     // Counting takes no time on the paused clock: each was decided when the thread freed.
     assert_eq!(first_took, Duration::from_millis(150));
     assert_eq!(second_took, Duration::from_millis(150));
-    assert_eq!(waiting(&pipeline), 0.0);
+    assert_eq!(large_bodies_waiting(&pipeline), 0.0);
     assert_eq!(pipeline.large_body_threads.available_permits(), 1);
     assert_eq!(in_flight(&pipeline), 2);
 }
@@ -1614,12 +1622,8 @@ fn large_bodies_are_counted_by_the_threads_set_or_one_per_worker_and_at_least_tw
 async fn in_shadow_mode_a_large_body_waits_its_turn_and_goes_upstream_unreserved() {
     let pipeline = large_body_pipeline_with(|c| c.enforce = false);
     let mut life = RequestLife::new(&pipeline);
-    let (decision, took) = large_body_behind_a_busy_thread(
-        &mut life,
-        &pipeline.large_body_threads,
-        Duration::from_millis(300),
-    )
-    .await;
+    let (decision, took) =
+        large_body_behind_a_busy_thread(&mut life, &pipeline, Duration::from_millis(300)).await;
     assert_eq!(
         took,
         Duration::from_millis(300),
@@ -1705,12 +1709,8 @@ async fn a_large_body_queued_after_its_count_is_timed_in_the_queue_from_joining_
     // The only slot is taken, and, for 300 ms, the only large body's thread.
     let running = admitted(&pipeline, 10).await;
     let mut life = RequestLife::new(&pipeline);
-    let (decision, took) = large_body_behind_a_busy_thread(
-        &mut life,
-        &pipeline.large_body_threads,
-        Duration::from_millis(300),
-    )
-    .await;
+    let (decision, took) =
+        large_body_behind_a_busy_thread(&mut life, &pipeline, Duration::from_millis(300)).await;
     assert!(
         matches!(decision, BodyDecision::Wait { .. }),
         "{decision:?}"
