@@ -80,6 +80,15 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    // Read for check-config too: a variable the runtime would refuse fails the check, as it
+    // would fail the start.
+    let worker_threads = match runtime_worker_threads(&cli) {
+        Ok(threads) => threads,
+        Err(e) => {
+            eprintln!("tollgate: invalid configuration:\n{e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
     match cli.command {
         Some(Command::CheckConfig { file }) => {
             println!("{}: ok", file.display());
@@ -113,19 +122,6 @@ fn main() -> ExitCode {
                 eprintln!("tollgate: invalid configuration:\n{e}");
                 return ExitCode::from(EXIT_CONFIG);
             }
-            // The flag wins, and the variable it overrides is not read. tokio reads the variable
-            // itself when no count is given, and panics on a bad one: it is read here first.
-            let variable = std::env::var_os(config::TOKIO_WORKER_THREADS);
-            let worker_threads = match cli.worker_threads {
-                Some(threads) => Some(threads),
-                None => match config::worker_threads_variable(variable.as_deref()) {
-                    Ok(threads) => threads,
-                    Err(e) => {
-                        eprintln!("tollgate: invalid configuration:\n{e}");
-                        return ExitCode::from(EXIT_CONFIG);
-                    }
-                },
-            };
             let flags = Flags::of(&cli);
             let file = cli.config.clone();
             let reload = tollgate::Reload {
@@ -187,6 +183,19 @@ fn layered_config(
         config.store.redis_url = Some(url.clone());
     }
     Ok(config)
+}
+
+/// The runtime's worker threads: the flag, else `TOKIO_WORKER_THREADS`, else `None` (tokio's
+/// default). The flag wins, and the variable it overrides is not read. tokio reads the variable
+/// itself when no count is given, and panics on a bad one: it is read here first.
+fn runtime_worker_threads(cli: &Cli) -> Result<Option<u16>, config::ConfigError> {
+    match cli.worker_threads {
+        Some(threads) => Ok(Some(threads)),
+        None => {
+            let variable = std::env::var_os(config::TOKIO_WORKER_THREADS);
+            config::worker_threads_variable(variable.as_deref())
+        }
+    }
 }
 
 /// The configuration from every layer, and the policy it validates into.

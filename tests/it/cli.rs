@@ -225,6 +225,35 @@ fn a_worker_thread_count_tokio_cannot_use_is_a_config_error_at_start_up() {
     }
 }
 
+/// check-config reads the runtime's thread count as a start does, so a variable that would stop
+/// the start fails the check, and the flag that overrides it still wins.
+#[test]
+fn check_config_refuses_a_worker_thread_count_the_start_would() {
+    let file = write_config("{}\n");
+    let path = file.path().to_str().unwrap();
+    // (flags before the command, the variable, passes)
+    let cases: [(&[&str], &str, bool); 4] = [
+        (&[], "2", true),
+        (&[], "0", false),
+        (&[], "two", false),
+        (&["--worker-threads", "2"], "0", true),
+    ];
+    for (flags, value, passes) in cases {
+        let args = [flags, &["check-config", path][..]].concat();
+        let output = tollgate(&args, &[("TOKIO_WORKER_THREADS", value)]);
+        let message = stderr(&output);
+        if passes {
+            assert!(output.status.success(), "{flags:?} {value:?}: {message}");
+        } else {
+            assert_eq!(output.status.code(), Some(2), "{value:?}: {message}");
+            assert!(
+                message.contains(&format!("TOKIO_WORKER_THREADS: {value:?} is not a number")),
+                "{value:?}: the error names the variable and the value: {message}"
+            );
+        }
+    }
+}
+
 /// The runtime runs the threads the flag asks for, else the variable, else tokio's default
 /// count (the CPUs the process may use), and `tollgate_runtime_worker_threads` says so.
 #[tokio::test]
