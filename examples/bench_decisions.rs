@@ -21,13 +21,17 @@
 //!    so no renewal falls into the run. MONITOR is closed before anything is timed: it slows
 //!    Redis down.
 //!
-//! 2. **Decisions per CPU-second** for three servers, one at a time, in interleaved rounds
-//!    (echo, tollgate+redis, tollgate+memory, echo, ...), with medians over the rounds:
+//! 2. **Decisions per CPU-second** for three servers (four with `--counting-echo`), one at a
+//!    time, in interleaved rounds (echo, tollgate+redis, tollgate+memory, echo, ...), with
+//!    medians over the rounds:
 //!    - **echo**: `examples/echo_extproc.rs`, a tonic ext_proc server built like tollgate's (one
 //!      task and a 2-slot channel per stream, the same server options, listener and allocator)
 //!      that answers every message with a CONTINUE of its kind and reads nothing;
 //!    - **tollgate+redis**: the release binary with `--redis-url` to our Redis;
-//!    - **tollgate+memory**: the same binary and configuration with the embedded store.
+//!    - **tollgate+memory**: the same binary and configuration with the embedded store;
+//!    - with `--counting-echo`, **counting-echo** after the echo: the echo with
+//!      `--count-prompts`, which parses and counts each body with tollgate's code and reads
+//!      each response's usage, and does nothing else: the floor of an exact-counting decision.
 //!
 //!    Both tollgate and the echo set TCP_NODELAY on every accepted connection (tollgate's
 //!    `run` does it through tonic's `TcpIncoming`), so neither pays for Nagle's algorithm. Both
@@ -174,6 +178,12 @@ struct Args {
     /// example], e.g. one built another way, to compare two echoes with one tollgate.
     #[arg(long, value_name = "FILE")]
     echo_bin: Option<PathBuf>,
+    /// Also run, in each round right after the echo, the echo with `--count-prompts`
+    /// ("counting-echo"): it parses and counts each body with tollgate's code and reads each
+    /// response's usage, and does nothing else, so it is the floor of any exact-counting
+    /// decision.
+    #[arg(long)]
+    counting_echo: bool,
     /// redis-server binary [default: redis-server on PATH].
     #[arg(long, value_name = "FILE", default_value = "redis-server")]
     redis_server: PathBuf,
@@ -261,7 +271,13 @@ async fn bench(args: &Args) -> Result<bool> {
     // MONITOR is closed by now (the check consumed it): let Redis notice before timing anything.
     tokio::time::sleep(PAUSE_BETWEEN_RUNS).await;
 
-    let echo = ServerProc::echo(args.echo_bin.as_deref(), &server_threads, dir.path()).await?;
+    let echo =
+        ServerProc::echo(args.echo_bin.as_deref(), false, &server_threads, dir.path()).await?;
+    let counting_echo = if args.counting_echo {
+        Some(ServerProc::echo(args.echo_bin.as_deref(), true, &server_threads, dir.path()).await?)
+    } else {
+        None
+    };
     let in_memory = ServerProc::tollgate(
         &tollgate_bin,
         &config_path,
@@ -273,7 +289,10 @@ async fn bench(args: &Args) -> Result<bool> {
     .await?;
     let mut redis_stats = RawRedis::connect(redis.port).await?;
     let mut targets = Vec::new();
-    for server in [&echo, &with_redis, &in_memory] {
+    let servers = std::iter::once(&echo)
+        .chain(&counting_echo)
+        .chain([&with_redis, &in_memory]);
+    for server in servers {
         targets.push(Target::connect(server, args.connections).await?);
     }
     for target in &targets {
@@ -370,6 +389,7 @@ async fn bench(args: &Args) -> Result<bool> {
                 "server_threads": server_threads.0,
                 "store_timeout_ms": args.store_timeout_ms,
                 "tokenizer": args.tokenizer,
+                "counting_echo": args.counting_echo,
             },
             "round_trip_check": check.as_ref().map(RoundTripCheck::json),
             "runs": runs.iter().map(Run::json).collect::<Vec<_>>(),
@@ -383,7 +403,14 @@ async fn bench(args: &Args) -> Result<bool> {
     }
     // Children stop here (Drop), the temp dir with their logs last.
     drop(targets);
-    drop((echo, with_redis, in_memory, redis_stats, redis));
+    drop((
+        echo,
+        counting_echo,
+        with_redis,
+        in_memory,
+        redis_stats,
+        redis,
+    ));
     drop(dir);
     Ok(clean)
 }
@@ -1200,18 +1227,23 @@ impl ServerProc {
     }
 
     /// `examples/echo_extproc.rs`: `explicit` if given, else the one built next to this example.
+    /// The echo, or with `counting` the counting echo (`--count-prompts`).
     async fn echo(
         explicit: Option<&Path>,
+        counting: bool,
         threads: &ServerThreads,
         dir: &Path,
     ) -> Result<ServerProc> {
         let grpc = free_addr();
         let echo = bins::example("echo_extproc", explicit)?;
-        let name = "echo";
+        let name = if counting { "counting-echo" } else { "echo" };
         let mut command = Command::new(echo);
         command
             .args(["--addr", &grpc.to_string()])
             .stdout(Stdio::null());
+        if counting {
+            command.arg("--count-prompts");
+        }
         if let Some(count) = threads.0 {
             command.env(TOKIO_WORKER_THREADS, count.to_string());
         }

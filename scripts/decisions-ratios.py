@@ -10,7 +10,9 @@ recorded them print nan); and the latency with Redis: a
 reserve's mean and p99 and a settle's mean as tollgate times them, and the streams' p50 and p99
 as the load sees them; and Redis's `EVALSHA` less two a decision and the fleet's calls as
 tollgate counted them (bench_decisions subtracts the second from Redis's count).
-Medians over the rounds first, each round's figure in brackets.
+Medians over the rounds first, each round's figure in brackets. For a run with `--counting-echo`, also the counting echo's
+decisions per CPU-second as a ratio to the echo's, its own CPU per decision, and the
+embedded-store tollgate's ratio to it.
 
 Given several files, it ends with the rounds whose `EVALSHA` were not two a decision, and how
 many fleet calls the other rounds counted, by their length in seconds (docs/benchmarks.md,
@@ -29,21 +31,30 @@ def own_us(run):
     return 1e6 / run["decisions_per_server_cpu_s"]
 
 
-def rounds(runs, path):
+def rounds(runs, path, counting_echo):
+    servers = ["echo", "tollgate-redis", "tollgate-memory"]
+    if counting_echo:
+        servers.insert(1, "counting-echo")
     out = []
-    for i in range(0, len(runs), 3):
-        echo, redis, memory = runs[i : i + 3]
-        if (echo["server"], redis["server"], memory["server"]) != (
-            "echo",
-            "tollgate-redis",
-            "tollgate-memory",
-        ):
-            sys.exit(f"{path}: round {i // 3 + 1} is not echo, tollgate-redis, tollgate-memory")
+    for i in range(0, len(runs), len(servers)):
+        group = runs[i : i + len(servers)]
+        if [run["server"] for run in group] != servers:
+            sys.exit(f"{path}: round {i // len(servers) + 1} is not {', '.join(servers)}")
+        echo, redis, memory = group[0], group[-2], group[-1]
         base = echo["decisions_per_server_cpu_s"]
         redis_us = redis["redis_cpu_s"] / redis["decisions"] * 1e6
         scripts_us = 2 * redis["redis"]["usec_per_evalsha"]
+        row = {}
+        if counting_echo:
+            counting = group[1]
+            row["counting-echo"] = counting["decisions_per_server_cpu_s"] / base
+            row["counting-echo own us"] = own_us(counting)
+            row["memory vs counting-echo"] = (
+                memory["decisions_per_server_cpu_s"] / counting["decisions_per_server_cpu_s"]
+            )
         out.append(
-            {
+            row
+            | {
                 "redis": redis["decisions_per_server_cpu_s"] / base,
                 "redis+server": redis["decisions_per_server_and_redis_cpu_s"] / base,
                 "memory": memory["decisions_per_server_cpu_s"] / base,
@@ -73,18 +84,27 @@ off_rounds = []
 # Fleet calls of the other rounds, by the round's length in seconds.
 fleet_of_clean = collections.defaultdict(collections.Counter)
 for path in sys.argv[1:]:
-    runs = json.load(open(path)).get("runs")
-    if runs is None:
-        print(f"{path}: not a bench_decisions run (no runs), passed over", file=sys.stderr)
+    document = json.load(open(path))
+    runs = document.get("runs")
+    # Other benchmarks' files have runs too (bench_large_bodies'): bench_decisions' runs each
+    # name their server.
+    if not runs or "decisions_per_server_cpu_s" not in runs[0]:
+        print(f"{path}: not a bench_decisions run, passed over", file=sys.stderr)
         continue
-    rows = rounds(runs, path)
+    counting_echo = document["settings"].get("counting_echo", False)
+    rows = rounds(runs, path, counting_echo)
     for number, row in enumerate(rows, 1):
         if row["evalsha less 2/dec"] != 0:
             off_rounds.append((path, number, row["evalsha less 2/dec"], row["fleet calls"]))
         elif row["fleet calls"] == row["fleet calls"]:  # not nan: files before it was kept
             fleet_of_clean[row["seconds"]][row["fleet calls"]] += 1
     cells = []
-    for key, form in [
+    counting_cells = [
+        ("counting-echo", "{:.3f}"),
+        ("counting-echo own us", "{:.1f}"),
+        ("memory vs counting-echo", "{:.3f}"),
+    ]
+    for key, form in (counting_cells if counting_echo else []) + [
         ("redis", "{:.3f}"),
         ("redis+server", "{:.3f}"),
         ("memory", "{:.3f}"),
