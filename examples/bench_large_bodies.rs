@@ -1,7 +1,7 @@
 //! `bench_large_bodies`: a burst of large request bodies, counted all at once or a few at a time.
 //!
-//! tollgate parses and counts a body over 256 KiB off its async workers, on a thread of its
-//! own. Taken all at once, a burst of such bodies shares the cores among every one of them, so
+//! tollgate parses and counts a body over 16 KiB, or one whose text the encoder is slow on,
+//! off its async workers, on a thread of its own. Taken all at once, a burst of such bodies shares the cores among every one of them, so
 //! each takes as long as the whole burst, and behind Envoy's `message_timeout` (1 s in the
 //! shipped configs) they can all be answered too late together: Envoy has given up on every
 //! one. Taken in turn (`tokens.large_body_threads`, one per worker thread by default), the first
@@ -21,7 +21,7 @@
 //! each `--body-bytes` long and each a different text (tollgate keeps the counts of texts that
 //! come back): words picked at random from a fixed seed, common English ones (`--text prose`)
 //! or made-up ones of random letters (`--text made-up-words`, which cost tollgate about ten
-//! times as much to count). A body's answer time is from its send to its answer. A budget of as
+//! times as much to count), or one run of dashes (`--text dashes`, a microsecond a byte). A body's answer time is from its send to its answer. A budget of as
 //! many slots as streams, and limits above what the bodies hold, leave counting the only thing
 //! to wait for. Meanwhile another user sends a small request every 10 ms, each on a stream of
 //! its own, whose answer times show how much of the async workers the counting leaves to
@@ -89,7 +89,8 @@ struct Args {
     /// Bodies in each burst, one stream each.
     #[arg(long, default_value_t = 48)]
     streams: usize,
-    /// Each body's size: over 256 KiB, so each is counted off the async workers.
+    /// Each body's size: over 16 KiB (or any size with `--text dashes`), so each is counted off
+    /// the async workers; a smaller body of other text is decided on them.
     #[arg(long, default_value_t = 2 * 1024 * 1024)]
     body_bytes: usize,
     /// What the bodies' text is made of (see `words`).
@@ -112,6 +113,10 @@ struct Args {
     /// HTTP/2 connections the streams are spread over (round robin), as Envoy's cluster would.
     #[arg(long, default_value_t = 4)]
     connections: usize,
+    /// tollgate's async worker threads (`--worker-threads`) [default: tollgate's, which reads
+    /// `TOKIO_WORKER_THREADS`, else one per CPU]. The manifests run one.
+    #[arg(long, value_name = "N")]
+    server_threads: Option<u16>,
     /// Tokio worker threads of this client (tollgate runs its own).
     #[arg(long, default_value_t = 1)]
     client_threads: usize,
@@ -137,6 +142,9 @@ fn main() -> ExitCode {
 enum TextKind {
     Prose,
     MadeUpWords,
+    /// One run of `-` after the serial number: the text OpenAI's encoders are slowest on,
+    /// about a microsecond a byte.
+    Dashes,
 }
 
 /// How the large bodies' threads are set in one run.
@@ -175,11 +183,6 @@ async fn bench(args: &Args) -> Result<bool> {
     ensure!(args.streams > 0, "--streams must be at least 1");
     ensure!(args.rounds > 0, "--rounds must be at least 1");
     ensure!(args.connections > 0, "--connections must be at least 1");
-    ensure!(
-        args.body_bytes > 256 * 1024,
-        "--body-bytes must be over 256 KiB (262144), or the bodies are counted on the async \
-         workers"
-    );
     let binary = bins::tollgate(args.tollgate_bin.as_deref())?;
     let stale = bins::stale_warning(
         &binary,
@@ -275,7 +278,13 @@ async fn burst(
         tokens = counting.tokens_yaml(args),
     );
     std::fs::write(&config_path, yaml).context("write the tollgate config")?;
+    let threads = args.server_threads.map(|n| n.to_string());
     let tollgate = TollgateCommand::new(binary, &config_path)
+        .args(
+            threads
+                .iter()
+                .flat_map(|n| ["--worker-threads", n.as_str()]),
+        )
         .rust_log("warn")
         .ready_timeout(READY_TIMEOUT)
         .start(dir.path())
@@ -391,6 +400,7 @@ fn words(text_kind: TextKind, bytes: usize) -> String {
     match text_kind {
         TextKind::Prose => prose_words(bytes),
         TextKind::MadeUpWords => made_up_words(bytes),
+        TextKind::Dashes => "-".repeat(bytes),
     }
 }
 
@@ -461,11 +471,14 @@ fn report(args: &Args, machine: &Machine, runs: &[(usize, Counting, Burst)]) -> 
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "## bench_large_bodies: {} bodies of {} bytes ({:?}) at once, {} rounds\n\n{}\n",
+        "## bench_large_bodies: {} bodies of {} bytes ({:?}) at once, {} rounds, tollgate's \
+         worker threads: {}\n\n{}\n",
         args.streams,
         args.body_bytes,
         args.text,
         args.rounds,
+        args.server_threads
+            .map_or_else(|| "its default".to_owned(), |n| n.to_string()),
         machine.headline()
     );
     let _ = writeln!(
@@ -543,6 +556,7 @@ fn json(
             "threads": args.threads,
             "max_wait_ms": args.max_wait_ms,
             "connections": args.connections,
+            "server_threads": args.server_threads,
         },
         "runs": runs.iter().map(|(round, counting, run)| json!({
             "round": round,

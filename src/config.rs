@@ -128,8 +128,8 @@ pub struct TokensConfig {
     /// Largest request body tollgate will parse; Envoy's own buffer limit should be the same
     /// or lower so clients get Envoy's 413 before any gRPC traffic.
     pub max_body_bytes: usize,
-    /// Large bodies (over 256 KiB, or 16 KiB with a model's own tokenizer) are parsed and
-    /// counted off the async workers, this many at once (0: one per runtime worker thread, at
+    /// Large bodies (over 16 KiB, or smaller with text that costs more to count than the async
+    /// workers' budget) are parsed and counted off the async workers, this many at once (0: one per runtime worker thread, at
     /// least two and at most 512). Many more would only share the same cores among more
     /// bodies, so that a burst of them all finishes late together where, taken in turn, the
     /// first ones finish in time, and would leave the async workers, which decide every small

@@ -35,6 +35,7 @@ pub const REQUEST_DURATION: &str = "tollgate_request_duration_seconds";
 pub const STREAM_COMPLETIONS: &str = "tollgate_stream_completions_total";
 pub const HELD_STREAMS: &str = "tollgate_held_streams";
 pub const LARGE_BODIES_WAITING: &str = "tollgate_large_bodies_waiting";
+pub const BODIES_COUNTED_OFF_WORKERS: &str = "tollgate_bodies_counted_off_workers_total";
 pub const DECISION_DURATION: &str = "tollgate_decision_duration_seconds";
 pub const PROTOCOL_ERRORS: &str = "tollgate_protocol_errors_total";
 pub const RESPONSE_REPORTS: &str = "tollgate_response_reports_total";
@@ -392,6 +393,28 @@ pub enum TokenKind {
     Output,
 }
 
+/// Why a request body was parsed and counted on the counting threads rather than on the async
+/// workers (`pipeline::decide_body`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CountedOffWorkers {
+    /// Over the bytes counted inline.
+    Size,
+    /// Within them, but its text ran out of the inline counting budget.
+    CostlyText,
+}
+
+impl LabelValue for CountedOffWorkers {
+    const ALL: &'static [CountedOffWorkers] =
+        &[CountedOffWorkers::Size, CountedOffWorkers::CostlyText];
+
+    fn label(self) -> &'static str {
+        match self {
+            CountedOffWorkers::Size => "size",
+            CountedOffWorkers::CostlyText => "costly_text",
+        }
+    }
+}
+
 /// Ways Envoy's message sequence broke the ext_proc protocol.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProtocolError {
@@ -486,6 +509,7 @@ struct Inner {
     stream_completions: Vec<Counter>,
     held_streams: Gauge,
     large_bodies_waiting: Gauge,
+    bodies_counted_off_workers: Vec<Counter>,
     decision_duration: Histogram,
     protocol_errors: Vec<Counter>,
     /// By `ResponseReport`, then `ReportOutcome`.
@@ -639,6 +663,13 @@ impl Metrics {
             LARGE_BODIES_WAITING,
             Unit::Count,
             "Requests whose large body waits now for a thread to count it (tokens.large_body_threads).",
+        );
+        r.describe_counter(
+            BODIES_COUNTED_OFF_WORKERS,
+            Unit::Count,
+            "Request bodies parsed and counted on the counting threads rather than on the async \
+             workers, by reason: size (over 16 KiB) or costly_text (text the encoder is slow on, \
+             such as long runs of punctuation).",
         );
         r.describe_histogram(
             DECISION_DURATION,
@@ -886,6 +917,10 @@ impl Metrics {
                 .collect(),
             held_streams: r.gauge(HELD_STREAMS, &[]),
             large_bodies_waiting: r.gauge(LARGE_BODIES_WAITING, &[]),
+            bodies_counted_off_workers: CountedOffWorkers::ALL
+                .iter()
+                .map(|reason| r.counter(BODIES_COUNTED_OFF_WORKERS, &[("reason", reason.label())]))
+                .collect(),
             decision_duration: r.histogram(DECISION_DURATION, &[]),
             chat_template_fallbacks: r.counter(CHAT_TEMPLATE_FALLBACKS, &[]),
             count_cache_lookups: ["found", "counted"]
@@ -1242,6 +1277,11 @@ impl Metrics {
     /// task ends.
     pub fn hold_stream(&self) -> GaugeGuard {
         GaugeGuard::new(self.inner.held_streams.clone())
+    }
+
+    /// Counts a body sent to the counting threads, and why.
+    pub fn counted_off_workers(&self, reason: CountedOffWorkers) {
+        self.inner.bodies_counted_off_workers[reason.index()].increment(1);
     }
 
     /// Counts a large body waiting for a thread to count it, until the guard drops.

@@ -25,12 +25,13 @@ use crate::lifecycle::{Lifecycle, reached};
 use crate::live::Rules;
 use crate::observe::response::{ResponseEnd, ResponseObserver, Usage};
 use crate::observe::{
-    GaugeGuard, Metrics, RequestOutcome, SchedulerOutcome, TokenKind, TokenStage,
+    CountedOffWorkers, GaugeGuard, Metrics, RequestOutcome, SchedulerOutcome, TokenKind, TokenStage,
 };
 use crate::policy::{ENVOY_TIMEOUT_MARGIN, MAX_LARGE_BODY_THREADS, TierId};
 use crate::reply::{self, LocalReply, Reason};
 use crate::request::{self, HeadVerdict, Header, InferenceHead};
 use crate::scheduler::{Admit, FlowClass, Permit, Scheduler, Ticket};
+use crate::tokens;
 
 mod reports;
 #[cfg(test)]
@@ -38,11 +39,19 @@ mod tests;
 
 pub use reports::{FirstToken, Registration, Reports, Summary};
 
-/// Bodies above this size are parsed and counted on the blocking pool, so a multi-megabyte
-/// prompt never stalls the async workers that every other stream shares.
-const INLINE_BODY_BYTES: usize = 256 * 1024;
-/// The same where a model's own tokenizer is configured: a few milliseconds at its slowest.
-const INLINE_BODY_BYTES_WITH_MODEL_TOKENIZERS: usize = 16 * 1024;
+/// Bodies above this size are parsed and counted on the counting threads, so a long prompt
+/// never stalls the async workers that every other stream shares. Ordinary text of this size
+/// counts in a few tens of microseconds; the long pieces the encoder is slowest on are bounded
+/// further by `INLINE_COUNT_BUDGET`, and what is left (pieces of 15 bytes or less, or with a
+/// model's own tokenizer its slow path, 0.25 µs a byte) is bounded by this size. At 256 KiB,
+/// the bound before, one body of dashes held a worker for 100 to 210 ms (docs/benchmarks.md,
+/// "Costly text off the async workers").
+const INLINE_BODY_BYTES: usize = 16 * 1024;
+/// What the long pieces of a body counted on an async worker may cost
+/// (`tokens::within_inline_budget`): 512 bytes of runs of punctuation (0.4 ms at the encoder's
+/// slowest, 0.8 µs a byte) or 8 KiB of long words (0.65 ms at 0.08 µs a byte). Past it the body
+/// goes to the counting threads.
+const INLINE_COUNT_BUDGET: usize = 512;
 
 /// What every request's life shares: the policy, the budgets, the global slots and the
 /// controller's window.
@@ -1067,10 +1076,12 @@ struct Decided {
     backlog: Option<LocalReply>,
 }
 
-/// The admission decision on a body, on the blocking pool if the body is large. Takes the body,
-/// so its bytes are freed as soon as the decision is made.
+/// The admission decision on a body: on the async worker if the body is small and its text
+/// cheap to count, else on the counting threads of the blocking pool. Takes the body, so its
+/// bytes are freed as soon as the decision is made.
 ///
-/// Large bodies are decided a few at a time (`Pipeline::large_body_threads`), in the order they
+/// Bodies counted off the workers ("large bodies" below, whatever made them so) are decided a
+/// few at a time (`Pipeline::large_body_threads`), in the order they
 /// arrived: a burst of them all counted at once would share the cores among all of them, and
 /// under Envoy's `message_timeout` could all be answered too late together. One that cannot
 /// start within `tokens.large_body_max_wait_ms` of `body_arrived` is refused, as overload, before
@@ -1084,26 +1095,33 @@ async fn decide_body(
     body_arrived: Instant,
     enforce: bool,
 ) -> Decided {
-    // A model's own tokenizer may take its slow, exact path (0.25 µs a byte) and render a chat
-    // template: with one loaded, only small bodies are decided on the async workers.
-    let inline = if rules.policy.counting.tokenizers.is_empty() {
-        INLINE_BODY_BYTES
+    if body.len() <= INLINE_BODY_BYTES {
+        let decided = tokens::within_inline_budget(INLINE_COUNT_BUDGET, || {
+            admission::decide_body(&rules.policy, head, &body)
+        });
+        if let Some(verdict) = decided {
+            return Decided {
+                verdict,
+                backlog: None,
+            };
+        }
+        // Counted again from the start on a counting thread: the work done here was at most
+        // the budget.
+        pipeline
+            .metrics
+            .counted_off_workers(CountedOffWorkers::CostlyText);
     } else {
-        INLINE_BODY_BYTES_WITH_MODEL_TOKENIZERS
-    };
-    if body.len() <= inline {
-        return Decided {
-            verdict: admission::decide_body(&rules.policy, head, &body),
-            backlog: None,
-        };
+        pipeline
+            .metrics
+            .counted_off_workers(CountedOffWorkers::Size);
     }
     let max_wait = rules.policy.counting.large_body_max_wait;
     let backlog = || {
         LocalReply::new(
             Reason::CountingBacklog,
             format!(
-                "tollgate is behind on counting large request bodies: this one ({} bytes) could \
-                 not start within tokens.large_body_max_wait_ms ({} ms)",
+                "tollgate is behind on counting request bodies off its async workers: this one \
+                 ({} bytes) could not start within tokens.large_body_max_wait_ms ({} ms)",
                 body.len(),
                 max_wait.as_millis()
             ),

@@ -19,7 +19,8 @@
 //! many candidates per byte, at about a microsecond or two per byte in a
 //! release build, and since such a body has few tokens the limit given to
 //! [`Encoding::count_till_limit`] does not cut that short. Callers must cap body
-//! size in bytes before counting; `docs/benchmarks.md` has measured figures.
+//! size in bytes before counting, and where they count on a thread others wait for, cap what
+//! such pieces may cost ([`within_inline_budget`]); `docs/benchmarks.md` has measured figures.
 //!
 //! The request path counts through [`Counter`] rather than `bpe_openai::Tokenizer::count`,
 //! which does the same steps with two costs per pre-tokenised piece that dominate on ordinary
@@ -37,7 +38,7 @@
 //! This module is pure: no I/O, no clocks, no async. The count cache remembers answers; it
 //! changes none.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::LazyLock;
 
 use bpe_openai::Tokenizer;
@@ -389,6 +390,10 @@ impl Counter {
                     // Longer than 15 bytes: rare, and counted till the limit.
                     1
                 } else {
+                    // Charged first: a piece over the budget is not encoded at all.
+                    if !charge_inline_budget(piece) {
+                        return None;
+                    }
                     self.tokenizer.bpe.count_till_limit(piece, remaining)?
                 };
                 if tokens > remaining {
@@ -404,6 +409,83 @@ impl Counter {
     #[inline]
     fn next_piece<'t>(&self, cache: &mut Cache, text: &'t str, at: usize) -> &'t [u8] {
         cut_piece(Some(self.split), &self.splitter, cache, &text[at..])
+    }
+}
+
+/// What counting on this thread may still spend on long pieces (`within_inline_budget`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum InlineBudget {
+    /// No budget: the counting threads, the benchmarks, the tests of counting itself.
+    Unbounded,
+    /// Cost units left (`inline_cost`).
+    Left(usize),
+    /// A piece would have gone past it: the count answered as if over its limit.
+    Spent,
+}
+
+thread_local! {
+    static INLINE_BUDGET: Cell<InlineBudget> = const { Cell::new(InlineBudget::Unbounded) };
+}
+
+/// Runs `count`, which counts with OpenAI's encodings on this thread, with `budget` cost units
+/// for the long pieces the encoder works through (`inline_cost`): `Some` of what it returned,
+/// or `None` if a piece would have gone past the budget. That piece was not encoded, and the
+/// count stopped there as if over its limit, so what `count` returned is no answer and is
+/// dropped; nothing was remembered of it (the count cache and the piece memo keep only whole
+/// counts).
+///
+/// For counting on an async worker, which every stream shares: a text's cost is not its size.
+/// Long runs of `-`, `=`, `/` or `*` cost the encoder up to about a microsecond a byte, where
+/// prose costs a few nanoseconds, so 16 KiB of them can hold a thread for 7 to 13 ms
+/// (docs/benchmarks.md, "Costly text off the async workers"). A body whose text runs out of the
+/// budget is counted on the counting threads instead. The budget lives with the thread for the
+/// call, as tokio's cooperative budget lives with a task's poll, so the count loops need no
+/// parameter for it. A model's own vocabulary is not charged: with one loaded, bodies of 16 KiB
+/// or less are counted inline whatever their text, at its slowest 0.25 µs a byte.
+pub fn within_inline_budget<T>(budget: usize, count: impl FnOnce() -> T) -> Option<T> {
+    /// Puts the thread back to no budget however `count` ends (a panic included).
+    struct Unbound;
+    impl Drop for Unbound {
+        fn drop(&mut self) {
+            INLINE_BUDGET.set(InlineBudget::Unbounded);
+        }
+    }
+    INLINE_BUDGET.set(InlineBudget::Left(budget));
+    let _unbound = Unbound;
+    let counted = count();
+    (INLINE_BUDGET.get() != InlineBudget::Spent).then_some(counted)
+}
+
+/// Charges a long piece about to be encoded to the thread's inline budget: false (and the
+/// budget spent) if it would go past it.
+#[inline]
+fn charge_inline_budget(piece: &[u8]) -> bool {
+    match INLINE_BUDGET.get() {
+        InlineBudget::Unbounded => true,
+        InlineBudget::Left(left) => {
+            let cost = inline_cost(piece);
+            if cost > left {
+                INLINE_BUDGET.set(InlineBudget::Spent);
+                false
+            } else {
+                INLINE_BUDGET.set(InlineBudget::Left(left - cost));
+                true
+            }
+        }
+        InlineBudget::Spent => false,
+    }
+}
+
+/// What encoding a long piece (over 15 bytes, not one vocabulary entry) costs the inline
+/// budget: a unit a byte where it holds ASCII punctuation, whose runs the encoder is slowest on
+/// (up to 0.8 µs a byte: 1 MiB of `-` in 0.41 to 0.85 s), and a unit per 16 bytes of anything
+/// else: words, digits, other scripts (about 0.08 µs a byte at most: 1 MiB of random letters in
+/// 70 to 85 ms; docs/benchmarks.md, "Token counting").
+fn inline_cost(piece: &[u8]) -> usize {
+    if piece.iter().any(u8::is_ascii_punctuation) {
+        piece.len()
+    } else {
+        piece.len().div_ceil(16)
     }
 }
 

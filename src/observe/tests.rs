@@ -101,6 +101,7 @@ const METRICS: &[(&str, &str)] = &[
     (STREAM_COMPLETIONS, "counter"),
     (HELD_STREAMS, "gauge"),
     (LARGE_BODIES_WAITING, "gauge"),
+    (BODIES_COUNTED_OFF_WORKERS, "counter"),
     (DECISION_DURATION, "histogram"),
     (PROTOCOL_ERRORS, "counter"),
     (RESPONSE_REPORTS, "counter"),
@@ -198,6 +199,12 @@ fn every_counter_series_exists_at_zero_before_any_event() {
     for result in ["found", "counted"] {
         assert_eq!(
             value(&scraped, COUNT_CACHE_LOOKUPS, &[("result", result)]),
+            0.0
+        );
+    }
+    for reason in ["size", "costly_text"] {
+        assert_eq!(
+            value(&scraped, BODIES_COUNTED_OFF_WORKERS, &[("reason", reason)]),
             0.0
         );
     }

@@ -1596,6 +1596,66 @@ async fn large_bodies_waiting_for_a_thread_are_counted_when_it_frees_within_thei
     assert_eq!(in_flight(&pipeline), 2);
 }
 
+/// Bodies sent to the counting threads, by `reason` (`tollgate_bodies_counted_off_workers_total`).
+fn counted_off_workers(pipeline: &Pipeline, reason: &str) -> f64 {
+    metric(
+        pipeline,
+        crate::observe::BODIES_COUNTED_OFF_WORKERS,
+        &[&format!("reason=\"{reason}\"")],
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_small_body_of_text_costly_to_count_is_counted_off_the_workers() {
+    let pipeline = large_body_pipeline();
+    let busy = hold_the_only_thread(&pipeline);
+    // Ordinary text under the inline size: decided on the worker, the thread busy or not.
+    let mut life = RequestLife::new(&pipeline);
+    let (decision, took) = submit_body(&mut life, chat_body_of_size(INLINE_BODY_BYTES / 2)).await;
+    assert!(matches!(decision, BodyDecision::Admit(_)), "{decision:?}");
+    assert_eq!(took, Duration::ZERO);
+    drop(life);
+    assert_eq!(counted_off_workers(&pipeline, "costly_text"), 0.0);
+
+    // A run of dashes a quarter the size: it waits for the busy thread, and is refused at its
+    // wait's end as a large body would be.
+    let dashes = "-".repeat(INLINE_BODY_BYTES / 4);
+    let mut life = RequestLife::new(&pipeline);
+    let (decision, took) = submit_body(&mut life, chat_body_saying(&dashes)).await;
+    let BodyDecision::Refuse(reply) = decision else {
+        panic!("expected a 503, got {decision:?}");
+    };
+    assert_eq!(reply.reason, Reason::CountingBacklog);
+    assert_eq!(took, Duration::from_millis(200));
+    drop(life);
+    assert_eq!(counted_off_workers(&pipeline, "costly_text"), 1.0);
+
+    // With the thread free it is counted there, exactly.
+    drop(busy);
+    let mut life = RequestLife::new(&pipeline);
+    let (decision, _) = submit_body(&mut life, chat_body_saying(&dashes)).await;
+    let BodyDecision::Admit(forward) = decision else {
+        panic!("expected it admitted, got {decision:?}");
+    };
+    let counted = tokens::Encoding::O200kBase.count(&dashes) as u64;
+    let input = forward
+        .headers
+        .iter()
+        .find(|(name, _)| *name == "x-tollgate-input-tokens")
+        .map(|(_, value)| value.parse::<u64>().unwrap());
+    // The chat's framing adds its tokens around the message's.
+    assert!(
+        input.is_some_and(|input| input > counted && input < counted + 16),
+        "{input:?} against {counted} for the text alone"
+    );
+    assert_eq!(counted_off_workers(&pipeline, "costly_text"), 2.0);
+    assert_eq!(
+        counted_off_workers(&pipeline, "size"),
+        0.0,
+        "none was over the inline size"
+    );
+}
+
 #[test]
 fn large_bodies_are_counted_by_the_threads_set_or_one_per_worker_and_at_least_two() {
     // (tokens.large_body_threads, the runtime's workers, permits)

@@ -1021,3 +1021,86 @@ fn memo_counts_come_back_exact() {
         check_parity(&text);
     }
 }
+
+/// Counting under an inline budget answers as counting without one, or not at all once the long
+/// pieces it encodes would cost more than the budget; either way the thread has no budget
+/// afterwards, and nothing of a stopped count is remembered.
+#[test]
+fn an_inline_budget_stops_a_count_at_the_piece_that_would_overspend_it() {
+    let words = "lorem ipsum dolor sit amet ".repeat(600);
+    // Long pieces of letters (made up, so not vocabulary entries): a unit per 16 bytes.
+    let long_words = "qwzxkvbnmpqwzxkvbnmpqwzxkvbnmpqw ".repeat(100);
+    // The first run of 16 `=` is a vocabulary entry, which costs nothing; every run after it
+    // takes the space before it, a piece of 17 bytes of punctuation that is no entry: 17 units.
+    let runs_of = |n: usize| "================ ".repeat(n);
+    // (what, text, budget, counted under it)
+    let table: [(&str, String, usize, bool); 8] = [
+        ("prose, no long piece", words.clone(), 0, true),
+        ("long words within", long_words.clone(), 512, true),
+        (
+            "long words past a small budget",
+            long_words.clone(),
+            100,
+            false,
+        ),
+        ("31 runs of 16 within 512 (510)", runs_of(31), 512, true),
+        ("32 runs of 16 past 512 (527)", runs_of(32), 512, false),
+        ("one run of 600 dashes", "-".repeat(600), 512, false),
+        (
+            "one run of 600 dashes, a larger budget",
+            "-".repeat(600),
+            600,
+            true,
+        ),
+        (
+            "dashes after prose",
+            words.clone() + &"-".repeat(4096),
+            512,
+            false,
+        ),
+    ];
+    for encoding in ENCODINGS {
+        for (what, text, budget, within) in &table {
+            // A scope of its own: a text another row counted would be answered by the cache,
+            // which costs no encoding.
+            let scope = CountScope::of(what);
+            let plain = encoding.count(text);
+            let under_budget = within_inline_budget(*budget, || {
+                encoding.count_till_limit_cached(scope, text, usize::MAX)
+            });
+            if *within {
+                assert_eq!(under_budget, Some(Some(plain)), "{encoding:?}: {what}");
+            } else {
+                assert_eq!(under_budget, None, "{encoding:?}: {what}");
+            }
+            // No budget is left behind, and the count cache kept no stopped count.
+            assert_eq!(INLINE_BUDGET.get(), InlineBudget::Unbounded, "{what}");
+            assert_eq!(
+                encoding.count_till_limit_cached(scope, text, usize::MAX),
+                Some(plain),
+                "{encoding:?}: {what}, counted again without a budget"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_inline_cost_of_a_piece_is_its_bytes_where_it_holds_punctuation() {
+    // (piece, cost)
+    let table: [(&[u8], usize); 6] = [
+        (b"----------------", 16),
+        (b" ================", 17),
+        (b"-=-=-=-=-=-=-=-=-=-=", 20),
+        (b"abcdefghijklmnop", 1),
+        (b"abcdefghijklmnopq", 2),
+        (b"internationalization's", 22),
+    ];
+    for (piece, cost) in table {
+        assert_eq!(
+            inline_cost(piece),
+            cost,
+            "{}",
+            String::from_utf8_lossy(piece)
+        );
+    }
+}

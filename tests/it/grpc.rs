@@ -880,6 +880,57 @@ async fn responses_reported_on_are_timed_and_settled_by_their_reports() {
     assert_eq!(m.value("tollgate_inflight_requests", &[]), 0.0);
 }
 
+/// Proves: a small body whose text is costly to count (a run of dashes) is counted off the async
+/// workers and gets the count it would get on them; a body over 16 KiB is counted off them by
+/// its size; the series say which was which.
+#[tokio::test]
+async fn a_body_costly_to_count_is_counted_off_the_workers_with_the_same_count() {
+    let server = TestServer::start(Config::default()).await;
+    let input_tokens = |answer: &ProcessingResponse| -> u64 {
+        body_set_headers(answer)
+            .into_iter()
+            .find(|(name, _)| name == "x-tollgate-input-tokens")
+            .map(|(_, value)| value.parse().unwrap())
+            .unwrap_or_else(|| panic!("not admitted: {answer:?}"))
+    };
+    let server_ref = &server;
+    let ask = |content: String| async move {
+        let mut stream = server_ref.stream().await;
+        stream.exchange(chat_headers("dora")).await;
+        let body = chat_body(serde_json::json!({
+            "messages": [{"role": "user", "content": content}],
+        }));
+        stream.exchange(request_body(&body)).await
+    };
+    // The chat's framing around an empty message, counted on a worker.
+    let framing = input_tokens(&ask(String::new()).await);
+    let dashes = "-".repeat(4096);
+    let counted = input_tokens(&ask(dashes.clone()).await);
+    assert_eq!(
+        counted,
+        framing + tollgate::tokens::Encoding::O200kBase.count(&dashes) as u64
+    );
+    let off_workers = |m: &Metrics, reason: &str| {
+        m.value(
+            "tollgate_bodies_counted_off_workers_total",
+            &[&format!("reason=\"{reason}\"")],
+        )
+    };
+    let m = server.metrics().await;
+    assert_eq!(
+        (off_workers(&m, "costly_text"), off_workers(&m, "size")),
+        (1.0, 0.0)
+    );
+    let long = "lorem ipsum dolor sit amet ".repeat(800);
+    input_tokens(&ask(long).await);
+    let m = server.metrics().await;
+    assert_eq!(
+        (off_workers(&m, "costly_text"), off_workers(&m, "size")),
+        (1.0, 1.0)
+    );
+    server.stop().await.unwrap();
+}
+
 #[tokio::test]
 async fn large_bodies_that_cannot_start_counting_in_time_get_503_counting_backlog() {
     let mut config = Config::default();

@@ -26,8 +26,8 @@ pub const RECORDED_ENVOY_VERSIONS: [&str; 3] = ["1.36.4", "1.38.3", "1.40.0"];
 const API_KEY: &str = "sk-recorded-corpus-key";
 
 /// The listener's buffer limit in the `body_*_limit` scenarios, lowered from the front proxy's
-/// 8 MiB so a body near it keeps the corpus small; still over tollgate's 256 KiB blocking-pool
-/// threshold.
+/// 8 MiB so a body near it keeps the corpus small; still over tollgate's threshold for counting
+/// off the async workers (16 KiB).
 const SMALL_BUFFER_LIMIT: usize = 320 * 1024;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
