@@ -68,7 +68,7 @@ struct Args {
 
 /// The echo, counting prompts when it holds a policy to count them under.
 struct Echo {
-    counting: Option<Arc<Policy>>,
+    counting_policy: Option<Arc<Policy>>,
 }
 
 /// The header that names the user, as tollgate's default `identity` reads it: the count cache
@@ -127,7 +127,7 @@ impl ExternalProcessor for Echo {
     ) -> Result<tonic::Response<Self::ProcessStream>, Status> {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(2);
-        let counting = self.counting.clone();
+        let counting_policy = self.counting_policy.clone();
         tokio::spawn(async move {
             let mut user = String::new();
             while let Ok(Some(message)) = inbound.message().await {
@@ -136,7 +136,7 @@ impl ExternalProcessor for Echo {
                 if message.observability_mode {
                     continue;
                 }
-                if let (Some(policy), Some(request)) = (&counting, &message.request)
+                if let (Some(policy), Some(request)) = (&counting_policy, &message.request)
                     && let Err(status) = read_as_a_decision(policy, &mut user, request)
                 {
                     let _ = tx.send(Err(status)).await;
@@ -178,7 +178,7 @@ fn continue_answer(message: Option<Message>) -> Option<Answer> {
     })
 }
 
-async fn serve(addr: SocketAddr, counting: Option<Arc<Policy>>) -> Result<()> {
+async fn serve(addr: SocketAddr, counting_policy: Option<Arc<Policy>>) -> Result<()> {
     anyhow::ensure!(addr.ip().is_loopback(), "--addr must be a loopback address");
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -190,7 +190,7 @@ async fn serve(addr: SocketAddr, counting: Option<Arc<Policy>>) -> Result<()> {
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .http2_adaptive_window(Some(true))
-        .add_service(ExternalProcessorServer::new(Echo { counting }))
+        .add_service(ExternalProcessorServer::new(Echo { counting_policy }))
         .serve_with_incoming(incoming)
         .await
         .context("serve")
@@ -199,7 +199,7 @@ async fn serve(addr: SocketAddr, counting: Option<Arc<Policy>>) -> Result<()> {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    let counting = if args.count_prompts {
+    let counting_policy = if args.count_prompts {
         match Policy::from_config(&Config::default()) {
             Ok(policy) => Some(Arc::new(policy)),
             Err(error) => {
@@ -210,7 +210,7 @@ async fn main() -> ExitCode {
     } else {
         None
     };
-    match serve(args.addr, counting).await {
+    match serve(args.addr, counting_policy).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("echo_extproc: {error:#}");

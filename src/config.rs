@@ -129,11 +129,11 @@ pub struct TokensConfig {
     /// or lower so clients get Envoy's 413 before any gRPC traffic.
     pub max_body_bytes: usize,
     /// Large bodies (over 16 KiB, or smaller with text that costs more to count than the async
-    /// workers' budget) are parsed and counted off the async workers, this many at once (0: one per runtime worker thread, at
-    /// least two and at most 512). Many more would only share the same cores among more
-    /// bodies, so that a burst of them all finishes late together where, taken in turn, the
-    /// first ones finish in time, and would leave the async workers, which decide every small
-    /// request, little CPU. Only a restart changes it.
+    /// workers' budget) are parsed and counted off the async workers, this many at once (0: one
+    /// per runtime worker thread, at least two and at most 512). Many more would only share the
+    /// same cores among more bodies, so that a burst of them all finishes late together where,
+    /// taken in turn, the first ones finish in time, and would leave the async workers, which
+    /// decide every small request, little CPU. Only a restart changes it.
     pub large_body_threads: u32,
     /// How long a large body may wait for one of those threads, from its arrival, before a 503
     /// `counting_backlog` (at most `scheduler.envoy_max_message_timeout_ms`). Keep it well

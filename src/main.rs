@@ -73,22 +73,26 @@ fn main() -> ExitCode {
         Some(Command::CheckConfig { file }) => Some(file.clone()),
         _ => cli.config.clone(),
     };
-    let (config, policy) = match effective_config(&cli, file.as_deref()) {
-        Ok(checked) => checked,
-        Err(e) => {
-            eprintln!("tollgate: invalid configuration:\n{e}");
-            return ExitCode::from(EXIT_CONFIG);
-        }
+    // The runtime's thread count is read for check-config too, so a variable the start would
+    // refuse fails the check, named with the file's problems; print-config prints the
+    // configuration only, which does not hold it.
+    let worker_threads = match cli.command {
+        Some(Command::PrintConfig) => Ok(None),
+        _ => runtime_worker_threads(&cli),
     };
-    // Read for check-config too: a variable the runtime would refuse fails the check, as it
-    // would fail the start.
-    let worker_threads = match runtime_worker_threads(&cli) {
-        Ok(threads) => threads,
-        Err(e) => {
-            eprintln!("tollgate: invalid configuration:\n{e}");
-            return ExitCode::from(EXIT_CONFIG);
-        }
-    };
+    let ((config, policy), worker_threads) =
+        match (effective_config(&cli, file.as_deref()), worker_threads) {
+            (Ok(checked), Ok(threads)) => (checked, threads),
+            (checked, threads) => {
+                let problems: Vec<String> = [checked.err(), threads.err()]
+                    .into_iter()
+                    .flatten()
+                    .map(|e| e.to_string())
+                    .collect();
+                eprintln!("tollgate: invalid configuration:\n{}", problems.join("\n"));
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        };
     match cli.command {
         Some(Command::CheckConfig { file }) => {
             println!("{}: ok", file.display());

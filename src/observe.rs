@@ -393,8 +393,8 @@ pub enum TokenKind {
     Output,
 }
 
-/// Why a request body was parsed and counted on the counting threads rather than on the async
-/// workers (`pipeline::decide_body`).
+/// Why a request body was sent to the counting threads rather than counted on the async workers
+/// (`pipeline::decide_body`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CountedOffWorkers {
     /// Over the bytes counted inline.
@@ -667,9 +667,10 @@ impl Metrics {
         r.describe_counter(
             BODIES_COUNTED_OFF_WORKERS,
             Unit::Count,
-            "Request bodies parsed and counted on the counting threads rather than on the async \
-             workers, by reason: size (over 16 KiB) or costly_text (text the encoder is slow on, \
-             such as long runs of punctuation).",
+            "Request bodies sent to the counting threads rather than counted on the async \
+             workers (counted there, or refused while they waited), by reason: size (over 16 \
+             KiB) or costly_text (text the encoder is slow on, such as long runs of \
+             punctuation).",
         );
         r.describe_histogram(
             DECISION_DURATION,

@@ -431,8 +431,8 @@ thread_local! {
 /// for the long pieces the encoder works through (`inline_cost`): `Some` of what it returned,
 /// or `None` if a piece would have gone past the budget. That piece was not encoded, and the
 /// count stopped there as if over its limit, so what `count` returned is no answer and is
-/// dropped; nothing was remembered of it (the count cache and the piece memo keep only whole
-/// counts).
+/// dropped; nothing was remembered of it (the piece memo keeps only whole counts, and the count
+/// cache neither counts a stopped count as a lookup nor marks its text as seen).
 ///
 /// For counting on an async worker, which every stream shares: a text's cost is not its size.
 /// Long runs of `-`, `=`, `/` or `*` cost the encoder up to about a microsecond a byte, where
@@ -456,6 +456,11 @@ pub fn within_inline_budget<T>(budget: usize, count: impl FnOnce() -> T) -> Opti
     (INLINE_BUDGET.get() != InlineBudget::Spent).then_some(counted)
 }
 
+/// Whether a count under `within_inline_budget` on this thread has been stopped by it.
+fn inline_budget_spent() -> bool {
+    INLINE_BUDGET.get() == InlineBudget::Spent
+}
+
 /// Charges a long piece about to be encoded to the thread's inline budget: false (and the
 /// budget spent) if it would go past it.
 #[inline]
@@ -477,16 +482,14 @@ fn charge_inline_budget(piece: &[u8]) -> bool {
 }
 
 /// What encoding a long piece (over 15 bytes, not one vocabulary entry) costs the inline
-/// budget: a unit a byte where it holds ASCII punctuation, whose runs the encoder is slowest on
-/// (up to 0.8 µs a byte: 1 MiB of `-` in 0.41 to 0.85 s), and a unit per 16 bytes of anything
-/// else: words, digits, other scripts (about 0.08 µs a byte at most: 1 MiB of random letters in
-/// 70 to 85 ms; docs/benchmarks.md, "Token counting").
+/// budget: a unit for each byte of ASCII punctuation, whose runs the encoder is slowest on (up
+/// to 0.8 µs a byte: 1 MiB of `-` in 0.41 to 0.85 s), and a unit per 16 bytes of the rest:
+/// letters, digits, other scripts (about 0.08 µs a byte at most: 1 MiB of random letters in 70
+/// to 85 ms; docs/benchmarks.md, "Token counting"). So a word led by a `.` or ending in `'s`
+/// costs about what the word does.
 fn inline_cost(piece: &[u8]) -> usize {
-    if piece.iter().any(u8::is_ascii_punctuation) {
-        piece.len()
-    } else {
-        piece.len().div_ceil(16)
-    }
+    let punctuation = piece.iter().filter(|b| b.is_ascii_punctuation()).count();
+    punctuation + (piece.len() - punctuation).div_ceil(16)
 }
 
 /// The piece at the start of `rest`: cut by `ascii` where `split` says how and the text there

@@ -165,7 +165,7 @@ impl CountCache {
             text,
         };
         let shard = &self.shards[shard_of(key.hash)];
-        let seen_before = {
+        {
             let mut shard = lock(shard);
             let (found, _dropped) = shard.find(&key, self.generation_bytes);
             if let Some(tokens) = found {
@@ -173,10 +173,19 @@ impl CountCache {
                 drop(shard);
                 return (tokens <= limit).then_some(tokens);
             }
+        }
+        let counted = count_till_limit(limit);
+        if counted.is_none() && super::inline_budget_spent() {
+            // Stopped by the inline budget: no count, and the text is asked for again off the
+            // workers. Seen now, a one-off costly text would be kept on that second asking.
+            return None;
+        }
+        let seen_before = {
+            let mut shard = lock(shard);
             shard.counted += 1;
             shard.seen_before(key.hash)
         };
-        let tokens = count_till_limit(limit)?;
+        let tokens = counted?;
         if !seen_before {
             return Some(tokens);
         }

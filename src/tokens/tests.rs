@@ -1024,7 +1024,8 @@ fn memo_counts_come_back_exact() {
 
 /// Counting under an inline budget answers as counting without one, or not at all once the long
 /// pieces it encodes would cost more than the budget; either way the thread has no budget
-/// afterwards, and nothing of a stopped count is remembered.
+/// afterwards, and a stopped count leaves nothing in the count cache: no lookup, and its text
+/// not marked as seen (so a one-off text is not kept when it is counted again off the workers).
 #[test]
 fn an_inline_budget_stops_a_count_at_the_piece_that_would_overspend_it() {
     let words = "lorem ipsum dolor sit amet ".repeat(600);
@@ -1059,41 +1060,53 @@ fn an_inline_budget_stops_a_count_at_the_piece_that_would_overspend_it() {
             false,
         ),
     ];
+    let scope = CountScope::of("alice");
     for encoding in ENCODINGS {
         for (what, text, budget, within) in &table {
-            // A scope of its own: a text another row counted would be answered by the cache,
-            // which costs no encoding.
-            let scope = CountScope::of(what);
             let plain = encoding.count(text);
-            let under_budget = within_inline_budget(*budget, || {
-                encoding.count_till_limit_cached(scope, text, usize::MAX)
-            });
+            // A cache of the row's own, every text over its 512 bytes: the count under the
+            // budget is the text's first lookup.
+            let cache = count_cache::CountCache::new(32 << 20);
+            let lookup = || encoding.count_till_limit_in(&cache, scope, text, usize::MAX);
+            let under_budget = within_inline_budget(*budget, lookup);
+            assert_eq!(INLINE_BUDGET.get(), InlineBudget::Unbounded, "{what}");
             if *within {
                 assert_eq!(under_budget, Some(Some(plain)), "{encoding:?}: {what}");
-            } else {
-                assert_eq!(under_budget, None, "{encoding:?}: {what}");
+                assert_eq!(cache.stats().counted, 1, "{encoding:?}: {what}");
+                continue;
             }
-            // No budget is left behind, and the count cache kept no stopped count.
-            assert_eq!(INLINE_BUDGET.get(), InlineBudget::Unbounded, "{what}");
+            assert_eq!(under_budget, None, "{encoding:?}: {what}");
             assert_eq!(
-                encoding.count_till_limit_cached(scope, text, usize::MAX),
-                Some(plain),
-                "{encoding:?}: {what}, counted again without a budget"
+                cache.stats().counted,
+                0,
+                "{encoding:?}: {what}: a stopped count is no lookup"
             );
+            // Asked again off the workers: counted as a first sighting, so not kept until a
+            // second.
+            assert_eq!(lookup(), Some(plain), "{encoding:?}: {what}");
+            assert_eq!(
+                (cache.stats().counted, cache.stats().bytes),
+                (1, 0),
+                "{encoding:?}: {what}: the stopped count did not mark the text as seen"
+            );
+            assert_eq!(lookup(), Some(plain), "{encoding:?}: {what}");
+            assert_eq!(cache.stats().bytes, text.len() as u64, "{what}: kept now");
         }
     }
 }
 
 #[test]
-fn the_inline_cost_of_a_piece_is_its_bytes_where_it_holds_punctuation() {
+fn the_inline_cost_of_a_piece_is_a_unit_a_punctuation_byte_and_one_per_16_others() {
     // (piece, cost)
-    let table: [(&[u8], usize); 6] = [
+    let table: [(&[u8], usize); 8] = [
         (b"----------------", 16),
         (b" ================", 17),
         (b"-=-=-=-=-=-=-=-=-=-=", 20),
         (b"abcdefghijklmnop", 1),
         (b"abcdefghijklmnopq", 2),
-        (b"internationalization's", 22),
+        (b"internationalization's", 1 + 2),
+        (b".getElementsByTagName", 1 + 2),
+        ("日本語のテキスト".as_bytes(), 2),
     ];
     for (piece, cost) in table {
         assert_eq!(

@@ -226,7 +226,8 @@ fn a_worker_thread_count_tokio_cannot_use_is_a_config_error_at_start_up() {
 }
 
 /// check-config reads the runtime's thread count as a start does, so a variable that would stop
-/// the start fails the check, and the flag that overrides it still wins.
+/// the start fails the check (named with the file's own problems), and the flag that overrides
+/// it still wins; print-config, which prints the configuration only, does not read it.
 #[test]
 fn check_config_refuses_a_worker_thread_count_the_start_would() {
     let file = write_config("{}\n");
@@ -252,6 +253,20 @@ fn check_config_refuses_a_worker_thread_count_the_start_would() {
             );
         }
     }
+    // A broken file and a broken variable: both named.
+    let broken = write_config("scheduler:\n  initial_limit: many\n");
+    let output = tollgate(
+        &["check-config", broken.path().to_str().unwrap()],
+        &[("TOKIO_WORKER_THREADS", "0")],
+    );
+    let message = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{message}");
+    assert!(
+        message.contains("initial_limit") && message.contains("TOKIO_WORKER_THREADS"),
+        "{message}"
+    );
+    let output = tollgate(&["print-config"], &[("TOKIO_WORKER_THREADS", "0")]);
+    assert!(output.status.success(), "{}", stderr(&output));
 }
 
 /// The runtime runs the threads the flag asks for, else the variable, else tokio's default

@@ -225,8 +225,8 @@ const BAD_INPUTS: &[Row] = &[
         outcome: REJECTED,
     },
     Row {
-        input: "100,000 nested arrays in `messages` (200 KB, parsed inline)",
-        script: || chat(&nested(100_000, false)),
+        input: "5,000 nested arrays in `messages` (10 KB, parsed inline)",
+        script: || chat(&nested(5_000, false)),
         answer: reply(400, "malformed_json", None, "recursion limit exceeded"),
         outcome: REJECTED,
     },
