@@ -1081,12 +1081,11 @@ struct Decided {
 /// bytes are freed as soon as the decision is made.
 ///
 /// Bodies counted off the workers ("large bodies" below, whatever made them so) are decided a
-/// few at a time (`Pipeline::large_body_threads`), in the order they
-/// arrived: a burst of them all counted at once would share the cores among all of them, and
-/// under Envoy's `message_timeout` could all be answered too late together. One that cannot
-/// start within `tokens.large_body_max_wait_ms` of `body_arrived` is refused, as overload, before
-/// anything is counted or reserved; in shadow mode (`enforce` false) it waits its turn and is
-/// counted.
+/// few at a time (`Pipeline::large_body_threads`), in the order they arrived: a burst of them
+/// all counted at once would share the cores among all of them, and under Envoy's
+/// `message_timeout` could all be answered too late together. One that cannot start within
+/// `tokens.large_body_max_wait_ms` of `body_arrived` is refused, as overload, before anything
+/// is counted or reserved; in shadow mode (`enforce` false) it waits its turn and is counted.
 async fn decide_body(
     pipeline: &Pipeline,
     rules: &Rules,
