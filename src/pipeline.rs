@@ -43,7 +43,8 @@ pub use reports::{FirstToken, Registration, Reports, Summary};
 /// never stalls the async workers that every other stream shares. Ordinary text of this size
 /// counts in a few tens of microseconds; the long pieces the encoder is slowest on are bounded
 /// further by `INLINE_COUNT_BUDGET`, and what is left (pieces of 15 bytes or less, or with a
-/// model's own tokenizer its slow path, 0.25 µs a byte) is bounded by this size. At 256 KiB,
+/// model's own tokenizer any text: at most about 0.1 µs a byte measured) is bounded by this
+/// size. At 256 KiB,
 /// the bound before, one body of dashes held a worker for 100 to 210 ms (docs/benchmarks.md,
 /// "Costly text off the async workers").
 const INLINE_BODY_BYTES: usize = 16 * 1024;

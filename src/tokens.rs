@@ -441,7 +441,8 @@ thread_local! {
 /// budget is counted on the counting threads instead. The budget lives with the thread for the
 /// call, as tokio's cooperative budget lives with a task's poll, so the count loops need no
 /// parameter for it. A model's own vocabulary is not charged: with one loaded, bodies of 16 KiB
-/// or less are counted inline whatever their text, at its slowest 0.25 µs a byte.
+/// or less are counted inline whatever their text (its slowest text measured, random letters,
+/// at 77 to 106 ms per MiB: docs/benchmarks.md, "Open models' tokenizers").
 pub fn within_inline_budget<T>(budget: usize, count: impl FnOnce() -> T) -> Option<T> {
     /// Puts the thread back to no budget however `count` ends (a panic included).
     struct Unbound;
