@@ -1226,8 +1226,8 @@ impl ServerProc {
         })
     }
 
-    /// `examples/echo_extproc.rs`: `explicit` if given, else the one built next to this example.
-    /// The echo, or with `counting` the counting echo (`--count-prompts`).
+    /// `examples/echo_extproc.rs` (`explicit` if given, else the one built next to this
+    /// example): the echo, or with `counting` the counting echo (`--count-prompts`).
     async fn echo(
         explicit: Option<&Path>,
         counting: bool,

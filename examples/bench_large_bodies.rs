@@ -4,10 +4,11 @@
 //! off its async workers, on a thread of its own. Taken all at once, a burst of such bodies
 //! shares the cores among every one of them, so each takes as long as the whole burst, and
 //! behind Envoy's `message_timeout` (1 s in the shipped configs) they can all be answered too
-//! late together: Envoy has given up on every one. Taken in turn (`tokens.large_body_threads`, one per worker thread by default), the first
-//! ones are answered in the time one count takes, and those that could not start within
-//! `tokens.large_body_max_wait_ms` are refused at that moment with a 503 `counting_backlog`,
-//! which a client can retry, where Envoy's timeout leaves it nothing.
+//! late together: Envoy has given up on every one. Taken in turn (`tokens.large_body_threads`,
+//! one per worker thread by default), the first ones are answered in the time one count takes,
+//! and those that could not start within `tokens.large_body_max_wait_ms` are refused at that
+//! moment with a 503 `counting_backlog`, which a client can retry, where Envoy's timeout leaves
+//! it nothing.
 //!
 //! Each round starts the release `tollgate` binary twice on free 127.0.0.1 ports, in turns
 //! alternated from round to round:
@@ -24,9 +25,9 @@
 //! times as much to count), or one run of dashes (`--text dashes`, up to a microsecond a
 //! byte). A body's answer time is from its send to its answer. A budget of as many slots as
 //! streams, and limits above what the bodies hold, leave counting the only thing to wait for.
-//! Meanwhile another user sends a small request every 10 ms, each on a stream of
-//! its own, whose answer times show how much of the async workers the counting leaves to
-//! everyone else: a small body is decided on them.
+//! Meanwhile another user sends a small request every 10 ms, each on a stream of its own, whose
+//! answer times show how much of the async workers the counting leaves to everyone else: a
+//! small body is decided on them.
 //!
 //! ```text
 //! cargo build --release --bin tollgate --example bench_large_bodies

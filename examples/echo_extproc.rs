@@ -91,6 +91,11 @@ struct Usage {
 
 /// Reads what a decision must read of `message`: the user of request headers, the counted
 /// prompt of a request body, the usage of a response body. A failure is the stream's error.
+///
+/// The least that reading takes, not tollgate's way to it: the user straight from the default
+/// identity header (not `request::classify_head`), the usage with a serde struct (not the
+/// response observer). A floor that did more would be lower, and the comparison it makes
+/// (docs/benchmarks.md, "What deciding costs at the least") would only tighten.
 fn read_as_a_decision(policy: &Policy, user: &mut String, message: &Message) -> Result<(), Status> {
     match message {
         Message::RequestHeaders(headers) => {

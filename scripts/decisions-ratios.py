@@ -10,9 +10,11 @@ recorded them print nan); and the latency with Redis: a
 reserve's mean and p99 and a settle's mean as tollgate times them, and the streams' p50 and p99
 as the load sees them; and Redis's `EVALSHA` less two a decision and the fleet's calls as
 tollgate counted them (bench_decisions subtracts the second from Redis's count).
-Medians over the rounds first, each round's figure in brackets. For a run with `--counting-echo`, also the counting echo's
-decisions per CPU-second as a ratio to the echo's, its own CPU per decision, and the
-embedded-store tollgate's ratio to it.
+Medians over the rounds first, each round's figure in brackets. For a run with
+`--counting-echo`, also the counting echo's decisions per CPU-second as a ratio to the echo's,
+its own CPU per decision, and the embedded-store tollgate's ratio to it; given several such
+runs, it ends with those ratios' median over all their rounds (docs/benchmarks.md, "What
+deciding costs at the least").
 
 Given several files, it ends with the rounds whose `EVALSHA` were not two a decision, and how
 many fleet calls the other rounds counted, by their length in seconds (docs/benchmarks.md,
@@ -81,6 +83,8 @@ def rounds(runs, path, counting_echo):
 
 # Rounds whose EVALSHA were not two a decision: (file, round, off by, fleet calls).
 off_rounds = []
+# The rounds of the runs with a counting echo, over every file given.
+counting_rounds = []
 # Fleet calls of the other rounds, by the round's length in seconds.
 fleet_of_clean = collections.defaultdict(collections.Counter)
 for path in sys.argv[1:]:
@@ -91,8 +95,10 @@ for path in sys.argv[1:]:
     if not runs or "decisions_per_server_cpu_s" not in runs[0]:
         print(f"{path}: not a bench_decisions run, passed over", file=sys.stderr)
         continue
-    counting_echo = document["settings"].get("counting_echo", False)
+    counting_echo = any(run["server"] == "counting-echo" for run in runs)
     rows = rounds(runs, path, counting_echo)
+    if counting_echo:
+        counting_rounds.extend(rows)
     for number, row in enumerate(rows, 1):
         if row["evalsha less 2/dec"] != 0:
             off_rounds.append((path, number, row["evalsha less 2/dec"], row["fleet calls"]))
@@ -128,6 +134,16 @@ for path in sys.argv[1:]:
         each = " ".join(form.format(v) for v in values)
         cells.append(f"{key} {form.format(statistics.median(values))} [{each}]")
     print(f"{path}\n  " + "\n  ".join(cells))
+
+if len(sys.argv) > 2 and counting_rounds:
+    print(f"all {len(counting_rounds)} rounds with a counting echo, median [lowest highest]:")
+    for key in ["counting-echo", "memory", "memory vs counting-echo"]:
+        values = [row[key] for row in counting_rounds]
+        line = f"  {key} {statistics.median(values):.3f} [{min(values):.3f} {max(values):.3f}]"
+        if key != "memory vs counting-echo":
+            # Against the echo: issue 17's target for the embedded store.
+            line += f", at or above 0.85x in {sum(v >= 0.85 for v in values)}"
+        print(line)
 
 if len(sys.argv) > 2:
     print("rounds whose EVALSHA were not two a decision (file, round, off by, fleet calls):")

@@ -165,7 +165,7 @@ impl CountCache {
             text,
         };
         let shard = &self.shards[shard_of(key.hash)];
-        {
+        let slot_before = {
             let mut shard = lock(shard);
             let (found, _dropped) = shard.find(&key, self.generation_bytes);
             if let Some(tokens) = found {
@@ -173,20 +173,19 @@ impl CountCache {
                 drop(shard);
                 return (tokens <= limit).then_some(tokens);
             }
-        }
-        let counted = count_till_limit(limit);
-        if counted.is_none() && super::inline_budget_spent() {
-            // Stopped by the inline budget: no count, and the text is asked for again off the
-            // workers. Seen now, a one-off costly text would be kept on that second asking.
-            return None;
-        }
-        let seen_before = {
-            let mut shard = lock(shard);
             shard.counted += 1;
-            shard.seen_before(key.hash)
+            shard.see(key.hash)
         };
-        let tokens = counted?;
-        if !seen_before {
+        let Some(tokens) = count_till_limit(limit) else {
+            if super::inline_budget_spent() {
+                // Stopped by the inline budget: no count, and the text is asked for again off
+                // the workers. Left seen, a one-off costly text would be kept on that second
+                // asking. Rare, so undone here rather than looked up twice on every count.
+                lock(shard).unsee(key.hash, slot_before);
+            }
+            return None;
+        };
+        if slot_before != key.hash {
             return Some(tokens);
         }
         let entry = Entry {
@@ -247,11 +246,20 @@ impl Shard {
         (Some(tokens), self.insert(entry, generation_bytes))
     }
 
-    /// Whether a text with this hash was counted before (the last one in its slot), and
-    /// remembers that this one was.
-    fn seen_before(&mut self, hash: u64) -> bool {
+    /// Remembers that a text with this hash was counted, and returns what its slot held: the
+    /// hash itself if it was counted before (the last one in its slot).
+    fn see(&mut self, hash: u64) -> u64 {
+        std::mem::replace(&mut self.seen[hash as usize % SEEN_SLOTS], hash)
+    }
+
+    /// Takes back `see(hash)`, which found `slot_before`, unless another text took the slot
+    /// since: the count was not made after all.
+    fn unsee(&mut self, hash: u64, slot_before: u64) {
+        self.counted -= 1;
         let slot = &mut self.seen[hash as usize % SEEN_SLOTS];
-        std::mem::replace(slot, hash) == hash
+        if *slot == hash {
+            *slot = slot_before;
+        }
     }
 
     /// Keeps `entry` in the current generation, first making it the previous one if `entry`
