@@ -62,6 +62,14 @@ pub(crate) fn body_set_headers(response: &ProcessingResponse) -> Vec<(String, St
         .collect()
 }
 
+/// The input tokens an admission counted, as it tells the upstream (`x-tollgate-input-tokens`).
+fn admitted_input_tokens(response: &ProcessingResponse) -> Option<u64> {
+    body_set_headers(response)
+        .into_iter()
+        .find(|(name, _)| name == "x-tollgate-input-tokens")
+        .map(|(_, value)| value.parse().expect("a number of tokens"))
+}
+
 fn body_rewrite(response: &ProcessingResponse) -> Option<Value> {
     let Some(Response::RequestBody(body)) = &response.response else {
         panic!("expected a request_body answer, got {response:?}");
@@ -494,10 +502,7 @@ async fn a_long_prompt_that_comes_back_is_found_and_counts_the_same() {
         let mut stream = ExtProcStream::open(&mut client).await;
         stream.exchange(chat_headers("grace")).await;
         let answer = stream.exchange(request_body(&body)).await;
-        let tokens = body_set_headers(&answer)
-            .into_iter()
-            .find(|(name, _)| name == "x-tollgate-input-tokens")
-            .map(|(_, value)| value)
+        let tokens = admitted_input_tokens(&answer)
             .unwrap_or_else(|| panic!("time {time}: not admitted: {answer:?}"));
         counts.push(tokens);
         drop(stream);
@@ -886,12 +891,8 @@ async fn responses_reported_on_are_timed_and_settled_by_their_reports() {
 #[tokio::test]
 async fn a_body_costly_to_count_is_counted_off_the_workers_with_the_same_count() {
     let server = TestServer::start(Config::default()).await;
-    let input_tokens = |answer: &ProcessingResponse| -> u64 {
-        body_set_headers(answer)
-            .into_iter()
-            .find(|(name, _)| name == "x-tollgate-input-tokens")
-            .map(|(_, value)| value.parse().unwrap())
-            .unwrap_or_else(|| panic!("not admitted: {answer:?}"))
+    let input_tokens = |answer: &ProcessingResponse| {
+        admitted_input_tokens(answer).unwrap_or_else(|| panic!("not admitted: {answer:?}"))
     };
     let server_ref = &server;
     let ask = |content: String| async move {
